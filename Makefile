@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` and `make test`.
+# Both create ./.venv on first use with the pinned CPU torch wheel (constraints.txt).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fdp-installed
+NPROC  ?= 2
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,viz,examples]' ruff
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_mlp.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fdp kernels tests examples
+
+bench: $(STAMP)
+	$(PY) -m fdp.bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

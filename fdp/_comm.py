@@ -1,0 +1,131 @@
+"""Collectives with a timeout and an error message that says what failed and where.
+
+Every collective fdp issues goes through here. A world of one (``group.process_group is
+None``) never communicates: the calls return their input.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import CollectiveError
+from ._group import Group
+
+
+class Done:
+    """A work handle for something that already happened (world of one, sync backends)."""
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+
+
+DONE = Done()
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (absent before).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _fail(group: Group, what: str, exc: BaseException) -> CollectiveError:
+    return CollectiveError(
+        f"fdp: {what} failed on rank {group.rank} of {group.size} "
+        f"(timeout {group.timeout.total_seconds():g}s): {exc}. "
+        "Another rank probably died, skipped this collective, or issued a different one "
+        "(set FDP_DEBUG=1 to check collective fingerprints)."
+    )
+
+
+def wait(work: Any, group: Group, what: str) -> None:
+    """Wait for ``work`` within the group's timeout; raise ``CollectiveError`` naming ``what``."""
+    try:
+        if group.backend == "threaded":
+            work.wait()  # the threaded test PG has no timed wait; run() enforces its deadline
+        else:
+            work.wait(group.timeout)
+    except Exception as e:
+        raise _fail(group, what, e) from e
+
+
+def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False) -> Any:
+    """SUM all-reduce of ``t`` in place. Returns a work handle when ``async_op``."""
+    if group.process_group is None:
+        return DONE if async_op else None
+    try:
+        work = dist.all_reduce(t, group=group.process_group, async_op=True)
+    except Exception as e:
+        raise _fail(group, what, e) from e
+    if async_op:
+        return work
+    wait(work, group, what)
+    return None
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: bool = False) -> Any:
+    """Broadcast ``t`` in place from group rank ``src``."""
+    if group.process_group is None:
+        return DONE if async_op else None
+    try:
+        gsrc = dist.get_global_rank(group.process_group, src)
+        work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
+    except Exception as e:
+        raise _fail(group, what, e) from e
+    if async_op:
+        return work
+    wait(work, group, what)
+    return None
+
+
+def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
+    """Gather equal-shaped tensors: returns ``[group.size, *t.shape]``."""
+    if group.process_group is None:
+        return t.unsqueeze(0).clone()
+    out = t.new_empty(group.size * t.numel())
+    try:
+        work = _all_gather_single(
+            out, t.contiguous().view(-1), group=group.process_group, async_op=True
+        )
+    except Exception as e:
+        raise _fail(group, what, e) from e
+    wait(work, group, what)
+    return out.view(group.size, *t.shape)
+
+
+def all_gather_object(obj: Any, group: Group, what: str) -> list[Any]:
+    """Gather a picklable object from every rank (two tensor collectives, with timeouts).
+
+    Only fdp's own metadata goes through here (never data loaded from disk).
+    """
+    if group.process_group is None:
+        return [obj]
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group, what)
+    longest = int(sizes.max())
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    buf[: payload.numel()] = payload
+    gathered = all_gather(buf, group, what)
+    return [
+        pickle.loads(gathered[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(group.size)
+    ]
+
+
+def any_rank(flag: bool, group: Group, what: str = "fdp.any_rank") -> bool:
+    """True on every rank if ``flag`` is true on at least one rank (one tiny all-reduce)."""
+    return count_ranks(flag, group, what) > 0
+
+
+def count_ranks(flag: bool, group: Group, what: str = "fdp.count_ranks") -> int:
+    """How many ranks passed a true ``flag`` (the same number on every rank)."""
+    if group.process_group is None:
+        return int(bool(flag))
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=group.device)
+    all_reduce(t, group, what)
+    return int(t.item())

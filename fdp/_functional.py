@@ -1,0 +1,163 @@
+"""``functionalize``: an ``nn.Module`` as a pure function over (params, buffers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn.parameter import is_lazy
+
+Tree = dict[str, torch.Tensor]
+
+
+class Apply:
+    """The pure forward of a module: ``apply(params, buffers, *args, **kwargs) -> (out, new_buffers)``.
+
+    * Never mutates ``params`` or ``buffers``. Buffers the forward updates in place
+      (BatchNorm's running statistics, ``num_batches_tracked``) are updated in fresh copies,
+      which are returned as ``new_buffers``; frozen parameters pass through unchanged.
+    * Train/eval is part of the function, not hidden module state: ``apply`` runs in the mode
+      the module was in when it was functionalized (``nn.Module`` starts in training mode);
+      ``apply.eval()`` and ``apply.train()`` return the same function in the other mode.
+    * ``params`` and ``buffers`` must have exactly the keys and shapes that
+      ``functionalize`` returned; anything else raises ``ValueError`` naming the key.
+    * Safe under ``torch.func.grad``, ``vmap`` and ``fdp.Reducer.grad``: pass the buffers as
+      an argument of the transformed function, never capture them.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        param_shapes: dict[str, torch.Size],
+        buffer_shapes: dict[str, torch.Size],
+        mutable: frozenset[str],
+        training: bool,
+    ) -> None:
+        self.module = module
+        self.training = training
+        self._param_shapes = param_shapes
+        self._buffer_shapes = buffer_shapes
+        self._mutable = mutable
+
+    def train(self, mode: bool = True) -> Apply:
+        """The same function in training (``mode=True``) or evaluation mode."""
+        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._mutable, bool(mode))
+
+    def eval(self) -> Apply:
+        """The same function in evaluation mode (BatchNorm uses its running statistics)."""
+        return self.train(False)
+
+    def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
+        _check("params", params, self._param_shapes)
+        _check("buffers", buffers, self._buffer_shapes)
+        new_buffers = {k: (v.clone() if k in self._mutable else v) for k, v in buffers.items()}
+        if self.module.training != self.training:
+            self.module.train(self.training)
+        out = functional_call(
+            self.module, (params, new_buffers), args, kwargs, tie_weights=True, strict=False
+        )
+        return out, new_buffers
+
+    def __repr__(self) -> str:
+        mode = "train" if self.training else "eval"
+        return f"fdp.Apply({type(self.module).__name__}, {mode}, {len(self._param_shapes)} params)"
+
+
+def _check(what: str, tree: Any, shapes: dict[str, torch.Size]) -> None:
+    if not isinstance(tree, Mapping):
+        raise TypeError(f"fdp: apply expects `{what}` to be a dict of tensors, got {type(tree).__name__}")
+    if tree.keys() != shapes.keys():
+        missing = [k for k in shapes if k not in tree]
+        extra = [k for k in tree if k not in shapes]
+        if missing:
+            raise ValueError(f"fdp: apply: `{what}` is missing key {missing[0]!r}"
+                             + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise ValueError(f"fdp: apply: `{what}` has unexpected key {extra[0]!r}; "
+                         f"expected only the keys functionalize returned")
+    for k, shape in shapes.items():
+        t = tree[k]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fdp: apply: `{what}[{k!r}]` is a {type(t).__name__}, expected a Tensor")
+        if t.shape != shape:
+            raise ValueError(
+                f"fdp: apply: `{what}[{k!r}]` has shape {tuple(t.shape)}, expected {tuple(shape)}"
+            )
+
+
+def _matches(name: str, patterns: Iterable[str]) -> str | None:
+    for p in patterns:
+        if name == p or name.startswith(p + "."):
+            return p
+    return None
+
+
+def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[Apply, Tree, Tree]:
+    """Split a module into a pure function and its state.
+
+    Args:
+      module: the model. It becomes a stateless template: fdp never reads its parameters
+        again, and ``params`` initially share storage with them (no copy).
+      frozen: parameter names (or module prefixes such as ``"encoder"``) that are not
+        trained. They are moved out of ``params`` into ``buffers``, the non-trainable state:
+        they are not differentiated, bucketed or all-reduced, but they are checkpointed and
+        broadcast with the buffers. Parameters with ``requires_grad=False`` are frozen too
+        (DDP likewise leaves them out of the reduction).
+
+    Returns:
+      ``(apply, params, buffers)``: ``params`` is a ``dict[str, Tensor]`` of trainable
+      parameters in registration order; tied (shared) parameters appear once, under their
+      first name, and stay tied. ``buffers`` holds the frozen parameters, then the module's
+      buffers, in registration order. ``apply(params, buffers, *args, **kwargs)`` returns
+      ``(out, new_buffers)``; see ``fdp.Apply``.
+
+    Raises:
+      ValueError: the module has uninitialised (lazy) parameters, no trainable parameters,
+        or a ``frozen`` name matches no parameter.
+
+    Example:
+      >>> apply, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)))
+      >>> out, buffers = apply(params, buffers, torch.randn(16, 4))
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fdp.functionalize expects an nn.Module, got {type(module).__name__}")
+    frozen = tuple(frozen) if not isinstance(frozen, str) else (frozen,)
+    named = list(module.named_parameters())  # tied parameters appear once (first name)
+    for name, p in named:
+        if is_lazy(p):
+            raise ValueError(
+                f"fdp.functionalize: parameter {name!r} of {type(module).__name__} is "
+                "uninitialised (a lazy module); run one forward pass on example input first"
+            )
+    used = set()
+    params: Tree = {}
+    frozen_params: Tree = {}
+    for name, p in named:
+        hit = _matches(name, frozen)
+        if hit is not None:
+            used.add(hit)
+        if hit is not None or not p.requires_grad:
+            frozen_params[name] = p.detach()
+        else:
+            params[name] = p.detach()
+    unused = [f for f in frozen if f not in used]
+    if unused:
+        raise ValueError(
+            f"fdp.functionalize: frozen name {unused[0]!r} matches no parameter of "
+            f"{type(module).__name__} (parameters: {[n for n, _ in named][:8]}...)"
+        )
+    if not params:
+        what = "no parameters" if not named else "no trainable parameters (all are frozen)"
+        raise ValueError(f"fdp.functionalize: {type(module).__name__} has {what}; there is nothing to train")
+    module_buffers = {name: b.detach() for name, b in module.named_buffers()}
+    buffers: Tree = {**frozen_params, **module_buffers}
+    apply = Apply(
+        module,
+        {k: v.shape for k, v in params.items()},
+        {k: v.shape for k, v in buffers.items()},
+        frozenset(module_buffers),
+        module.training,
+    )
+    return apply, params, buffers

@@ -1,0 +1,174 @@
+"""The ranks fdp talks over: ``fdp.init`` and ``Group``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Group:
+    """A set of ranks that hold replicas: a torch ``ProcessGroup`` plus what fdp needs to know.
+
+    Attributes:
+      process_group: the torch ProcessGroup, or ``None`` for a world of one (no communication).
+      rank: this process's rank in the group.
+      size: number of ranks.
+      local_rank: rank on this machine (``LOCAL_RANK`` under torchrun).
+      device: where this rank's tensors live (``cuda:<local_rank>`` with NCCL, else ``cpu``).
+      timeout: applied to every collective fdp issues; a collective that does not finish in
+        time raises instead of hanging.
+      backend: the process group's backend name (``"gloo"``, ``"nccl"``, ``"threaded"``), or
+        ``"none"`` for a world of one.
+
+    Build one with ``fdp.init()``, or from an existing group with
+    ``Group.from_process_group(pg)`` or ``Group.from_mesh(mesh, dim)``.
+    """
+
+    process_group: Any
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    timeout: timedelta = DEFAULT_TIMEOUT
+    backend: str = "none"
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0: the rank that logs, plots and writes checkpoints."""
+        return self.rank == 0
+
+    @classmethod
+    def single(cls, device: torch.device | str | None = None) -> Group:
+        """A world of one: every collective is the identity and no rendezvous happens."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(None, 0, 1, 0, torch.device(device), DEFAULT_TIMEOUT, "none")
+
+    @classmethod
+    def from_process_group(
+        cls,
+        pg: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        timeout: timedelta | None = None,
+    ) -> Group:
+        """Wrap an initialised torch ProcessGroup (default: the world group)."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "fdp: torch.distributed is not initialised; call fdp.init() first "
+                "(or pass no group to work in a world of one)"
+            )
+        if pg is None:
+            pg = dist.group.WORLD
+        rank = dist.get_rank(pg)
+        size = dist.get_world_size(pg)
+        if rank < 0:
+            raise ValueError("fdp: this process is not a member of the given process group")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        backend = str(dist.get_backend(pg)).lower()
+        if device is None:
+            if "nccl" in backend:
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+        if timeout is None:
+            timeout = _pg_timeout(pg)
+        return cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
+
+    @classmethod
+    def from_mesh(cls, mesh: Any, dim: int | str | None = None) -> Group:
+        """The ranks along one dimension of a ``DeviceMesh`` (``dim`` may be its name)."""
+        if dim is None:
+            if mesh.ndim != 1:
+                raise ValueError(
+                    f"fdp: a {mesh.ndim}-D DeviceMesh needs `dim` (an index or one of "
+                    f"{mesh.mesh_dim_names}) to say which dimension is data-parallel"
+                )
+            dim = 0
+        pg = mesh.get_group(dim)
+        if mesh.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device(mesh.device_type)
+        return cls.from_process_group(pg, device=device)
+
+    def __repr__(self) -> str:
+        return (
+            f"Group(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
+            f"device={self.device}, backend={self.backend})"
+        )
+
+
+def _pg_timeout(pg: Any) -> timedelta:
+    try:
+        t = dist.distributed_c10d._get_default_timeout(dist.get_backend(pg))
+    except Exception:  # pragma: no cover - older torch
+        t = None
+    opts = getattr(pg, "options", None)
+    t = getattr(opts, "_timeout", None) or t
+    return t if isinstance(t, timedelta) else DEFAULT_TIMEOUT
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIMEOUT) -> Group:
+    """Join the world described by torchrun's environment and return its ``Group``.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    The backend is NCCL when CUDA is available and gloo otherwise; with NCCL the CUDA device
+    is set from ``LOCAL_RANK``. ``timeout`` (a timedelta or seconds) applies to every
+    collective. Idempotent: if torch.distributed is already initialised, the world group is
+    returned. Without torchrun's environment this is a world of one: no rendezvous, and every
+    collective is the identity, so the same script runs as plain ``python train.py``.
+
+    Example:
+      >>> group = fdp.init()
+      >>> group.rank, group.size
+      (0, 1)
+    """
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if dist.is_available() and dist.is_initialized():
+        return Group.from_process_group(dist.group.WORLD, timeout=timeout)
+    if not _under_torchrun():
+        return Group.single()
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"fdp.init: RANK and WORLD_SIZE are set but {', '.join(missing)} "
+            "is not; launch with torchrun (e.g. `torchrun --standalone --nproc-per-node 2 train.py`)"
+        )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
+
+
+def resolve(group: Group | Any | None) -> Group:
+    """The ``Group`` an fdp call talks over: ``None`` means the world (or a world of one)."""
+    if isinstance(group, Group):
+        return group
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return Group.from_process_group(dist.group.WORLD)
+        return Group.single()
+    if hasattr(group, "get_group") and hasattr(group, "mesh"):
+        return Group.from_mesh(group)
+    return Group.from_process_group(group)

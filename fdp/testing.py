@@ -1,0 +1,300 @@
+"""Simulated ranks: run a function on N ranks in one call, for tests of your own train_step.
+
+    >>> import fdp, fdp.testing
+    >>> def step(group):
+    ...     x = torch.full((3,), float(group.rank))
+    ...     return fdp.Reducer({"x": x}, group).all_reduce({"x": x})["x"]
+    >>> fdp.testing.run(step, world_size=2)          # one result per rank, in rank order
+    [tensor([0.5000, 0.5000, 0.5000]), tensor([0.5000, 0.5000, 0.5000])]
+
+Two backends:
+
+``"threads"`` (default): every rank is a thread of this process, over torch's threaded
+  process group (``torch.testing._internal.distributed.multi_threaded_pg``). Starts in
+  milliseconds. Two things differ from real processes:
+  * its "async" collectives block until every rank has joined them, so no communication
+    ever overlaps compute (and ranks that issue collectives in different orders deadlock
+    until the timeout);
+  * the global RNG and all other process state are shared by the ranks: seed per-rank
+    ``torch.Generator`` objects, or build models before calling ``run``.
+  Its SUM all-reduce adds the ranks' tensors in rank order.
+
+``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over
+  127.0.0.1. Asynchrony and overlap are real. ``fn``, ``args`` and the results cross process
+  boundaries by pickling; ``fn`` may be a closure (fork copies the parent's memory). Each
+  child starts with the parent's RNG state.
+
+In both, an exception on any rank is re-raised here (same type, message prefixed with the
+rank, remote traceback attached), and nothing runs past ``timeout`` seconds: collectives
+get the timeout, and ranks still running at the deadline are stopped with a ``TimeoutError``
+that names them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._group import Group
+
+__all__ = ["run"]
+
+_threads_lock = threading.Lock()
+# How long the other ranks get to report after the first failure (their errors are usually
+# consequences of it: a closed connection, a terminated collective).
+_GRACE_S = 2.0
+
+
+def run(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "threads",
+    timeout: float = 60.0,
+    args: Sequence[Any] = (),
+) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``world_size`` simulated ranks; return results in rank order.
+
+    Args:
+      fn: called once per rank with that rank's ``fdp.Group`` and ``*args``.
+      world_size: number of ranks (>= 1).
+      backend: ``"threads"`` or ``"gloo"`` (see the module docstring for the differences).
+      timeout: seconds; applied to every collective, and to the whole run.
+      args: extra positional arguments, the same for every rank.
+
+    Returns:
+      ``[result_of_rank_0, result_of_rank_1, ...]``.
+
+    Raises:
+      The first rank's exception (same type, message prefixed ``[rank r]``), or
+      ``TimeoutError`` naming the ranks that had not finished.
+    """
+    if world_size < 1:
+        raise ValueError(f"fdp.testing.run: world_size must be >= 1, got {world_size}")
+    if backend == "threads":
+        return _run_threads(fn, world_size, float(timeout), tuple(args))
+    if backend == "gloo":
+        return _run_gloo(fn, world_size, float(timeout), tuple(args))
+    raise ValueError(f"fdp.testing.run: backend must be 'threads' or 'gloo', got {backend!r}")
+
+
+def _tag(exc: BaseException, rank: int, remote_tb: str | None = None) -> BaseException:
+    prefix = f"[rank {rank}] "
+    if exc.args and isinstance(exc.args[0], str):
+        if not exc.args[0].startswith(prefix):
+            exc.args = (prefix + exc.args[0], *exc.args[1:])
+    else:
+        exc.add_note(f"(raised on rank {rank})")
+    if remote_tb:
+        exc.add_note(f"Traceback on rank {rank}:\n{remote_tb}")
+    return exc
+
+
+# --------------------------------------------------------------------------------- threads
+
+
+def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup,
+        _install_threaded_pg,
+        _uninstall_threaded_pg,
+    )
+
+    with _threads_lock:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "fdp.testing.run(backend='threads') needs a process without an initialised "
+                "torch.distributed default group"
+            )
+        ProcessLocalGroup.reset()
+        world = _install_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        store = dist.HashStore()
+        results: list[Any] = [None] * world_size
+        errors: dict[int, BaseException] = {}
+        finished = [False] * world_size
+        first_error = threading.Event()
+        pg_timeout = timedelta(seconds=timeout)
+
+        def worker(rank: int) -> None:
+            initialised = False
+            try:
+                dist.init_process_group(
+                    "threaded", rank=rank, world_size=world_size, store=store, timeout=pg_timeout
+                )
+                initialised = True
+                group = Group.from_process_group(
+                    dist.group.WORLD, device="cpu", timeout=pg_timeout
+                )
+                results[rank] = fn(group, *args)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                errors[rank] = e
+                first_error.set()
+                ProcessLocalGroup.exception_handle(e)  # wake ranks blocked in a collective
+            finally:
+                finished[rank] = True
+                if initialised and dist.distributed_c10d._world is world:
+                    try:
+                        dist.destroy_process_group()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+        threads = [
+            threading.Thread(target=worker, args=(r,), name=f"fdp-rank-{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + timeout
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+            if stuck:
+                ProcessLocalGroup.exception_handle(TimeoutError("fdp.testing.run timeout"))
+                for t in threads:
+                    t.join(1.0)
+        finally:
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _uninstall_threaded_pg()
+            ProcessLocalGroup.reset()
+
+        real = {r: e for r, e in errors.items() if not isinstance(e, SystemExit)}
+        if real:
+            rank = min(real)
+            raise _tag(real[rank], rank)
+        if stuck:
+            raise TimeoutError(
+                f"fdp.testing.run: rank(s) {stuck} of {world_size} did not finish within "
+                f"{timeout:g}s (a rank waiting for a collective that another rank never issued?)"
+            )
+        if errors:  # only SystemExit from terminated collectives: should not happen
+            rank = min(errors)
+            raise RuntimeError(f"[rank {rank}] terminated: {errors[rank]}")
+        return results
+
+
+# ----------------------------------------------------------------------------------- gloo
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, timeout: float, conn) -> None:
+    code = 0
+    try:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        pg_timeout = timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=pg_timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        group = Group.from_process_group(dist.group.WORLD, device="cpu", timeout=pg_timeout)
+        try:
+            payload = ("ok", fn(group, *args))
+            blob = pickle.dumps(payload)
+        except BaseException as e:  # noqa: BLE001 - sent to the parent
+            tb = traceback.format_exc()
+            try:
+                blob = pickle.dumps(("err", e, tb))
+                pickle.loads(blob)
+            except Exception:  # noqa: BLE001 - unpicklable exception
+                blob = pickle.dumps(("err", RuntimeError(f"{type(e).__name__}: {e}"), tb))
+        conn.send_bytes(blob)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    except BaseException:  # noqa: BLE001
+        try:
+            conn.send_bytes(pickle.dumps(("err", RuntimeError("rank setup failed"), traceback.format_exc())))
+        except Exception:  # noqa: BLE001
+            pass
+        code = 1
+    finally:
+        conn.close()
+        os._exit(code)
+
+
+def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    ctx = mp.get_context("fork")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    # Collectives time out a little before the whole run does, so a stuck rank reports
+    # its own error instead of being killed silently.
+    coll_timeout = max(1.0, timeout * 0.8)
+    procs, conns = [], {}
+    for rank in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_child, args=(rank, world_size, store.port, fn, args, coll_timeout, send),
+            name=f"fdp-rank-{rank}", daemon=True,
+        )
+        p.start()
+        send.close()
+        procs.append(p)
+        conns[recv] = rank
+    results: dict[int, Any] = {}
+    errors: dict[int, tuple[BaseException, str]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while conns:
+            left = deadline - time.monotonic()
+            if errors:
+                left = min(left, first_error_at + _GRACE_S - time.monotonic())
+            if left <= 0:
+                break
+            for c in mp.connection.wait(list(conns), timeout=left):
+                rank = conns.pop(c)
+                try:
+                    msg = pickle.loads(c.recv_bytes())
+                except EOFError:
+                    msg = ("err", RuntimeError(f"process exited with code {procs[rank].exitcode} "
+                                               "without reporting a result"), "")
+                c.close()
+                if msg[0] == "ok":
+                    results[rank] = msg[1]
+                else:
+                    if not errors:
+                        first_error_at = time.monotonic()
+                    errors[rank] = (msg[1], msg[2])
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(5)
+        del store
+    if errors:
+        rank = min(errors, key=lambda r: _error_rank_order(errors[r][0], r))
+        exc, tb = errors[rank]
+        raise _tag(exc, rank, tb)
+    if conns:
+        stuck = sorted(conns.values())
+        raise TimeoutError(
+            f"fdp.testing.run: rank(s) {stuck} of {world_size} did not finish within "
+            f"{timeout:g}s (a rank waiting for a collective that another rank never issued?)"
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def _error_rank_order(exc: BaseException, rank: int) -> tuple[int, int]:
+    # Prefer a rank's own error over a collective failure caused by another rank's exit.
+    from ._errors import CollectiveError
+
+    consequential = isinstance(exc, CollectiveError) or "Connection closed by peer" in str(exc)
+    return (1 if consequential else 0, rank)

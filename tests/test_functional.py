@@ -1,0 +1,190 @@
+"""fdp.functionalize: a module as a pure function that matches the module bit for bit."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fdp
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(torch.tanh(self.mid(self.emb(idx))))
+
+
+def snapshot(tree):
+    return {k: v.clone() for k, v in tree.items()}
+
+
+def assert_same(a, b, what):
+    assert a.keys() == b.keys(), what
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: leaf {k!r} differs"
+
+
+@pytest.mark.parametrize("make,inp", [
+    (mlp, lambda: torch.randn(5, 8)),
+    (CNN, lambda: torch.randn(4, 3, 6, 6)),
+    (Tied, lambda: torch.randint(0, 11, (7,))),
+])
+@pytest.mark.parametrize("train", [True, False])
+def test_apply_equals_eager_forward_and_backward_bitwise(make, inp, train):
+    model = make()
+    model.train(train)
+    eager = copy.deepcopy(model)
+    x = inp()
+    apply, params, buffers = fdp.functionalize(model)
+    p0, b0 = snapshot(params), snapshot(buffers)
+
+    out, new_buffers = apply(params, buffers, x)
+    ref = eager(x)
+    assert torch.equal(out, ref)
+    # new buffers equal the eager module's buffers after its forward (BN stats updated in train)
+    assert_same(new_buffers, dict(eager.named_buffers()), "new buffers")
+    # inputs unchanged
+    assert_same(params, p0, "params after apply")
+    assert_same(buffers, b0, "buffers after apply")
+
+    # torch.func.grad through apply == eager autograd
+    def loss_fn(p, b, x):
+        out, nb = apply(p, b, x)
+        return out.square().mean(), nb
+
+    eager2 = copy.deepcopy(make())
+    eager2.load_state_dict({**p0, **b0}, strict=False)
+    eager2.train(train)
+    eager2.zero_grad()
+    eager2(x).square().mean().backward()
+    grads, nb = torch.func.grad(loss_fn, has_aux=True)(params, buffers, x)
+    named = dict(eager2.named_parameters())
+    for k, g in grads.items():
+        assert torch.equal(g, named[k].grad), f"grad of {k!r}"
+    assert_same(buffers, b0, "buffers after grad")
+
+
+def test_tied_weights_appear_once_and_stay_tied():
+    model = Tied()
+    apply, params, _ = fdp.functionalize(model)
+    assert "emb.weight" in params and "out.weight" not in params
+    x = torch.randint(0, 11, (9,))
+    p2 = dict(params)
+    p2["emb.weight"] = torch.zeros_like(params["emb.weight"])
+    out, _ = apply(p2, {}, x)
+    # with the shared matrix zeroed, the tied output projection is zero too
+    assert torch.equal(out, torch.zeros_like(out))
+    g = torch.func.grad(lambda p: apply(p, {}, x)[0].sum())(params)
+    assert g["emb.weight"].abs().sum() > 0
+
+
+def test_registration_order_and_frozen_names():
+    model = CNN()
+    apply, params, buffers = fdp.functionalize(model, frozen=["conv1", "fc.bias"])
+    names = [n for n, _ in model.named_parameters()]
+    assert list(params) == [n for n in names if not n.startswith("conv1.") and n != "fc.bias"]
+    assert list(buffers)[:3] == ["conv1.weight", "conv1.bias", "fc.bias"]
+    assert "bn1.running_mean" in buffers
+    out, nb = apply(params, buffers, torch.randn(2, 3, 4, 4))
+    assert nb["conv1.weight"] is buffers["conv1.weight"]  # frozen params pass through, uncopied
+    g = torch.func.grad(lambda p: apply(p, buffers, torch.randn(2, 3, 4, 4))[0].sum())(params)
+    assert set(g) == set(params)
+
+
+def test_requires_grad_false_is_frozen():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    _, params, buffers = fdp.functionalize(model)
+    assert "0.weight" not in params and "0.weight" in buffers
+
+
+def test_train_eval_is_explicit():
+    model = CNN()
+    apply, params, buffers = fdp.functionalize(model)
+    assert apply.training
+    x = torch.randn(4, 3, 5, 5)
+    _, nb_train = apply(params, buffers, x)
+    out_eval, nb_eval = apply.eval()(params, buffers, x)
+    assert not torch.equal(nb_train["bn1.running_mean"], buffers["bn1.running_mean"])
+    assert_same(nb_eval, buffers, "eval leaves buffers alone")
+    ref = copy.deepcopy(model).eval()
+    ref.load_state_dict({**params, **buffers})
+    assert torch.equal(out_eval, ref(x))
+    assert apply.eval().train().training
+
+
+def test_vmap_over_apply_gives_per_sample_grads():
+    model = mlp()
+    apply, params, buffers = fdp.functionalize(model)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+
+    def loss(p, xi, yi):
+        out, _ = apply(p, buffers, xi[None])
+        return F.cross_entropy(out, yi[None])
+
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(6):
+        gi = torch.func.grad(loss)(params, x[i], y[i])
+        for k in params:
+            torch.testing.assert_close(per_sample[k][i], gi[k])
+
+
+def test_lazy_module_is_rejected():
+    with pytest.raises(ValueError, match="uninitialised.*'0.weight'|'0.weight'.*uninitialised"):
+        fdp.functionalize(nn.Sequential(nn.LazyLinear(4)))
+
+
+def test_module_without_parameters_is_rejected():
+    with pytest.raises(ValueError, match="no parameters"):
+        fdp.functionalize(nn.ReLU())
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        fdp.functionalize(nn.Linear(2, 2), frozen=["weight", "bias"])
+
+
+def test_unknown_frozen_name_is_rejected():
+    with pytest.raises(ValueError, match="'decoder'"):
+        fdp.functionalize(mlp(), frozen=["decoder"])
+
+
+def test_apply_names_missing_extra_and_misshaped_keys():
+    apply, params, buffers = fdp.functionalize(CNN())
+    x = torch.randn(2, 3, 4, 4)
+    p = dict(params)
+    del p["fc.bias"]
+    with pytest.raises(ValueError, match="missing key 'fc.bias'"):
+        apply(p, buffers, x)
+    with pytest.raises(ValueError, match="unexpected key 'extra'"):
+        apply({**params, "extra": torch.zeros(1)}, buffers, x)
+    with pytest.raises(ValueError, match=r"`params\['fc.weight'\]` has shape \(4, 9\), expected \(4, 8\)"):
+        apply({**params, "fc.weight": torch.zeros(4, 9)}, buffers, x)
+    b = dict(buffers)
+    del b["bn2.running_var"]
+    with pytest.raises(ValueError, match="`buffers` is missing key 'bn2.running_var'"):
+        apply(params, b, x)

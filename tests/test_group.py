@@ -1,0 +1,73 @@
+"""fdp.init and fdp.Group."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.distributed as dist
+
+import fdp
+import fdp.testing
+
+
+def test_init_without_torchrun_is_a_world_of_one(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    g = fdp.init()
+    assert (g.rank, g.size, g.local_rank, g.is_main) == (0, 1, 0, True)
+    assert g.process_group is None
+    assert not dist.is_initialized()  # no rendezvous happened
+    assert fdp.init() == g  # idempotent
+
+
+def test_group_from_process_group_and_mesh():
+    def body(group):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        a = fdp.Group.from_process_group(group.process_group)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = fdp.Group.from_mesh(mesh, "dp")
+        tp = fdp.Group.from_mesh(mesh, 1)
+        return (a.rank, a.size, a.device.type, dp.rank, dp.size, tp.rank, tp.size)
+
+    out = fdp.testing.run(body, 4, backend="gloo", timeout=60)
+    # mesh [[0, 1], [2, 3]]: dp groups are columns, tp groups are rows
+    assert out == [(0, 4, "cpu", 0, 2, 0, 2), (1, 4, "cpu", 0, 2, 1, 2),
+                   (2, 4, "cpu", 1, 2, 0, 2), (3, 4, "cpu", 1, 2, 1, 2)]
+
+
+def test_init_under_torchrun(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(textwrap.dedent("""
+        import torch, fdp
+        g = fdp.init(timeout=30)
+        assert fdp.init().process_group is g.process_group   # idempotent
+        t = torch.tensor([g.rank + 1.0])
+        torch.distributed.all_reduce(t)
+        print(f"RESULT rank={g.rank} size={g.size} local={g.local_rank} main={g.is_main} "
+              f"backend={g.backend} sum={t.item():g}", flush=True)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the two ranks share one stdout pipe, so lines may run together
+    lines = sorted(re.findall(r"RESULT [^\n]*?sum=\d+", proc.stdout))
+    assert lines == [
+        "RESULT rank=0 size=2 local=0 main=True backend=gloo sum=3",
+        "RESULT rank=1 size=2 local=1 main=False backend=gloo sum=3",
+    ]
+
+
+def test_group_timeout_is_used():
+    def body(group):
+        return group.timeout.total_seconds()
+
+    assert fdp.testing.run(body, 2, backend="gloo", timeout=10) == [8.0, 8.0]
+    assert torch.device("cpu") == fdp.testing.run(lambda g: g.device, 1)[0]

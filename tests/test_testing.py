@@ -1,0 +1,87 @@
+"""fdp.testing.run: simulated ranks on threads and on gloo processes."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fdp
+import fdp._comm
+import fdp.testing
+
+BACKENDS = ["threads", "gloo"]
+
+
+def sum_of_ranks(group):
+    t = torch.tensor([float(group.rank + 1)])
+    dist.all_reduce(t, group=group.process_group)
+    return group.rank, group.size, t.item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_results_come_back_in_rank_order(backend, world_size):
+    results = fdp.testing.run(sum_of_ranks, world_size, backend=backend)
+    total = world_size * (world_size + 1) / 2
+    assert results == [(r, world_size, total) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_args_are_passed_to_every_rank(backend):
+    out = fdp.testing.run(lambda g, a, b: (g.rank, a + b), 2, backend=backend, args=(3, 4))
+    assert out == [(0, 7), (1, 7)]
+
+
+class Boom(ValueError):
+    pass
+
+
+def fail_on_rank_2(group):
+    if group.rank == 2:
+        raise Boom("bad batch")
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group.process_group)  # the others wait here for rank 2
+    return t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exception_on_rank_2_surfaces_with_its_rank(backend):
+    with pytest.raises(Boom, match=r"\[rank 2\] bad batch"):
+        fdp.testing.run(fail_on_rank_2, 4, backend=backend, timeout=20)
+
+
+def skip_collective_on_rank_1(group):
+    if group.rank == 1:
+        time.sleep(30 if group.backend == "gloo" else 0)  # alive but never joins
+        return "skipped"
+    t = torch.ones(1)
+    fdp._comm.all_reduce(t, group, "bucket 0")
+    return "done"
+
+
+def test_skipped_collective_times_out_on_threads():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
+        fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=2)
+    assert time.monotonic() - t0 < 10
+
+
+def test_skipped_collective_times_out_on_gloo():
+    t0 = time.monotonic()
+    with pytest.raises((fdp.CollectiveError, TimeoutError), match=r"rank 0|\[0\]"):
+        fdp.testing.run(skip_collective_on_rank_1, 2, backend="gloo", timeout=3)
+    assert time.monotonic() - t0 < 10
+
+
+def test_threads_world_can_run_again_after_a_failure():
+    with pytest.raises(Boom):
+        fdp.testing.run(fail_on_rank_2, 3, backend="threads", timeout=10)
+    assert fdp.testing.run(sum_of_ranks, 3)[2] == (2, 3, 6.0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size"):
+        fdp.testing.run(sum_of_ranks, 0)
+    with pytest.raises(ValueError, match="backend"):
+        fdp.testing.run(sum_of_ranks, 2, backend="mpi")

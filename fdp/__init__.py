@@ -5,6 +5,9 @@ Models are pure functions over (params, buffers) pytrees; gradients come from
 asynchronously while the backward still runs. See README.md and docs/.
 """
 
+from . import testing as testing
+from ._bucket import Bucket as Bucket
+from ._bucket import BucketPlan as BucketPlan
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
@@ -17,10 +20,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Apply",
+    "Bucket",
+    "BucketPlan",
     "CheckpointError",
     "CollectiveError",
     "Group",
     "ReplicaMismatchError",
     "functionalize",
     "init",
+    "testing",
 ]

@@ -56,9 +56,7 @@ def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], TreeDef]:
 
 
 def _format(accessor: optree.PyTreeAccessor) -> str:
-    s = str(accessor)  # e.g. "*['a'][0]" ; "*" alone for a bare leaf
-    s = s[1:] if s.startswith("*") else s
-    return s or "<root>"
+    return accessor.codify("") or "<root>"  # e.g. "['a'][0]", "['n'].mu"
 
 
 def first_difference(expected: TreeDef, got: TreeDef) -> str:

@@ -1,0 +1,319 @@
+"""``BucketPlan``: the static layout of a pytree's leaves in size-capped flat buckets."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from . import _tree
+from . import kernels
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LeafSlot:
+    """Where one leaf lives: its bucket and its element offset inside that bucket."""
+
+    index: int  # position in tree order
+    path: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    bucket: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer's worth of leaves.
+
+    ``leaves`` are indices in tree order, listed in the order they sit in the buffer (the
+    reverse of tree order: the order a backward produces them).
+    """
+
+    index: int
+    dtype: torch.dtype
+    device: torch.device
+    leaves: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numels: tuple[int, ...]
+    numel: int
+    cap_bytes: int
+    paths: tuple[str, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _caps(bucket_cap_mb: float, first_bucket_cap_mb: float, bucket_caps_mb: Sequence[float] | None) -> tuple[int, ...]:
+    if bucket_caps_mb is not None:
+        caps_mb = list(bucket_caps_mb)
+        if not caps_mb:
+            raise ValueError("fdp.BucketPlan: bucket_caps_mb must not be empty")
+    else:
+        caps_mb = [first_bucket_cap_mb, bucket_cap_mb]
+    for c in caps_mb:
+        if not (isinstance(c, (int, float)) and c > 0):
+            raise ValueError(f"fdp.BucketPlan: bucket caps must be > 0 MiB, got {c!r}")
+    return tuple(max(1, int(c * MiB)) for c in caps_mb)
+
+
+class BucketPlan:
+    """How a pytree of tensors is packed into flat buckets: static, immutable, hashable.
+
+    Leaves are taken in *reverse* tree order (the order a backward produces gradients),
+    grouped by (device, dtype); each group fills buckets greedily, and a bucket closes once
+    its bytes reach its cap, including the leaf that crosses the cap (so a bucket may exceed
+    its cap by up to one leaf). Each (device, dtype) group's first bucket gets the first cap,
+    the following ones the next caps, the last cap repeating. Buckets are ordered by their
+    first leaf, which is the order they fill during a backward. This is exactly DDP's
+    ``_compute_bucket_assignment_by_size``, so a model gets the same buckets as under DDP.
+
+    Only floating-point leaves can be bucketed; integer and bool leaves are rejected (they
+    have no gradient; ``fdp.broadcast`` handles integer state separately).
+
+    Build with ``BucketPlan.build(tree, ...)``. ``plan.fingerprint`` depends only on the
+    layout (paths, shapes, dtypes, device types, caps), so it is identical on every rank
+    that holds the same model, and different otherwise.
+    """
+
+    def __init__(self, treedef: _tree.TreeDef, slots: tuple[LeafSlot, ...], buckets: tuple[Bucket, ...], caps: tuple[int, ...]):
+        self.treedef = treedef
+        self.slots = slots
+        self.buckets = buckets
+        self.caps = caps
+        self._shapes = [torch.Size(s.shape) for s in slots]
+        self._dtypes = [s.dtype for s in slots]
+        self._bucket_leaves = [list(b.leaves) for b in buckets]
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(
+        cls,
+        tree: Any,
+        *,
+        bucket_cap_mb: float = 25,
+        first_bucket_cap_mb: float = 1,
+        bucket_caps_mb: Sequence[float] | None = None,
+    ) -> BucketPlan:
+        """Plan the buckets of ``tree`` (a pytree of floating-point tensors).
+
+        Args:
+          tree: any pytree (dicts keep insertion order) whose leaves are tensors.
+          bucket_cap_mb: cap of every bucket after the first, in MiB (DDP's default, 25).
+          first_bucket_cap_mb: cap of each (device, dtype) group's first bucket, in MiB
+            (DDP's default, 1: the first gradients to arrive start communicating early).
+          bucket_caps_mb: an explicit list of caps in MiB (first bucket, second, ...; the
+            last repeats). Overrides the two above.
+
+        Raises:
+          ValueError: a cap <= 0. TypeError: a leaf that is not a floating-point tensor
+            (the message names its path).
+        """
+        return cls._build(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
+
+    @classmethod
+    def _build(cls, tree: Any, caps: tuple[int, ...], *, floating_only: bool) -> BucketPlan:
+        paths, leaves, treedef = _tree.flatten_with_paths(tree)
+        for p, t in zip(paths, leaves):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"fdp.BucketPlan: leaf {p} is a {type(t).__name__}, expected a Tensor")
+            if floating_only and not t.is_floating_point():
+                raise TypeError(
+                    f"fdp.BucketPlan: leaf {p} has dtype {t.dtype}; only floating-point leaves can "
+                    "be bucketed (integer/bool state has no gradient: keep it out of the params tree)"
+                )
+            if t.is_sparse or t.layout != torch.strided:
+                raise TypeError(f"fdp.BucketPlan: leaf {p} has layout {t.layout}; only dense tensors are supported")
+        # Greedy assignment, exactly as c10d's compute_bucket_assignment_by_size.
+        open_: dict[tuple, dict] = {}
+        level: dict[tuple, int] = {}  # buckets closed so far per (device, dtype)
+        closed: list[dict] = []
+        for i in reversed(range(len(leaves))):
+            t = leaves[i]
+            key = (t.device, t.dtype)
+            b = open_.get(key)
+            if b is None:
+                cap = caps[min(level.get(key, 0), len(caps) - 1)]
+                b = open_[key] = {"key": key, "leaves": [], "bytes": 0, "cap": cap}
+            b["leaves"].append(i)
+            b["bytes"] += t.numel() * t.element_size()
+            if b["bytes"] >= b["cap"]:
+                closed.append(open_.pop(key))
+                level[key] = level.get(key, 0) + 1
+        closed.extend(open_.values())
+        # Order by the first leaf to arrive in a backward (largest tree index first).
+        closed.sort(key=lambda b: -b["leaves"][0])
+        slots: list[LeafSlot | None] = [None] * len(leaves)
+        buckets = []
+        for bi, b in enumerate(closed):
+            offsets, numels, off = [], [], 0
+            for i in b["leaves"]:
+                t = leaves[i]
+                slots[i] = LeafSlot(i, paths[i], tuple(t.shape), t.dtype, t.device, t.numel(), bi, off)
+                offsets.append(off)
+                numels.append(t.numel())
+                off += t.numel()
+            device, dtype = b["key"]
+            buckets.append(Bucket(bi, dtype, device, tuple(b["leaves"]), tuple(offsets), tuple(numels),
+                                  off, b["cap"], tuple(paths[i] for i in b["leaves"])))
+        return cls(treedef, tuple(slots), tuple(buckets), caps)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ identity
+    @cached_property
+    def fingerprint(self) -> str:
+        """A hex digest of the layout: equal on two ranks iff their plans are the same."""
+        h = hashlib.sha256()
+        h.update(repr(self.caps).encode())
+        for s in self.slots:
+            h.update(f"{s.path}|{s.shape}|{s.dtype}|{s.device.type}|{s.bucket}|{s.offset};".encode())
+        return h.hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BucketPlan) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{b.nbytes / MiB:.2f}" for b in self.buckets[:8])
+        more = ", ..." if len(self.buckets) > 8 else ""
+        return (f"BucketPlan({len(self.slots)} leaves in {len(self.buckets)} buckets; "
+                f"MiB: [{sizes}{more}]; fingerprint {self.fingerprint[:12]})")
+
+    def summary(self) -> str:
+        """One line per bucket: index, dtype, device, MiB, leaf count, first and last path."""
+        lines = [repr(self)]
+        for b in self.buckets:
+            lines.append(f"  bucket {b.index}: {b.dtype} {b.device} {b.nbytes / MiB:.3f} MiB, "
+                         f"{len(b.leaves)} leaves ({b.paths[0]} .. {b.paths[-1]})")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ checking
+    def leaves_of(self, tree: Any, what: str = "tree") -> list[torch.Tensor]:
+        """The leaves of ``tree`` after checking it against the plan (structure, shapes, dtypes).
+
+        Raises ``ValueError`` naming the first differing leaf path.
+        """
+        leaves, treedef = _tree.flatten(tree)
+        if treedef != self.treedef:
+            raise ValueError(
+                f"fdp: {what} does not match the bucket plan's structure: "
+                f"{_tree.first_difference(self.treedef, treedef)}"
+            )
+        if [t.shape for t in leaves] != self._shapes or [t.dtype for t in leaves] != self._dtypes:
+            self._raise_leaf_mismatch(leaves, what)
+        return leaves
+
+    def _raise_leaf_mismatch(self, leaves: Sequence[Any], what: str) -> None:
+        for s, t in zip(self.slots, leaves):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"fdp: {what} leaf {s.path} is a {type(t).__name__}, expected a Tensor")
+            if t.shape != s.shape:
+                raise ValueError(f"fdp: {what} leaf {s.path} has shape {tuple(t.shape)}, the plan expects {s.shape}")
+            if t.dtype != s.dtype:
+                raise ValueError(f"fdp: {what} leaf {s.path} has dtype {t.dtype}, the plan expects {s.dtype}")
+
+    def _check_devices(self, leaves: Sequence[torch.Tensor], what: str) -> None:
+        for s, t in zip(self.slots, leaves):
+            if t.device != s.device:
+                raise ValueError(f"fdp: {what} leaf {s.path} is on {t.device}, the plan expects {s.device}")
+
+    # ------------------------------------------------------------------ data movement
+    def new_buffers(self, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Uninitialised flat buffers, one per bucket (in ``dtype``, default each bucket's)."""
+        return [torch.empty(b.numel, dtype=dtype or b.dtype, device=b.device) for b in self.buckets]
+
+    def flatten(
+        self,
+        tree: Any,
+        *,
+        scale: float | None = None,
+        dtype: torch.dtype | None = None,
+        out: Sequence[torch.Tensor] | None = None,
+        impl: str | None = None,
+    ) -> list[torch.Tensor]:
+        """Pack ``tree`` into one flat tensor per bucket, fused with ``* scale`` and a cast.
+
+        Each element becomes ``(x.to(c) * scale).to(dtype)`` with ``c`` the widest of fp32 and
+        the two dtypes (one rounding). ``dtype`` defaults to each bucket's own dtype.
+        ``out`` reuses the caller's buffers (no allocation).
+        """
+        leaves = self.leaves_of(tree, "flatten")
+        self._check_devices(leaves, "flatten")
+        flats = self._out_buffers(out, dtype)
+        for b, flat in zip(self.buckets, flats):
+            kernels.flatten([leaves[i] for i in b.leaves], flat, scale=scale, impl=impl)
+        return flats
+
+    def _out_buffers(self, out: Sequence[torch.Tensor] | None, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        if out is None:
+            return self.new_buffers(dtype)
+        out = list(out)
+        if len(out) != len(self.buckets):
+            raise ValueError(f"fdp: out= has {len(out)} buffers, the plan has {len(self.buckets)} buckets")
+        for b, o in zip(self.buckets, out):
+            if o.dim() != 1 or o.numel() != b.numel or o.device != b.device:
+                raise ValueError(
+                    f"fdp: out[{b.index}] must be a 1-D tensor of {b.numel} elements on {b.device}, "
+                    f"got shape {tuple(o.shape)} on {o.device}"
+                )
+            if dtype is not None and o.dtype != dtype:
+                raise ValueError(f"fdp: out[{b.index}] has dtype {o.dtype}, expected {dtype}")
+        return out
+
+    def unflatten(
+        self,
+        flats: Sequence[torch.Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        out: Any = None,
+        impl: str | None = None,
+    ) -> Any:
+        """Unpack flat buckets into a tree shaped like the plan's.
+
+        Without ``out``, each bucket is copied once (cast to ``dtype``, default each leaf's own)
+        and the returned leaves are views into that copy, so the result never aliases
+        ``flats``. With ``out=tree``, the values are copied into that tree's tensors and it
+        is returned.
+        """
+        flats = list(flats)
+        if len(flats) != len(self.buckets):
+            raise ValueError(f"fdp: unflatten got {len(flats)} flat tensors, the plan has {len(self.buckets)} buckets")
+        for b, f in zip(self.buckets, flats):
+            if f.dim() != 1 or f.numel() != b.numel:
+                raise ValueError(
+                    f"fdp: flat tensor {b.index} must be 1-D with {b.numel} elements "
+                    f"(bucket {b.index}: {b.paths[0]} .. {b.paths[-1]}), got shape {tuple(f.shape)}"
+                )
+        if out is not None:
+            leaves = self.leaves_of(out, "unflatten out=")
+            for b, f in zip(self.buckets, flats):
+                kernels.unflatten(f, [leaves[i] for i in b.leaves], impl=impl)
+            return out
+        leaves: list[Any] = [None] * len(self.slots)
+        for b, f in zip(self.buckets, flats):
+            copy = f.to(dtype or b.dtype, copy=True)
+            for i, off, n in zip(b.leaves, b.offsets, b.numels):
+                leaves[i] = copy[off : off + n].view(self.slots[i].shape)
+        return _tree.unflatten(self.treedef, leaves)
+
+    def views(self, flats: Sequence[torch.Tensor]) -> Any:
+        """A tree of views into ``flats`` (no copy): valid as long as the buffers are."""
+        leaves: list[Any] = [None] * len(self.slots)
+        for b, f in zip(self.buckets, flats):
+            for i, off, n in zip(b.leaves, b.offsets, b.numels):
+                leaves[i] = f[off : off + n].view(self.slots[i].shape)
+        return _tree.unflatten(self.treedef, leaves)

@@ -5,6 +5,7 @@ Models are pure functions over (params, buffers) pytrees; gradients come from
 asynchronously while the backward still runs. See README.md and docs/.
 """
 
+from . import hooks as hooks
 from . import testing as testing
 from ._bucket import Bucket as Bucket
 from ._bucket import BucketPlan as BucketPlan
@@ -15,6 +16,14 @@ from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
 from ._group import Group as Group
 from ._group import init as init
+from ._reducer import Pending as Pending
+from ._reducer import Reducer as Reducer
+from ._reducer import Timeline as Timeline
+from ._sync import any_rank as any_rank
+from ._sync import assert_replicas_equal as assert_replicas_equal
+from ._sync import assert_same_shapes as assert_same_shapes
+from ._sync import broadcast as broadcast
+from ._sync import sync_buffers as sync_buffers
 
 __version__ = "0.1.0"
 
@@ -25,8 +34,17 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "Group",
+    "Pending",
+    "Reducer",
     "ReplicaMismatchError",
+    "Timeline",
+    "any_rank",
+    "assert_replicas_equal",
+    "assert_same_shapes",
+    "broadcast",
     "functionalize",
+    "hooks",
     "init",
+    "sync_buffers",
     "testing",
 ]

@@ -35,7 +35,9 @@ class Bucket:
     """One flat buffer's worth of leaves.
 
     ``leaves`` are indices in tree order, listed in the order they sit in the buffer (the
-    reverse of tree order: the order a backward produces them).
+    reverse of tree order: the order a backward produces them); ``offsets``, ``numels``,
+    ``shapes`` and ``paths`` describe them in the same order. ``last`` marks the final bucket
+    of a step (the one holding the first leaves of the tree).
     """
 
     index: int
@@ -44,9 +46,11 @@ class Bucket:
     leaves: tuple[int, ...]
     offsets: tuple[int, ...]
     numels: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
     numel: int
     cap_bytes: int
     paths: tuple[str, ...]
+    last: bool
 
     @property
     def nbytes(self) -> int:
@@ -167,8 +171,11 @@ class BucketPlan:
                 numels.append(t.numel())
                 off += t.numel()
             device, dtype = b["key"]
-            buckets.append(Bucket(bi, dtype, device, tuple(b["leaves"]), tuple(offsets), tuple(numels),
-                                  off, b["cap"], tuple(paths[i] for i in b["leaves"])))
+            buckets.append(Bucket(
+                bi, dtype, device, tuple(b["leaves"]), tuple(offsets), tuple(numels),
+                tuple(tuple(leaves[i].shape) for i in b["leaves"]), off, b["cap"],
+                tuple(paths[i] for i in b["leaves"]), bi == len(closed) - 1,
+            ))
         return cls(treedef, tuple(slots), tuple(buckets), caps)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ identity

@@ -1,0 +1,526 @@
+"""``Reducer``: bucketed, asynchronous gradient averaging that overlaps the backward.
+
+How a ``reducer.grad`` step runs (DDP's Reducer, for ``torch.func``):
+
+1. The wrapped function registers a hook on every differentiated leaf, then the user's
+   function runs under ``torch.func.grad``.
+2. During the backward, each leaf's hook receives its gradient (in reverse registration
+   order, interleaved with the compute of earlier layers) and stashes it. When a bucket's
+   last leaf arrives, the bucket is filled in one multi-tensor copy with the 1/world scale
+   (and any cast) fused in, and its all-reduce is launched asynchronously: strictly in
+   bucket order, so every rank issues the same collectives in the same order.
+3. When the backward returns, buckets that are not yet launched (those holding unused
+   parameters, whose hooks never fire) are filled with zeros for the missing leaves and
+   launched in order; then the step waits for every bucket and returns the averaged
+   gradients.
+
+Memory: the hook hands autograd an expanded zero in place of each large gradient, so the
+gradient itself lives only until its bucket is filled; the reduced buckets then *become*
+the returned gradients (views into them, no copy). Peak memory is one set of buckets plus
+the gradients the caller still holds, as with DDP's ``.grad`` plus buckets. With
+``grad_views=True`` the buckets are reused every step and the returned gradients are views
+into them (DDP's ``gradient_as_bucket_view``): no per-step allocation at all, valid until
+the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _comm, _functorch, _sync, _tree, kernels
+from . import hooks as _hooks
+from ._bucket import BucketPlan
+from ._group import Group, resolve
+
+log = logging.getLogger("fdp")
+
+# Gradients smaller than this are left to autograd: replacing them costs more than it saves.
+_RELEASE_BYTES = 64 * 1024
+
+
+@dataclass
+class BucketTimes:
+    """One bucket's life in a step, in seconds since the step started."""
+
+    index: int
+    nbytes: int
+    ready: float | None = None  # its last gradient arrived
+    launch: float | None = None  # its collective was issued
+    done: float | None = None  # its collective completed
+
+
+@dataclass
+class Timeline:
+    """What happened when in one step (seconds since the call started).
+
+    ``backward_start``/``backward_end`` are None for ``all_reduce`` steps (no backward).
+    ``exposed_comm`` is the communication not hidden behind the backward: the time from the
+    backward's end (or the launch of the first bucket, for ``all_reduce``) to the last
+    bucket's completion.
+    """
+
+    step: int
+    kind: str
+    backward_start: float | None
+    backward_end: float | None
+    end: float
+    buckets: list[BucketTimes] = field(default_factory=list)
+
+    @property
+    def comm_done(self) -> float:
+        return max((b.done or 0.0) for b in self.buckets) if self.buckets else 0.0
+
+    @property
+    def exposed_comm(self) -> float:
+        start = self.backward_end
+        if start is None:
+            start = min((b.launch or 0.0) for b in self.buckets) if self.buckets else 0.0
+        return max(0.0, self.comm_done - start)
+
+
+class _Step:
+    """Per-step bookkeeping (one per call; nothing survives the step)."""
+
+    __slots__ = ("n", "kind", "pending", "stash", "got", "next", "flats", "handles", "acc", "scale",
+                 "active", "t0", "times", "bwd_start", "bwd_end")
+
+    def __init__(self, reducer: Reducer, kind: str, acc: list[torch.Tensor] | None, scale: float | None, active: bool):
+        plan = reducer.plan
+        self.n = reducer._steps
+        self.kind = kind
+        self.pending = [len(b.leaves) for b in plan.buckets]
+        self.stash: list[torch.Tensor | None] = [None] * len(plan.slots)
+        self.got = bytearray(len(plan.slots))
+        self.next = 0
+        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.handles: list[Any] = [None] * len(plan.buckets)
+        self.acc = acc
+        self.scale = scale
+        self.active = active
+        self.t0 = time.perf_counter()
+        self.times = [BucketTimes(b.index, b.nbytes) for b in plan.buckets]
+        self.bwd_start: float | None = None
+        self.bwd_end: float | None = None
+
+
+class Pending:
+    """Handle of an ``all_reduce_async``: ``wait()`` returns the averaged tree."""
+
+    def __init__(self, reducer: Reducer, step: _Step):
+        self._reducer, self._step, self._result = reducer, step, None
+
+    def wait(self) -> Any:
+        if self._step is not None:
+            step, self._step = self._step, None
+            self._result = self._reducer._finish(step)
+        return self._result
+
+
+class Reducer:
+    """Averages gradient pytrees over a group in size-capped buckets, overlapping the backward.
+
+    Args:
+      params: the pytree being differentiated (e.g. ``params`` from ``fdp.functionalize``);
+        only its layout is used. Floating-point leaves on one device.
+      group: an ``fdp.Group``, a ProcessGroup, a 1-D DeviceMesh, or None for the world (a
+        world of one without torch.distributed).
+      bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb: bucket sizes in MiB, as
+        ``fdp.BucketPlan.build`` (DDP's defaults: 25 and a 1 MiB first bucket).
+      reduce_dtype: dtype the buckets are filled and reduced in (default: the gradients').
+      comm_hook: an ``fdp.hooks`` hook or a callable ``(bucket, flat, group) -> Future``.
+      grad_views: return views into buffers reused every step (no allocation; valid until the
+        next call) instead of fresh tensors.
+      overlap: launch all-reduces from hooks during the backward (default). ``False`` runs
+        ``torch.func.grad`` to completion first, then reduces (the fallback path).
+      debug: before each bucket collective, check that all ranks issue the same one (costs a
+        small collective per bucket). Default: the ``FDP_DEBUG`` environment variable.
+
+    The construction is a collective: every rank checks that all ranks built the same bucket
+    plan (same leaves, shapes, dtypes and caps), and raises ``fdp.ReplicaMismatchError``
+    naming the first differing leaf and the ranks otherwise.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        group: Group | Any = None,
+        *,
+        bucket_cap_mb: float = 25,
+        first_bucket_cap_mb: float = 1,
+        bucket_caps_mb: Sequence[float] | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        comm_hook: _hooks.CommHook | Callable | None = None,
+        grad_views: bool = False,
+        overlap: bool = True,
+        debug: bool | None = None,
+    ) -> None:
+        self.group = resolve(group)
+        self.plan = BucketPlan.build(
+            params, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+            bucket_caps_mb=bucket_caps_mb,
+        )
+        devices = {s.device for s in self.plan.slots}
+        if len(devices) > 1:
+            first = {}
+            for s in self.plan.slots:
+                first.setdefault(s.device, s.path)
+            shown = ", ".join(f"{p} on {d}" for d, p in first.items())
+            raise ValueError(f"fdp.Reducer: params must live on one device, found several: {shown}")
+        self.hook = _hooks.as_hook(comm_hook)
+        if reduce_dtype is not None and not reduce_dtype.is_floating_point:
+            raise ValueError(f"fdp.Reducer: reduce_dtype must be a floating dtype, got {reduce_dtype}")
+        if reduce_dtype is not None and self.hook.dtype is not None and reduce_dtype != self.hook.dtype:
+            raise ValueError(
+                f"fdp.Reducer: reduce_dtype={reduce_dtype} conflicts with comm hook "
+                f"{self.hook.name}, which reduces in {self.hook.dtype}"
+            )
+        wire = self.hook.dtype or reduce_dtype
+        self._wire = [wire or b.dtype for b in self.plan.buckets]
+        self.grad_views = grad_views
+        self.overlap = overlap and _functorch.AVAILABLE
+        self.debug = _env_flag("FDP_DEBUG") if debug is None else debug
+        self._sum_work = self.hook.fn is _hooks._sum_all_reduce  # fast path: Work with timed wait
+        # Persistent buffers: needed when reusing them (grad_views), or when buckets travel in
+        # another dtype than the gradients (the wire buffers are then scratch).
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.plan.buckets)
+        self._results: list[torch.Tensor | None] = [None] * len(self.plan.buckets)
+        self._bucket_of = [s.bucket for s in self.plan.slots]
+        self._release = [s.numel * _itemsize(s.dtype) >= _RELEASE_BYTES for s in self.plan.slots]
+        self._leaf_hooks = [self._make_hook(i) for i in range(len(self.plan.slots))]
+        self._steps = 0
+        self._cur: _Step | None = None
+        self._timeline: Timeline | None = None
+        _sync.verify_layout(
+            [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in self.plan.slots],
+            self.group, "fdp.Reducer", extra=f"bucket caps {list(self.plan.caps)} bytes",
+        )
+        if log.isEnabledFor(logging.INFO):
+            log.info("[rank %d] %s", self.group.rank, self.plan.summary())
+
+    # ------------------------------------------------------------------ public API
+    def grad(self, fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+             accumulate: Any = None) -> Callable:
+        """Like ``torch.func.grad(fn, argnums, has_aux)``, with gradients averaged over ranks.
+
+        Returns a function with the same call signature and return structure as
+        ``torch.func.grad``'s: the gradients, or ``(gradients, aux)``. The all-reduces run
+        during the backward. ``accumulate``: a gradient tree (same layout as the params)
+        summed into this step's local gradients before they are averaged, e.g. the local
+        gradients of earlier micro-batches, so the last micro-batch's reduction still
+        overlaps its backward.
+        """
+        gv = self.grad_and_value(fn, argnums, has_aux, accumulate=accumulate)
+
+        def grad_fn(*args: Any, **kwargs: Any) -> Any:
+            grads, value = gv(*args, **kwargs)
+            return (grads, value[1]) if has_aux else grads
+
+        return grad_fn
+
+    def grad_and_value(self, fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
+                       accumulate: Any = None) -> Callable:
+        """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``)."""
+
+        def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
+            return self._grad_step(fn, argnums, has_aux, accumulate, args, kwargs)
+
+        return grad_and_value_fn
+
+    def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
+        """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).
+
+        Args:
+          grads: a tree with the plan's layout (ignored, may be None, when ``active=False``).
+          active: for uneven inputs (DDP's join). ``None`` (default): every rank takes part.
+            ``True``/``False`` (all ranks must pass it): a rank with ``active=False``
+            contributes zeros and the mean is over the active ranks only (one extra tiny
+            all-reduce counts them). Every rank, active or not, receives the mean, so
+            applying it keeps the replicas identical.
+        """
+        return self.all_reduce_async(grads, active=active).wait()
+
+    def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
+        """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean."""
+        self._enter("all_reduce")
+        try:
+            scale = 1.0 / self.group.size
+            is_active = True
+            if active is not None:
+                n = _comm.count_ranks(bool(active), self.group, "fdp.Reducer.all_reduce: active-rank count")
+                if n == 0:
+                    raise ValueError("fdp.Reducer.all_reduce: no rank is active; stop the loop when "
+                                     "fdp.any_rank(has_data) is False")
+                scale, is_active = 1.0 / n, bool(active)
+            if is_active:
+                leaves = self.plan.leaves_of(grads, "all_reduce grads")
+                self.plan._check_devices(leaves, "all_reduce grads")
+            step = _Step(self, "all_reduce", None, self._scale(scale), is_active)
+            self._cur = step
+            if is_active:
+                step.stash = list(leaves)
+                step.got = bytearray(b"\x01" * len(leaves))
+                step.pending = [0] * len(self.plan.buckets)
+            self._launch_ready(step, force=True)
+            return Pending(self, step)
+        except BaseException:
+            self._cur = None
+            raise
+
+    def last_timeline(self) -> Timeline | None:
+        """The timeline of the most recent completed step (``None`` before the first)."""
+        return self._timeline
+
+    @property
+    def steps(self) -> int:
+        """Number of completed steps."""
+        return self._steps
+
+    def __repr__(self) -> str:
+        return (f"fdp.Reducer({self.plan!r}, group={self.group!r}, hook={self.hook.name}, "
+                f"overlap={self.overlap})")
+
+    # ------------------------------------------------------------------ the step
+    def _enter(self, what: str) -> None:
+        if self._cur is not None:
+            raise RuntimeError(
+                f"fdp.Reducer: {what} called while step {self._cur.n} ({self._cur.kind}) is still in "
+                "flight: a reducer runs one step at a time (was grad_fn called inside the loss "
+                "function, from two threads, or an all_reduce_async handle not waited?)"
+            )
+
+    def _scale(self, scale: float) -> float | None:
+        if not self.hook.prescale or scale == 1.0:
+            return None
+        return scale
+
+    def _grad_step(self, fn: Callable, argnums: Any, has_aux: bool, accumulate: Any,
+                   args: tuple, kwargs: dict) -> Any:
+        self._enter("grad")
+        if _functorch.in_transform():
+            raise RuntimeError("fdp.Reducer.grad cannot run inside another torch.func transform "
+                               "(vmap/grad/jvp); call it at the top level of the train step")
+        acc = None
+        if accumulate is not None:
+            acc = self.plan.leaves_of(accumulate, "accumulate")
+            self.plan._check_devices(acc, "accumulate")
+        if not self.overlap:
+            grads, value = torch.func.grad_and_value(_checked(fn, has_aux), argnums, has_aux)(*args, **kwargs)
+            if acc is not None:
+                grads = _tree.unflatten(self.plan.treedef, torch._foreach_add(acc, self.plan.leaves_of(grads)))
+            return self.all_reduce(grads), value
+        step = _Step(self, "grad", acc, self._scale(1.0 / self.group.size), True)
+        self._cur = step
+        try:
+            instrumented = self._instrument(fn, argnums, has_aux, step)
+            _, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
+            step.bwd_end = time.perf_counter()
+            return self._finish(step), value
+        except BaseException:
+            self._cur = None
+            raise
+
+    def _instrument(self, fn: Callable, argnums: Any, has_aux: bool, step: _Step) -> Callable:
+        plan, hooks = self.plan, self._leaf_hooks
+
+        def instrumented(*args: Any, **kwargs: Any) -> Any:
+            diff = args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+            leaves = plan.leaves_of(diff, "reducer.grad params")
+            plan._check_devices(leaves, "reducer.grad params")
+            for leaf, hook in zip(leaves, hooks):
+                leaf.register_hook(hook)
+            out = fn(*args, **kwargs)
+            loss = _loss_of(out, has_aux)
+            if loss.requires_grad:
+                loss.register_hook(self._on_backward_start)
+            return out
+
+        return instrumented
+
+    def _on_backward_start(self, g: torch.Tensor) -> None:
+        if self._cur is not None:
+            self._cur.bwd_start = time.perf_counter()
+
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        bucket = self._bucket_of[i]
+        release = self._release[i]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            step = self._cur
+            if step is None or step.got[i]:
+                return None
+            step.stash[i] = _functorch.unwrap(grad)
+            step.got[i] = 1
+            step.pending[bucket] -= 1
+            if step.pending[bucket] == 0:
+                step.times[bucket].ready = time.perf_counter() - step.t0
+                if bucket == step.next:
+                    with _functorch.outside_transforms():
+                        self._launch_ready(step)
+            # Hand autograd a free zero instead: the gradient then lives only in our stash.
+            return grad.new_zeros(()).expand(grad.shape) if release else None
+
+        return hook
+
+    def _launch_ready(self, step: _Step, force: bool = False) -> None:
+        """Launch buckets in order while the next one is complete (all of them if ``force``)."""
+        nb = len(self.plan.buckets)
+        while step.next < nb and (force or step.pending[step.next] == 0):
+            self._launch(step, step.next)
+            step.next += 1
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        bucket = self.plan.buckets[b]
+        wire = self._wire[b]
+        if self.grad_views or wire != bucket.dtype:
+            buf = self._buffers[b]
+            if buf is None:
+                buf = self._buffers[b] = torch.empty(bucket.numel, dtype=wire, device=bucket.device)
+            return buf
+        # The reduced bucket becomes the returned gradients: a fresh buffer every step.
+        return torch.empty(bucket.numel, dtype=wire, device=bucket.device)
+
+    def _launch(self, step: _Step, b: int) -> None:
+        bucket = self.plan.buckets[b]
+        flat = self._buffer(b)
+        if not step.active:
+            flat.zero_()
+        else:
+            srcs = []
+            for i in bucket.leaves:
+                g = step.stash[i]
+                if g is None:  # unused leaf: its hook never fired, its gradient is zero
+                    g = torch.zeros(self.plan.slots[i].shape, dtype=bucket.dtype, device=bucket.device)
+                srcs.append(g)
+                step.stash[i] = None
+            if step.acc is not None:
+                srcs = torch._foreach_add([step.acc[i] for i in bucket.leaves], srcs)
+            kernels.flatten(srcs, flat, scale=step.scale)
+        what = f"all-reduce of bucket {b} of {len(self.plan.buckets)} (step {step.n})"
+        if self.debug:
+            _sync.check_collective(self.group, step.n, b, bucket.numel, flat.dtype, what)
+        times = step.times[b]
+        times.launch = time.perf_counter() - step.t0
+        t0 = step.t0
+        step.flats[b] = flat
+
+        def _done(_: Any) -> None:
+            times.done = time.perf_counter() - t0
+
+        if self._sum_work:
+            work = _comm.all_reduce(flat, self.group, what, async_op=True)
+            if self.group.process_group is None:
+                times.done = times.launch
+            else:
+                work.get_future().add_done_callback(_done)
+            step.handles[b] = work
+        else:
+            fut = self.hook(bucket, flat, self.group)
+            if not isinstance(fut, torch.futures.Future):
+                raise TypeError(
+                    f"fdp: comm hook {self.hook.name} returned {type(fut).__name__} for bucket {b}; "
+                    "it must return a torch.futures.Future whose value is the reduced flat tensor"
+                )
+            fut.add_done_callback(_done)
+            step.handles[b] = fut
+
+    def _finish(self, step: _Step) -> Any:
+        try:
+            self._launch_ready(step, force=True)
+            results = []
+            for b, handle in enumerate(step.handles):
+                what = f"all-reduce of bucket {b} of {len(self.plan.buckets)} (step {step.n})"
+                if self._sum_work:
+                    _comm.wait(handle, self.group, what)
+                    out = step.flats[b]
+                else:
+                    out = self._hook_result(handle, b, step.flats[b], what)
+                results.append(out)
+            grads = self._to_tree(results, step.flats)
+        finally:
+            self._cur = None
+        end = time.perf_counter() - step.t0
+        self._timeline = Timeline(
+            step.n, step.kind,
+            None if step.bwd_start is None else step.bwd_start - step.t0,
+            None if step.bwd_end is None else step.bwd_end - step.t0,
+            end, step.times,
+        )
+        self._steps += 1
+        return grads
+
+    def _hook_result(self, fut: torch.futures.Future, b: int, flat: torch.Tensor, what: str) -> torch.Tensor:
+        try:
+            value = fut.wait()
+        except Exception as e:
+            raise _comm._fail(self.group, f"{what} (comm hook {self.hook.name})", e) from e
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        bucket = self.plan.buckets[b]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel or not value.is_floating_point():
+            got = (f"a {type(value).__name__}" if not isinstance(value, torch.Tensor)
+                   else f"a {value.dtype} tensor of shape {tuple(value.shape)}")
+            raise TypeError(
+                f"fdp: comm hook {self.hook.name} returned {got} for bucket {b}; expected a floating "
+                f"tensor of {bucket.numel} elements (the reduced bucket)"
+            )
+        value = value.reshape(-1)
+        if value.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() and not self.grad_views:
+            value = value.clone()  # never hand out memory the hook may reuse
+        return value
+
+    def _to_tree(self, results: list[torch.Tensor], flats: list[torch.Tensor | None]) -> Any:
+        plan = self.plan
+        outs = []
+        for b, (bucket, r) in enumerate(zip(plan.buckets, results)):
+            if r.dtype == bucket.dtype and not self.grad_views:
+                outs.append(r)  # fresh this step: hand it over
+            elif self.grad_views:
+                if r.dtype == bucket.dtype and r.data_ptr() == flats[b].data_ptr():
+                    outs.append(r)
+                else:
+                    res = self._results[b]
+                    if res is None:
+                        res = self._results[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+                    outs.append(res.copy_(r))
+            else:
+                outs.append(r.to(bucket.dtype))  # decompress into fresh gradients
+        return plan.views(outs)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
+def _loss_of(out: Any, has_aux: bool) -> torch.Tensor:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError("fdp: with has_aux=True the function must return a (loss, aux) tuple, "
+                             f"got {type(out).__name__}")
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"fdp: the function passed to reducer.grad must return a scalar loss tensor, got {shape}; "
+            "reduce it (e.g. .mean()) or use has_aux=True to return extra outputs"
+        )
+    return out
+
+
+def _checked(fn: Callable, has_aux: bool) -> Callable:
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        _loss_of(out, has_aux)
+        return out
+
+    return checked

@@ -1,0 +1,299 @@
+"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank checks.
+
+DDP keeps replicas identical with a broadcast at construction and a hidden buffer broadcast
+before every forward. fdp makes both explicit calls (``broadcast``, ``sync_buffers``), and
+adds the checks DDP runs internally as user-callable functions (``assert_same_shapes``,
+``assert_replicas_equal``). Every function here is a collective: all ranks must call it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import _comm, _tree, kernels
+from ._bucket import MiB, BucketPlan
+from ._errors import ReplicaMismatchError
+from ._group import Group, resolve
+
+BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
+
+Meta = tuple[str, tuple[int, ...], str]  # (path, shape, dtype)
+
+
+# ---------------------------------------------------------------------------- layout checks
+
+
+def _meta(tree: Any) -> tuple[list[Meta], list[Any]]:
+    paths, leaves, _ = _tree.flatten_with_paths(tree)
+    meta = []
+    for p, t in zip(paths, leaves):
+        if isinstance(t, torch.Tensor):
+            meta.append((p, tuple(t.shape), str(t.dtype).replace("torch.", "")))
+        else:
+            meta.append((p, (), type(t).__name__))
+    return meta, leaves
+
+
+def _digest(meta: Sequence[Any], extra: str = "") -> torch.Tensor:
+    h = hashlib.sha256(extra.encode())
+    for m in meta:
+        h.update(repr(m).encode())
+    d = h.digest()
+    return torch.tensor(
+        [len(meta), int.from_bytes(d[:7], "little"), int.from_bytes(d[7:14], "little")],
+        dtype=torch.int64,
+    )
+
+
+def verify_layout(meta: Sequence[Meta], group: Group, what: str, extra: str = "") -> None:
+    """Raise ``ReplicaMismatchError`` on every rank unless all ranks have the same layout.
+
+    One tiny all-gather of (leaf count, digest) when they agree; when they do not, a second
+    gather of the full metadata so the error can name the first differing leaf and ranks.
+    """
+    if group.process_group is None:
+        return
+    rows = _comm.all_gather(_digest(meta, extra).to(group.device), group, f"{what} (layout check)").cpu()
+    if bool((rows == rows[0]).all()):
+        return
+    everyone = _comm.all_gather_object((list(meta), extra), group, f"{what} (layout report)")
+    raise ReplicaMismatchError(f"fdp: {what}: " + _describe(everyone) + f" (reported on rank {group.rank})")
+
+
+def _describe(everyone: list[tuple[list[Meta], str]]) -> str:
+    ref, ref_extra = everyone[0]
+    problems = []
+    for r, (meta, extra) in enumerate(everyone[1:], start=1):
+        if len(meta) != len(ref):
+            problems.append(f"rank 0 has {len(ref)} leaves but rank {r} has {len(meta)}")
+            n = min(len(meta), len(ref))
+            longer, who = (ref, 0) if len(ref) > len(meta) else (meta, r)
+            if longer[n:]:
+                problems[-1] += f" (first extra leaf on rank {who}: {longer[n][0]})"
+            continue
+        for a, b in zip(ref, meta):
+            if a != b:
+                if a[0] != b[0]:
+                    problems.append(f"leaf {a[0]} on rank 0 is {b[0]} on rank {r}")
+                else:
+                    problems.append(
+                        f"leaf {a[0]} has shape {a[1]} {a[2]} on rank 0 but {b[1]} {b[2]} on rank {r}"
+                    )
+                break
+        else:
+            if extra != ref_extra:
+                problems.append(f"rank 0 uses {ref_extra} but rank {r} uses {extra}")
+    return "ranks disagree (compared with rank 0): " + "; ".join(problems)
+
+
+def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
+    """Check that every rank holds a tree with the same leaf paths, shapes and dtypes.
+
+    Raises:
+      ReplicaMismatchError: on every rank, naming the first differing leaf path, the ranks
+        and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
+        (4, 9) float32 on rank 1``), or the leaf counts.
+    """
+    meta, _ = _meta(tree)
+    verify_layout(meta, resolve(group), "assert_same_shapes")
+
+
+# ---------------------------------------------------------------------------- replica check
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Exact checksum of a tensor's bytes: the sum of its words as int64 (wrapping)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=t.device)
+    flat = t.detach().contiguous().reshape(-1)
+    word = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    return flat.view(word).sum(dtype=torch.int64)
+
+
+def assert_replicas_equal(tree: Any, group: Group | Any = None) -> None:
+    """Check, cheaply, that every rank holds bit-identical values in ``tree``.
+
+    Computes an exact per-leaf checksum of the bytes (one pass over the data) and all-gathers
+    them (one small collective, after a layout check). Cheap enough to call every step.
+
+    Raises:
+      ReplicaMismatchError: on every rank, naming the leaves whose values differ from rank
+        0's and the ranks that hold the different values.
+    """
+    g = resolve(group)
+    meta, leaves = _meta(tree)
+    for m, t in zip(meta, leaves):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fdp.assert_replicas_equal: leaf {m[0]} is a {type(t).__name__}, expected a Tensor")
+    if g.process_group is None:
+        return
+    verify_layout(meta, g, "assert_replicas_equal")
+    if not leaves:
+        return
+    sums = torch.stack([_checksum(t).to(g.device) for t in leaves])
+    rows = _comm.all_gather(sums, g, "assert_replicas_equal").cpu()
+    differ = (rows != rows[0]).nonzero().tolist()
+    if not differ:
+        return
+    by_leaf: dict[int, list[int]] = {}
+    for r, i in differ:
+        by_leaf.setdefault(i, []).append(r)
+    shown = "; ".join(f"leaf {meta[i][0]} differs on rank(s) {ranks}" for i, ranks in list(by_leaf.items())[:10])
+    more = f" (and {len(by_leaf) - 10} more)" if len(by_leaf) > 10 else ""
+    raise ReplicaMismatchError(
+        f"fdp: replicas have drifted: {len(by_leaf)} of {len(leaves)} leaves differ from rank 0: "
+        f"{shown}{more} (reported on rank {g.rank})"
+    )
+
+
+# ---------------------------------------------------------------------------- broadcast
+
+
+def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]]:
+    meta, leaves = _meta(tree)
+    for m, t in zip(meta, leaves):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fdp.{what}: leaf {m[0]} is a {type(t).__name__}, expected a Tensor")
+    return meta, leaves
+
+
+def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
+    """Broadcast every leaf from ``src`` in <= 250 MiB flat buckets; fresh tensors back."""
+    plan = BucketPlan._build(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
+    leaves = _tree.leaves(tree)
+    flats = []
+    pending: list[Any] = []
+    for b in plan.buckets:
+        flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
+        if g.rank == src:
+            kernels.flatten([leaves[i] for i in b.leaves], flat)
+        wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        pending.append(_comm.broadcast(wire, src, g, f"{what}: broadcast of bucket {b.index}", async_op=True))
+        flats.append(flat)
+        if len(pending) >= 2:  # as c10d's broadcast_coalesced: at most two buckets in flight
+            _comm.wait(pending.pop(0), g, f"{what}: broadcast")
+    for w in pending:
+        _comm.wait(w, g, f"{what}: broadcast")
+    return plan.views(flats)
+
+
+def _check_src(src: int, g: Group, what: str) -> None:
+    if not 0 <= src < g.size:
+        raise ValueError(f"fdp.{what}: src={src} is not a rank of this group (size {g.size})")
+
+
+def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
+    """Return ``tree`` with every leaf replaced by rank ``src``'s value (DDP's init broadcast).
+
+    Coalesced: leaves are packed into flat buckets of at most 250 MiB per (device, dtype)
+    and sent with one broadcast each (two in flight at a time). Any floating, integer or
+    bool dtype. The layout is checked first, so ranks holding different trees get a
+    ``ReplicaMismatchError`` naming the leaf instead of a hang. Never writes in place: the
+    result holds fresh tensors (on every rank, ``src`` included) and the input is untouched
+    even if a collective fails halfway.
+
+    Example:
+      >>> params, buffers = fdp.broadcast((params, buffers), src=0)
+    """
+    g = resolve(group)
+    _check_src(src, g, "broadcast")
+    meta, _ = _tensor_leaves(tree, "broadcast")
+    if g.process_group is None:
+        return tree
+    verify_layout(meta, g, "broadcast")
+    return _coalesced_broadcast(tree, src, g, "broadcast")
+
+
+def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Group | Any = None) -> Any:
+    """The explicit buffer step: make non-trainable state (BatchNorm statistics) agree.
+
+    Call it once per step, after the gradient step, on the buffers the forward returned
+    (``out, buffers = apply(params, buffers, x)``). It reads the tree you pass, so buffers
+    that were replaced rather than mutated are handled.
+
+    Args:
+      mode: ``"broadcast"`` (default): rank ``src``'s buffers win, exactly DDP's per-forward
+        rule (``broadcast_buffers=True``), so results match DDP bit for bit.
+        ``"mean"``: floating buffers are averaged over ranks (flax's ``sync_batch_stats``),
+        statistics from all ranks' data; integer buffers (``num_batches_tracked``) take
+        ``src``'s value.
+      src: the authoritative rank.
+
+    Returns:
+      New buffers (fresh tensors); the input is not modified.
+    """
+    if mode not in ("broadcast", "mean"):
+        raise ValueError(f"fdp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+    g = resolve(group)
+    _check_src(src, g, "sync_buffers")
+    meta, leaves = _tensor_leaves(buffers, "sync_buffers")
+    if g.process_group is None or not leaves:
+        return buffers
+    verify_layout(meta, g, "sync_buffers", extra=mode)
+    if mode == "broadcast":
+        return _coalesced_broadcast(buffers, src, g, "sync_buffers")
+    paths, _, treedef = _tree.flatten_with_paths(buffers)
+    floating = [i for i, t in enumerate(leaves) if t.is_floating_point()]
+    others = [i for i, t in enumerate(leaves) if not t.is_floating_point()]
+    out: list[Any] = [None] * len(leaves)
+    if floating:
+        ftree = [leaves[i] for i in floating]
+        plan = BucketPlan._build(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
+        flats = plan.flatten(ftree, scale=1.0 / g.size)
+        works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
+                 for b, f in zip(plan.buckets, flats)]
+        for w in works:
+            _comm.wait(w, g, "sync_buffers(mean)")
+        for i, t in zip(floating, plan.views(flats)):
+            out[i] = t
+    if others:
+        synced = _coalesced_broadcast([leaves[i] for i in others], src, g, "sync_buffers")
+        for i, t in zip(others, synced):
+            out[i] = t
+    return _tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------- debug mode
+
+_DTYPE_NAMES: dict[int, str] = {}
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    name = str(dtype).replace("torch.", "")
+    code = zlib.crc32(name.encode())  # the same number in every process
+    _DTYPE_NAMES[code] = name
+    return code
+
+
+def check_collective(group: Group, step: int, bucket: int, numel: int, dtype: torch.dtype, what: str) -> None:
+    """Debug mode: before a bucket collective, check that every rank issues the same one."""
+    code = _dtype_code(dtype)
+    mine = torch.tensor([step, bucket, numel, code], dtype=torch.int64, device=group.device)
+    rows = _comm.all_gather(mine, group, f"{what} (debug fingerprint)").cpu()
+    if bool((rows == rows[0]).all()):
+        return
+    shown = "; ".join(
+        f"rank {r}: (step={int(s)}, bucket={int(b)}, numel={int(n)}, dtype={_DTYPE_NAMES.get(int(c), int(c))})"
+        for r, (s, b, n, c) in enumerate(rows.tolist())
+    )
+    raise ReplicaMismatchError(
+        f"fdp debug: ranks are about to issue different collectives ({what}): {shown}. "
+        f"Without debug mode this would hang or mix data. (reported on rank {group.rank})"
+    )
+
+
+def any_rank(flag: bool, group: Group | Any = None) -> bool:
+    """True on every rank if ``flag`` is true on at least one (one tiny all-reduce).
+
+    The loop condition for uneven inputs: ``while fdp.any_rank(batch is not None): ...``
+    ends on the same iteration everywhere, so no rank waits for a collective that the
+    others never issue.
+    """
+    return _comm.any_rank(bool(flag), resolve(group), "fdp.any_rank")

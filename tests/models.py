@@ -1,0 +1,56 @@
+"""Small models and per-rank synthetic data for the tests (deterministic without global RNG,
+because simulated ranks on threads share the global generator)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def init_(module: nn.Module, seed: int) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (1.0 / max(1, p.shape[-1]) ** 0.5))
+    return module
+
+
+def mlp(width: int = 16, depth: int = 3, classes: int = 4, seed: int = 0) -> nn.Module:
+    layers: list[nn.Module] = []
+    d = 8
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.Tanh()]
+        d = width
+    layers.append(nn.Linear(d, classes))
+    return init_(nn.Sequential(*layers), seed)
+
+
+class CNN(nn.Module):
+    def __init__(self, classes: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def cnn(seed: int = 0) -> nn.Module:
+    return init_(CNN(), seed)
+
+
+def batch(rank: int, step: int = 0, n: int = 6, shape=(8,), classes: int = 4):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn((n, *shape), generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def ce_loss(apply):
+    def loss_fn(params, buffers, x, y):
+        out, new_buffers = apply(params, buffers, x)
+        return F.cross_entropy(out, y), new_buffers
+
+    return loss_fn

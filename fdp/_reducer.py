@@ -422,7 +422,7 @@ class Reducer:
             step.handles[b] = work
         else:
             fut = self.hook(bucket, flat, self.group)
-            if not isinstance(fut, torch.futures.Future):
+            if not isinstance(fut, torch._C.Future):  # torch.futures.Future or a c10d future
                 raise TypeError(
                     f"fdp: comm hook {self.hook.name} returned {type(fut).__name__} for bucket {b}; "
                     "it must return a torch.futures.Future whose value is the reduced flat tensor"

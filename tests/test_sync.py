@@ -1,0 +1,233 @@
+"""Replica consistency: broadcast, sync_buffers, shape/replica checks, debug mode, join."""
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import batch, cnn, mlp
+from torch import nn
+
+import fdp
+
+BACKENDS = ["threads", "gloo"]
+
+
+def mixed_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": [torch.randn(3, 4, generator=g) for _ in range(20)],   # many small leaves
+        "h": torch.randn(5, generator=g).to(torch.float16),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "d": torch.randn(2, 2, generator=g).double(),
+        "n": torch.randint(0, 100, (4,), generator=g),
+        "flag": torch.rand(3, generator=g) > 0.5,
+        "s": torch.tensor(float(seed)),
+        "e": torch.zeros(0),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src", [0, 1])
+def test_broadcast_makes_every_rank_equal_to_src(backend, src):
+    def body(group):
+        tree = mixed_tree(seed=group.rank)
+        before = fdp._tree.leaves(tree)
+        snapshot = [t.clone() for t in before]
+        out = fdp.broadcast(tree, src=src, group=group)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot))
+        return out, unchanged
+
+    res = fdp.testing.run(body, 3, backend=backend)
+    expected = fdp._tree.leaves(mixed_tree(seed=src))
+    for rank, (out, unchanged) in enumerate(res):
+        assert unchanged, f"rank {rank}: broadcast wrote into its input"
+        for (path, got), want in zip(zip(fdp._tree.paths(fdp._tree.structure(out)), fdp._tree.leaves(out)), expected):
+            assert got.dtype == want.dtype and torch.equal(got, want), f"rank {rank}, leaf {path}"
+
+
+def bn_parity(group, steps=5, lr=0.05):
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(cnn(seed=3), bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    apply, params, buffers = fdp.functionalize(cnn(seed=3))
+    params, buffers = fdp.broadcast((params, buffers), group=group)
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+
+    def loss_fn(p, b, x, y):
+        out, nb = apply(p, b, x)
+        return F.cross_entropy(out, y), nb
+
+    grad_fn = reducer.grad(loss_fn, has_aux=True)
+    for step in range(steps):
+        x, y = batch(group.rank, step, n=4, shape=(3, 6, 6))
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        # DDP broadcasts buffers from rank 0 before each forward; fdp's explicit step goes
+        # right after the gradient step (equivalent: each forward starts from rank 0's state)
+        buffers = fdp.sync_buffers(buffers, group=group)
+        grads, buffers = grad_fn(params, buffers, x, y)
+        params = {k: p.clone().add_(grads[k], alpha=-lr) for k, p in params.items()}
+    # DDP's buffers after the last forward are per-rank; its next forward would broadcast
+    ddp_buffers = {k: v.clone() for k, v in ddp.module.named_buffers()}
+    buffers = fdp.sync_buffers(buffers, group=group)
+    ddp_buffers = fdp.broadcast(ddp_buffers, group=group)
+    return params, buffers, dict(ddp.module.named_parameters()), ddp_buffers
+
+
+def test_batchnorm_training_equals_torch_ddp_params_and_buffers():
+    for rank, (p, b, dp, db) in enumerate(fdp.testing.run(bn_parity, 2, backend="gloo", timeout=60)):
+        for k in dp:
+            assert torch.equal(p[k], dp[k].detach()), f"rank {rank}: param {k!r} differs from DDP"
+        for k in db:
+            assert torch.equal(b[k], db[k]), f"rank {rank}: buffer {k!r} differs from DDP"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mean_mode_averages_floats_and_takes_src_counters(backend):
+    def body(group):
+        buffers = {
+            "running_mean": torch.full((3,), float(group.rank)),
+            "running_var": torch.full((2,), 2.0 ** group.rank),
+            "num_batches_tracked": torch.tensor(10 + group.rank),
+        }
+        return fdp.sync_buffers(buffers, mode="mean", src=1, group=group)
+
+    for out in fdp.testing.run(body, 2, backend=backend):
+        assert torch.equal(out["running_mean"], torch.full((3,), 0.5))
+        assert torch.equal(out["running_var"], torch.full((2,), 1.5))
+        assert out["num_batches_tracked"].dtype == torch.int64 and out["num_batches_tracked"].item() == 11
+
+
+def test_sync_buffers_reads_replaced_tensors_and_returns_new_ones():
+    def body(group):
+        buffers = {"x": torch.zeros(2)}
+        buffers = {"x": torch.full((2,), float(group.rank + 5))}  # replaced, not mutated
+        out = fdp.sync_buffers(buffers, group=group)
+        return out["x"], out["x"] is buffers["x"]
+
+    for x, same in fdp.testing.run(body, 2):
+        assert torch.equal(x, torch.full((2,), 5.0)) and not same
+
+
+def test_sync_buffers_world_of_one_and_bad_mode():
+    b = {"x": torch.ones(2)}
+    assert fdp.sync_buffers(b) is b
+    with pytest.raises(ValueError, match="mode"):
+        fdp.sync_buffers(b, mode="max")
+    with pytest.raises(ValueError, match="src=3"):
+        fdp.sync_buffers(b, src=3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shape_mismatch_is_reported_on_all_ranks(backend):
+    def body(group):
+        tree = {"a": torch.zeros(2), "w": torch.zeros(4, 8 if group.rank != 1 else 9)}
+        try:
+            fdp.assert_same_shapes(tree, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+        return None
+
+    msgs = fdp.testing.run(body, 3, backend=backend, timeout=20)
+    for rank, msg in enumerate(msgs):
+        assert msg is not None, f"rank {rank} did not raise"
+        assert "leaf ['w'] has shape (4, 8) float32 on rank 0 but (4, 9) float32 on rank 1" in msg
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leaf_count_mismatch_is_reported_on_all_ranks(backend):
+    def body(group):
+        tree = {"a": torch.zeros(2), "b": torch.zeros(3)}
+        if group.rank == 1:
+            tree["extra"] = torch.zeros(1)
+        try:
+            fdp.broadcast(tree, group=group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+        return None
+
+    for rank, msg in enumerate(fdp.testing.run(body, 2, backend=backend, timeout=20)):
+        assert msg is not None and "rank 0 has 2 leaves but rank 1 has 3" in msg and "['extra']" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_drift_is_found_and_named(backend):
+    def body(group):
+        _, params, buffers = fdp.functionalize(cnn(seed=1))
+        state = {"params": params, "buffers": buffers}
+        fdp.assert_replicas_equal(state, group)  # identical: passes
+        if group.rank == 1:
+            params["conv2.weight"] = params["conv2.weight"].clone()
+            params["conv2.weight"][0, 0, 0, 0] += 1e-7
+            buffers["bn1.num_batches_tracked"] = buffers["bn1.num_batches_tracked"] + 1
+        try:
+            fdp.assert_replicas_equal(state, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for msg in fdp.testing.run(body, 3, backend=backend, timeout=20):
+        assert "2 of" in msg
+        assert "leaf ['params']['conv2.weight'] differs on rank(s) [1]" in msg
+        assert "leaf ['buffers']['bn1.num_batches_tracked'] differs on rank(s) [1]" in msg
+
+
+def test_debug_mode_turns_a_skipped_bucket_into_an_error_on_every_rank():
+    def body(group):
+        _, params, _ = fdp.functionalize(mlp(seed=1))
+        reducer = fdp.Reducer(params, group, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005, debug=True)
+        reducer.all_reduce(params)  # a healthy step passes the checks
+        if group.rank == 1:
+            # Simulate a desync bug: rank 1 skips bucket 0 and launches from bucket 1.
+            step = fdp._reducer._Step(reducer, "all_reduce", None, 0.5, True)
+            step.stash = list(fdp._tree.leaves(params))
+            step.next = 1
+            reducer._cur = step
+            reducer._launch_ready(step, force=True)
+            return None
+        reducer.all_reduce(params)
+
+    t0 = time.monotonic()
+    with pytest.raises(fdp.ReplicaMismatchError, match=r"rank 0: \(step=1, bucket=0.*rank 1: \(step=1, bucket=1"):
+        fdp.testing.run(body, 2, backend="gloo", timeout=30)
+    assert time.monotonic() - t0 < 20
+
+
+def join_parity(group):
+    """DDP's join (divide_by_initial_world_size=False) vs fdp's active=False, uneven data."""
+    nbatches = 4 if group.rank == 0 else 2
+    data = [batch(group.rank, s) for s in range(nbatches)]
+    lr = 0.1
+    ddp = nn.parallel.DistributedDataParallel(mlp(seed=5))
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    with ddp.join(divide_by_initial_world_size=False):
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    apply, params, buffers = fdp.functionalize(mlp(seed=5))
+    reducer = fdp.Reducer(params, group)
+    loss = lambda p, x, y: F.cross_entropy(apply(p, buffers, x)[0], y)  # noqa: E731
+    it = iter(data)
+    steps = 0
+    while True:
+        xy = next(it, None)
+        if not fdp.any_rank(xy is not None, group):
+            break
+        grads = torch.func.grad(loss)(params, *xy) if xy is not None else None
+        grads = reducer.all_reduce(grads, active=xy is not None)
+        params = {k: p.clone().add_(grads[k], alpha=-lr) for k, p in params.items()}
+        steps += 1
+    return params, dict(ddp.module.named_parameters()), steps
+
+
+def test_active_false_matches_ddp_join_and_loops_end_together():
+    res = fdp.testing.run(join_parity, 2, backend="gloo", timeout=60)
+    assert [r[2] for r in res] == [4, 4]
+    for rank, (mine, theirs, _) in enumerate(res):
+        for k in theirs:
+            assert torch.equal(mine[k], theirs[k].detach()), f"rank {rank}, leaf {k!r}"
+    for k in res[0][0]:
+        assert torch.equal(res[0][0][k], res[1][0][k]), "replicas must stay identical"

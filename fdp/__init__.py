@@ -6,9 +6,14 @@ asynchronously while the backward still runs. See README.md and docs/.
 """
 
 from . import hooks as hooks
+from . import optim as optim
 from . import testing as testing
 from ._bucket import Bucket as Bucket
 from ._bucket import BucketPlan as BucketPlan
+from ._checkpoint import load as load
+from ._checkpoint import rng_state as rng_state
+from ._checkpoint import save as save
+from ._checkpoint import set_rng_state as set_rng_state
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
@@ -45,6 +50,11 @@ __all__ = [
     "functionalize",
     "hooks",
     "init",
+    "load",
+    "optim",
+    "rng_state",
+    "save",
+    "set_rng_state",
     "sync_buffers",
     "testing",
 ]

@@ -38,8 +38,7 @@ from . import _comm, _functorch, _sync, _tree, kernels
 from . import hooks as _hooks
 from ._bucket import BucketPlan
 from ._group import Group, resolve
-
-log = logging.getLogger("fdp")
+from ._log import log
 
 # Gradients smaller than this are left to autograd: replacing them costs more than it saves.
 _RELEASE_BYTES = 64 * 1024
@@ -202,7 +201,7 @@ class Reducer:
             self.group, "fdp.Reducer", extra=f"bucket caps {list(self.plan.caps)} bytes",
         )
         if log.isEnabledFor(logging.INFO):
-            log.info("[rank %d] %s", self.group.rank, self.plan.summary())
+            log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
 
     # ------------------------------------------------------------------ public API
     def grad(self, fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,

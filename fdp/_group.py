@@ -82,7 +82,7 @@ class Group:
             else:
                 device = torch.device("cpu")
         if timeout is None:
-            timeout = _pg_timeout(pg)
+            timeout = _pg_timeout(pg, torch.device(device))
         return cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
 
     @classmethod
@@ -109,13 +109,12 @@ class Group:
         )
 
 
-def _pg_timeout(pg: Any) -> timedelta:
+def _pg_timeout(pg: Any, device: torch.device) -> timedelta:
+    """The timeout the process group was created with (gloo and NCCL backends expose it)."""
     try:
-        t = dist.distributed_c10d._get_default_timeout(dist.get_backend(pg))
-    except Exception:  # pragma: no cover - older torch
+        t = pg._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 - backends without options (threaded test PG)
         t = None
-    opts = getattr(pg, "options", None)
-    t = getattr(opts, "_timeout", None) or t
     return t if isinstance(t, timedelta) else DEFAULT_TIMEOUT
 
 

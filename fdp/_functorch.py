@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised only on a torch without thes
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under any number of functorch wrappers."""
-    while is_functorch_wrapped_tensor(t):
+    while AVAILABLE and is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)
     return t
 

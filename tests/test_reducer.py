@@ -11,6 +11,9 @@ import fdp
 from fdp._bucket import MiB
 
 OVERLAP = [True, False]
+# "autograd": plain autograd on detached leaves (what "auto" picks at the top level);
+# "functorch": torch.func.grad with hooks on functorch-wrapped leaves (the private-API path).
+ENGINES = ["autograd", "functorch"]
 
 
 def rank_sum_in_order(per_rank, scale):
@@ -21,22 +24,24 @@ def rank_sum_in_order(per_rank, scale):
     return out
 
 
-def grads_and_locals(group, overlap, caps):
+def grads_and_locals(group, overlap, caps, engine="autograd"):
     model = mlp(seed=0)
     apply, params, buffers = fdp.functionalize(model)
     loss = ce_loss(apply)
     reducer = fdp.Reducer(params, group, bucket_caps_mb=caps, overlap=overlap)
+    reducer.engine = engine
     x, y = batch(group.rank)
     grads, _ = reducer.grad(loss, has_aux=True)(params, buffers, x, y)
     local, _ = torch.func.grad(loss, has_aux=True)(params, buffers, x, y)
     return grads, local, len(reducer.plan.buckets)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("caps", [None, [1 / MiB]], ids=["default-caps", "one-bucket-per-leaf"])
-def test_grads_are_the_bitexact_mean_of_per_rank_grads(world_size, overlap, caps):
-    res = fdp.testing.run(grads_and_locals, world_size, args=(overlap, caps))
+def test_grads_are_the_bitexact_mean_of_per_rank_grads(world_size, overlap, caps, engine):
+    res = fdp.testing.run(grads_and_locals, world_size, args=(overlap, caps, engine))
     if caps:
         assert res[0][2] == len(res[0][0])  # really one bucket per leaf
     for k in res[0][0]:
@@ -45,22 +50,24 @@ def test_grads_are_the_bitexact_mean_of_per_rank_grads(world_size, overlap, caps
             assert torch.equal(r[0][k], expected), f"rank {rank}, leaf {k!r}"
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("overlap", OVERLAP)
-def test_grads_are_the_bitexact_mean_on_gloo(overlap):
-    res = fdp.testing.run(grads_and_locals, 2, backend="gloo", args=(overlap, [200 / MiB]))
+def test_grads_are_the_bitexact_mean_on_gloo(overlap, engine):
+    res = fdp.testing.run(grads_and_locals, 2, backend="gloo", args=(overlap, [200 / MiB], engine))
     for k in res[0][0]:
         expected = res[0][1][k] * 0.5 + res[1][1][k] * 0.5
         for rank, r in enumerate(res):
             assert torch.equal(r[0][k], expected), f"rank {rank}, leaf {k!r}"
 
 
-def ddp_parity(group, overlap, steps=5, lr=0.1):
+def ddp_parity(group, overlap, engine, steps=5, lr=0.1):
     torch.manual_seed(0)
     ref_model = mlp(width=32, seed=1)
     ddp = nn.parallel.DistributedDataParallel(mlp(width=32, seed=1), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     apply, params, buffers = fdp.functionalize(ref_model)
     reducer = fdp.Reducer(params, group, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002, overlap=overlap)
+    reducer.engine = engine
     grad_fn = reducer.grad(ce_loss(apply), has_aux=True)
     for step in range(steps):
         x, y = batch(group.rank, step)
@@ -73,18 +80,21 @@ def ddp_parity(group, overlap, steps=5, lr=0.1):
     return params, {k: v.detach().clone() for k, v in ddp.module.named_parameters()}, len(reducer.plan.buckets)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("overlap", OVERLAP)
-def test_five_sgd_steps_equal_torch_ddp_bitwise(overlap):
-    for rank, (mine, theirs, nbuckets) in enumerate(fdp.testing.run(ddp_parity, 2, backend="gloo", args=(overlap,))):
+def test_five_sgd_steps_equal_torch_ddp_bitwise(overlap, engine):
+    res = fdp.testing.run(ddp_parity, 2, backend="gloo", args=(overlap, engine))
+    for rank, (mine, theirs, nbuckets) in enumerate(res):
         assert nbuckets > 2
         for k in theirs:
             assert torch.equal(mine[k], theirs[k]), f"rank {rank}, leaf {k!r}: fdp differs from DDP"
 
 
-def overlap_timeline(group):
+def overlap_timeline(group, engine):
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
     apply, params, buffers = fdp.functionalize(model)
     reducer = fdp.Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.25)
+    reducer.engine = engine
     x = torch.randn(64, 256)
     grad_fn = reducer.grad(lambda p, x: apply(p, buffers, x)[0].square().mean())
     timelines = []
@@ -94,8 +104,10 @@ def overlap_timeline(group):
     return timelines, len(reducer.plan.buckets)
 
 
-def test_first_bucket_is_launched_before_the_backward_ends_on_gloo():
-    for rank, (timelines, nbuckets) in enumerate(fdp.testing.run(overlap_timeline, 2, backend="gloo")):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_first_bucket_is_launched_before_the_backward_ends_on_gloo(engine):
+    res = fdp.testing.run(overlap_timeline, 2, backend="gloo", args=(engine,))
+    for rank, (timelines, nbuckets) in enumerate(res):
         assert nbuckets >= 4
         for tl in timelines:
             assert tl.kind == "grad" and tl.backward_start is not None
@@ -132,7 +144,7 @@ def test_accumulated_micro_batches_equal_one_big_batch(k):
             torch.testing.assert_close(micro[n], big[n], rtol=1e-5, atol=1e-6, msg=f"leaf {n!r}")
 
 
-def unused_params(group, overlap):
+def unused_params(group, overlap, engine):
     class TwoHeads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -147,6 +159,7 @@ def unused_params(group, overlap):
 
     apply, params, buffers = fdp.functionalize(TwoHeads())
     reducer = fdp.Reducer(params, group, bucket_cap_mb=1 / 1024, first_bucket_cap_mb=1 / 1024, overlap=overlap)
+    reducer.engine = engine
     x, y = batch(group.rank)
     which = group.rank % 2  # ranks use different heads
     grads = reducer.grad(lambda p: F.cross_entropy(apply(p, buffers, x, which)[0], y))(params)
@@ -154,10 +167,11 @@ def unused_params(group, overlap):
     return grads, local
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
-def test_unused_and_rank_dependent_parameters(backend, overlap):
-    res = fdp.testing.run(unused_params, 2, backend=backend, args=(overlap,), timeout=30)
+def test_unused_and_rank_dependent_parameters(backend, overlap, engine):
+    res = fdp.testing.run(unused_params, 2, backend=backend, args=(overlap, engine), timeout=30)
     for rank, (grads, _) in enumerate(res):
         assert torch.equal(grads["never.weight"], torch.zeros(4, 8)), f"rank {rank}"
         # head_a is used only on rank 0, head_b only on rank 1: each gets half its rank's grad
@@ -205,7 +219,8 @@ def test_world_of_one_needs_no_process_group():
         assert torch.equal(g[k], ref[k]), k
 
 
-def test_grad_and_value_and_argnums_follow_torch_func():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_grad_and_value_and_argnums_follow_torch_func(engine):
     apply, params, buffers = fdp.functionalize(mlp(seed=5))
     x, y = batch(0)
 
@@ -214,6 +229,7 @@ def test_grad_and_value_and_argnums_follow_torch_func():
         return F.cross_entropy(out, y) * scale, {"logits": out}
 
     reducer = fdp.Reducer(params)
+    reducer.engine = engine
     (g, (value, aux)) = reducer.grad_and_value(loss, argnums=1, has_aux=True)(2.0, params, x, y)
     (rg, (rvalue, raux)) = torch.func.grad_and_value(loss, argnums=1, has_aux=True)(2.0, params, x, y)
     assert torch.equal(value, rvalue) and torch.equal(aux["logits"], raux["logits"])
@@ -293,3 +309,11 @@ def test_mismatched_plans_across_ranks_are_reported_on_every_rank():
 
     with pytest.raises(fdp.ReplicaMismatchError, match="bucket caps"):
         fdp.testing.run(caps, 2, timeout=30)
+
+
+def test_functorch_engine_rejects_mutating_captured_tensors_like_torch_func():
+    counter = torch.zeros(())
+    reducer = fdp.Reducer({"w": torch.ones(2)})
+    reducer.engine = "functorch"
+    with pytest.raises(RuntimeError, match="captured"):
+        reducer.grad(lambda p: counter.add_(1) + p["w"].sum())({"w": torch.ones(2)})

@@ -156,7 +156,14 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    # Under `torchrun --max-restarts`, workers of every attempt rendezvous through the same
+    # agent store, so a restarted rank can read the previous attempt's gloo/NCCL addresses
+    # (seen as "Connection refused" in connectFullMesh after a restart). Keys are therefore
+    # namespaced by the attempt.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"fdp/attempt-{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
 
 

@@ -138,6 +138,10 @@ class Reducer:
         next call) instead of fresh tensors.
       overlap: launch all-reduces from hooks during the backward (default). ``False`` runs
         ``torch.func.grad`` to completion first, then reduces (the fallback path).
+      skip_nonfinite: after each reduction, check the averaged gradients for inf/NaN (one
+        fused pass, AMP's found_inf check). The verdict is the same on every rank (they all
+        hold the same reduced values), so ``if reducer.finite: params, state = opt.update(...)``
+        skips a bad step on all ranks together; ``reducer.nonfinite_steps`` counts them.
       debug: before each bucket collective, check that all ranks issue the same one (costs a
         small collective per bucket). Default: the ``FDP_DEBUG`` environment variable.
 
@@ -159,6 +163,7 @@ class Reducer:
         grad_views: bool = False,
         overlap: bool = True,
         debug: bool | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         self.group = resolve(group)
         self.plan = BucketPlan.build(
@@ -189,6 +194,9 @@ class Reducer:
         # without which only the non-overlapped path can use it).
         self.engine = "auto"
         self.debug = _env_flag("FDP_DEBUG") if debug is None else debug
+        self.skip_nonfinite = skip_nonfinite
+        self.finite = True  # verdict of the last step (always True without skip_nonfinite)
+        self.nonfinite_steps = 0
         self._sum_work = self.hook.fn is _hooks._sum_all_reduce  # fast path: Work with timed wait
         # Persistent buffers: needed when reusing them (grad_views), or when buckets travel in
         # another dtype than the gradients (the wire buffers are then scratch).
@@ -478,6 +486,9 @@ class Reducer:
                 else:
                     out = self._hook_result(handle, b, step.flats[b], what)
                 results.append(out)
+            if self.skip_nonfinite:
+                self.finite = _all_finite(results)
+                self.nonfinite_steps += not self.finite
             grads = self._to_tree(results, step.flats)
         finally:
             self._cur = None
@@ -528,6 +539,18 @@ class Reducer:
             else:
                 outs.append(r.to(bucket.dtype))  # decompress into fresh gradients
         return plan.views(outs)
+
+
+def _all_finite(flats: list[torch.Tensor]) -> bool:
+    """Whether every element is finite: AMP's fused found_inf check, one pass per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for f in flats:
+        by_dtype.setdefault(f.dtype, []).append(f)
+    found = torch.zeros(1, device=flats[0].device) if flats else None
+    one = torch.ones(1, device=flats[0].device) if flats else None
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0: unchanged
+    return found is None or not bool(found.item())
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -174,7 +174,11 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
         real = {r: e for r, e in errors.items() if not isinstance(e, SystemExit)}
         if real:
             rank = min(real)
-            raise _tag(real[rank], rank)
+            exc = _tag(real[rank], rank)
+            for r in sorted(real):
+                if r != rank:
+                    exc.add_note(f"rank {r} also raised {type(real[r]).__name__}: {real[r]}")
+            raise exc
         if stuck:
             raise TimeoutError(
                 f"fdp.testing.run: rank(s) {stuck} of {world_size} did not finish within "
@@ -282,7 +286,11 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
     if errors:
         rank = min(errors, key=lambda r: _error_rank_order(errors[r][0], r))
         exc, tb = errors[rank]
-        raise _tag(exc, rank, tb)
+        exc = _tag(exc, rank, tb)
+        for r in sorted(errors):
+            if r != rank:
+                exc.add_note(f"rank {r} also raised {type(errors[r][0]).__name__}: {errors[r][0]}")
+        raise exc
     if conns:
         stuck = sorted(conns.values())
         raise TimeoutError(

@@ -1,0 +1,105 @@
+"""Faults: dead ranks, restarts that resume bit-exactly, non-finite gradients."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import batch, mlp
+
+import fdp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dies_mid_step(group, die_at):
+    apply, params, buffers = fdp.functionalize(mlp(width=64, seed=1))
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)
+
+    def loss_fn(p, x, y):
+        out = apply(p, buffers, x)[0]
+        if group.rank == 1 and reducer.steps == die_at:
+            os._exit(3)  # dies between its forward and its backward, no cleanup
+        return F.cross_entropy(out, y)
+
+    grad_fn = reducer.grad(loss_fn)
+    for step in range(10):
+        grad_fn(params, *batch(group.rank, step))
+
+
+def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        fdp.testing.run(dies_mid_step, 2, backend="gloo", timeout=20, args=(4,))
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "[rank 1]" in str(info.value) and "exited with code 3" in str(info.value)
+    # rank 0 did not hang: it raised a CollectiveError naming the step and the bucket
+    assert "rank 0 also raised CollectiveError" in notes, notes
+    assert "(step 4)" in notes and "bucket 0 of" in notes, notes
+    assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restart_resumes_from_checkpoint_bit_exactly(tmp_path):
+    """Rank 1 dies at step 5; torchrun (--max-restarts=1) restarts both ranks, which resume
+    from the step-4 checkpoint; the final params equal an uninterrupted run's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    common = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    script = [str(ROOT / "examples" / "train_mlp.py"), "--steps", "12", "--ckpt-every", "2", "--width", "32"]
+
+    def run(name, extra, restarts=0):
+        cmd = [*common, f"--max-restarts={restarts}", *script, "--ckpt", str(tmp_path / f"{name}.pt"),
+               "--out", str(tmp_path / f"{name}-final.pt"), *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+
+    clean = run("clean", [])
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    crashed = run("crash", ["--resume", "--crash-at-step", "5", "--crash-rank", "1"], restarts=1)
+    assert crashed.returncode == 0, crashed.stderr[-3000:]
+    assert "resumed from" in crashed.stdout and "at step 4" in crashed.stdout, crashed.stdout[-2000:]
+    assert "exitcode: 17" in crashed.stderr  # the injected death really happened
+    a = torch.load(tmp_path / "clean-final.pt", weights_only=True)
+    b = torch.load(tmp_path / "crash-final.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"leaf {k!r} differs after the restart"
+
+
+def nonfinite(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=2))
+    reducer = fdp.Reducer(params, group, skip_nonfinite=True)
+    opt = fdp.optim.sgd(lr=0.1)
+    state = opt.init(params)
+    verdicts = []
+    for step in range(4):
+        x, y = batch(group.rank, step)
+        if step == 2 and group.rank == 1:
+            x = x.clone()
+            x[0, 0] = float("inf")  # only rank 1 sees a bad batch
+        grads = reducer.grad(lambda p: F.cross_entropy(apply(p, buffers, x)[0], y))(params)
+        verdicts.append(reducer.finite)
+        if reducer.finite:
+            params, state = opt.update(grads, state, params)
+    return verdicts, reducer.nonfinite_steps, params
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_nonfinite_gradients_skip_the_step_on_every_rank(backend):
+    res = fdp.testing.run(nonfinite, 2, backend=backend)
+    for rank, (verdicts, count, params) in enumerate(res):
+        assert verdicts == [True, True, False, True], f"rank {rank}"
+        assert count == 1
+        assert all(torch.isfinite(v).all() for v in params.values()), f"rank {rank}"
+    for k in res[0][2]:
+        assert torch.equal(res[0][2][k], res[1][2][k]), "replicas diverged"
+
+
+def test_without_the_option_the_check_costs_nothing_and_verdict_stays_true():
+    params = {"w": torch.tensor([float("nan")])}
+    reducer = fdp.Reducer(params)
+    reducer.all_reduce(params)
+    assert reducer.finite and reducer.nonfinite_steps == 0

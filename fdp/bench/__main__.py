@@ -1,4 +1,7 @@
-"""``python -m fdp.bench [kernels|gpu] ...``: benchmarks that run fdp beside its peer in one run."""
+"""``python -m fdp.bench [kernels|soak|gpu] ...``: benchmarks that run fdp beside its peer in one run.
+
+Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import kernels
 
         return kernels.main(argv[1:])
+    if argv and argv[0] == "soak":
+        from . import soak
+
+        return soak.main(argv[1:])
     if argv and argv[0] == "gpu":
         from . import gpu
 

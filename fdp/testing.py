@@ -254,6 +254,7 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
         conns[recv] = rank
     results: dict[int, Any] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
+    first_error_at = 0.0
     deadline = time.monotonic() + timeout
     try:
         while conns:
@@ -300,9 +301,14 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
     return [results[r] for r in range(world_size)]
 
 
+# What gloo says when the *other* end of a collective went away: a consequence, not a cause.
+_PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                  "remote worker", "Timed out waiting")
+
+
 def _error_rank_order(exc: BaseException, rank: int) -> tuple[int, int]:
-    # Prefer a rank's own error over a collective failure caused by another rank's exit.
+    # Report a rank's own error before a collective failure caused by another rank's exit.
     from ._errors import CollectiveError
 
-    consequential = isinstance(exc, CollectiveError) or "Connection closed by peer" in str(exc)
+    consequential = isinstance(exc, CollectiveError) or any(p in str(exc) for p in _PEER_FAILURES)
     return (1 if consequential else 0, rank)

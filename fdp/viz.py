@@ -84,8 +84,9 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or (f"step {timeline.step} ({timeline.kind}): exposed communication "
                            f"{timeline.exposed_comm * ms:.1f} ms of {timeline.end * ms:.1f} ms"))
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / (nb + 1) - 0.12), ncol=5, fontsize=8,
-              frameon=False)
+    if ax.get_legend_handles_labels()[0]:  # nothing drawn (e.g. a world of one): no legend
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / (nb + 1) - 0.12), ncol=5, fontsize=8,
+                  frameon=False)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path)

@@ -80,7 +80,7 @@ def nonfinite(group):
         if step == 2 and group.rank == 1:
             x = x.clone()
             x[0, 0] = float("inf")  # only rank 1 sees a bad batch
-        grads = reducer.grad(lambda p: F.cross_entropy(apply(p, buffers, x)[0], y))(params)
+        grads = reducer.grad(lambda p, x=x, y=y: F.cross_entropy(apply(p, buffers, x)[0], y))(params)
         verdicts.append(reducer.finite)
         if reducer.finite:
             params, state = opt.update(grads, state, params)

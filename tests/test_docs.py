@@ -1,0 +1,119 @@
+"""The documentation is code: its Python blocks run, and docs/api.md covers every public name.
+
+Each Markdown file's ```python blocks run in order in one shared namespace, in a world of one
+(no torchrun environment), from a temporary folder. Blocks whose info string is anything
+else (```bash, ```text, ```python skip, ...) are shown but not run.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import fdp
+import fdp.viz
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>```+|~~~+)\s*(?P<info>.*?)\s*$")
+
+
+def code_blocks(text: str) -> list[tuple[str, int, str]]:
+    """``(info string, first line number, code)`` of every fenced block, in order."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, info, start = m["fence"], m["info"], i + 1
+        body, i = [], i + 1
+        while i < len(lines):
+            end = FENCE.match(lines[i])
+            if end and end["fence"].startswith(fence) and not end["info"]:
+                break
+            body.append(lines[i])
+            i += 1
+        else:
+            raise AssertionError(f"unclosed code fence opened on line {start}")
+        blocks.append((info, start + 1, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def test_code_block_parser_splits_blocks_and_keeps_line_numbers():
+    text = "x\n```python\na = 1\n```\n```bash\nls\n```\n```python skip\nb = 2\n```\n"
+    assert code_blocks(text) == [("python", 3, "a = 1\n"), ("bash", 6, "ls\n"), ("python skip", 9, "b = 2\n")]
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
+    """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
+    assert path.exists(), f"{path} is missing"
+    for var in TORCHRUN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized(), "a previous test left torch.distributed initialised"
+    monkeypatch.chdir(tmp_path)  # files the examples write land here
+    namespace: dict = {"__name__": f"doc:{path.name}"}
+    ran = 0
+    for info, line, code in code_blocks(path.read_text()):
+        if info != "python":
+            continue
+        # Pad with newlines so tracebacks show the Markdown file's own line numbers.
+        compiled = compile("\n" * (line - 1) + code, str(path), "exec")
+        try:
+            exec(compiled, namespace)
+        except Exception as e:
+            raise AssertionError(f"{path.relative_to(ROOT)}: the python block starting on line {line} "
+                                 f"raised {type(e).__name__}: {e}") from e
+        ran += 1
+    assert ran > 0, f"{path.name} has no ```python block: was a fence mistyped?"
+
+
+def public_names() -> list[str]:
+    """Every public name a user can reach: ``fdp.__all__`` and the ``__all__`` of its
+    public submodules (the modules in ``fdp.__all__``, plus ``fdp.viz``)."""
+    names = [f"fdp.{n}" for n in fdp.__all__]
+    modules = [getattr(fdp, n) for n in fdp.__all__ if isinstance(getattr(fdp, n), types.ModuleType)]
+    modules.append(fdp.viz)
+    for mod in modules:
+        public = getattr(mod, "__all__", None)
+        if public is None:
+            public = [n for n in vars(mod) if not n.startswith("_")
+                      and not isinstance(getattr(mod, n), types.ModuleType)]
+        names += [f"{mod.__name__}.{n}" for n in public]
+    return names
+
+
+def api_headings() -> list[str]:
+    return [line for line in (DOCS / "api.md").read_text().splitlines() if line.startswith("#")]
+
+
+def test_api_md_has_a_heading_for_every_public_name():
+    headings = "\n".join(api_headings())
+    missing = [n for n in public_names() if not re.search(rf"`{re.escape(n)}[`(\[]", headings)]
+    assert not missing, (
+        f"docs/api.md has no heading for {missing}: add e.g. '### `{missing[0]}`' with its "
+        "signature, semantics and the errors it raises"
+    )
+
+
+def test_api_md_documents_only_names_that_exist():
+    """A heading like ### `fdp.x.y` must name something importable (catches renamed APIs)."""
+    stale = []
+    for heading in api_headings():
+        for name in re.findall(r"`(fdp(?:\.\w+)+)", heading):
+            obj: object = fdp
+            for part in name.split(".")[1:]:
+                if not hasattr(obj, part):
+                    stale.append(name)
+                    break
+                obj = getattr(obj, part)
+    assert not stale, f"docs/api.md documents names that do not exist: {stale}"

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
-from . import kernels
+from . import _tree, kernels
 
 MiB = 1024 * 1024
 

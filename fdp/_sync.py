@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _comm, _tree, kernels
-from ._bucket import MiB, BucketPlan
+from ._bucket import BucketPlan, MiB
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
 

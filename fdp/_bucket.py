@@ -214,7 +214,10 @@ class BucketPlan:
         Raises ``ValueError`` naming the first differing leaf path.
         """
         leaves, treedef = _tree.flatten(tree)
-        if treedef != self.treedef:
+        # (Under torch.compile the structure comparison is skipped: dynamo cannot trace
+        # PyTreeSpec's C comparison, and it guards on the input structure itself; the count,
+        # shape and dtype checks below still run at trace time.)
+        if len(leaves) != len(self.slots) or (not _tree.compiling() and treedef != self.treedef):
             raise ValueError(
                 f"fdp: {what} does not match the bucket plan's structure: "
                 f"{_tree.first_difference(self.treedef, treedef)}"
@@ -316,10 +319,14 @@ class BucketPlan:
                 leaves[i] = copy[off : off + n].view(self.slots[i].shape)
         return _tree.unflatten(self.treedef, leaves)
 
-    def views(self, flats: Sequence[torch.Tensor]) -> Any:
-        """A tree of views into ``flats`` (no copy): valid as long as the buffers are."""
+    def views(self, flats: Sequence[torch.Tensor], treedef: _tree.TreeDef | None = None) -> Any:
+        """A tree of views into ``flats`` (no copy): valid as long as the buffers are.
+
+        ``treedef``: the structure to build (default the plan's; under torch.compile pass one
+        flattened inside the traced code, since dynamo replaces optree's tree specs).
+        """
         leaves: list[Any] = [None] * len(self.slots)
         for b, f in zip(self.buckets, flats):
             for i, off, n in zip(b.leaves, b.offsets, b.numels):
                 leaves[i] = f[off : off + n].view(self.slots[i].shape)
-        return _tree.unflatten(self.treedef, leaves)
+        return _tree.unflatten(treedef or self.treedef, leaves)

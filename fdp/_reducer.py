@@ -255,7 +255,44 @@ class Reducer:
             all-reduce counts them). Every rank, active or not, receives the mean, so
             applying it keeps the replicas identical.
         """
+        if _tree.compiling():
+            return self._all_reduce_traced(grads, active)
         return self.all_reduce_async(grads, active=active).wait()
+
+    def _all_reduce_traced(self, grads: Any, active: bool | None) -> Any:
+        """``all_reduce`` inside ``torch.compile``: the same buckets, through functional collectives.
+
+        Each bucket becomes ``cat -> scale/cast -> all_reduce -> wait`` nodes of the graph, so
+        Inductor sees the communication and can overlap it with compute (see docs). The
+        Python bookkeeping of the eager path (timeline, step checks, debug fingerprints) is
+        not traced.
+        """
+        import torch.distributed._functional_collectives as funcol
+
+        if active is not None:
+            raise RuntimeError("fdp.Reducer.all_reduce(active=...) counts active ranks with a "
+                               "data-dependent collective; it is not supported under torch.compile")
+        if not self._sum_work:
+            raise RuntimeError(f"fdp.Reducer: comm hook {self.hook.name} is not traceable; under "
+                               "torch.compile use allreduce, bf16_compress or fp16_compress")
+        if self.skip_nonfinite or self.debug:
+            raise RuntimeError("fdp.Reducer: skip_nonfinite and debug read values on the host; "
+                               "they are not supported under torch.compile")
+        leaves = self.plan.leaves_of(grads, "all_reduce grads")
+        treedef = _tree.structure(grads)
+        scale = self._scale(1.0 / self.group.size)
+        pg = self.group.process_group
+        outs = []
+        for b, wire in zip(self.plan.buckets, self._wire):
+            flat = torch.cat([leaves[i].reshape(-1) for i in b.leaves])
+            if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
+                compute = torch.promote_types(torch.promote_types(b.dtype, wire), torch.float32)
+                flat = flat.to(compute) * scale
+            flat = flat.to(wire)
+            outs.append(funcol.all_reduce(flat, "sum", pg) if pg is not None else flat)
+        outs = [funcol.wait_tensor(o).to(b.dtype) if pg is not None else o.to(b.dtype)
+                for o, b in zip(outs, self.plan.buckets)]
+        return self.plan.views(outs, treedef)
 
     def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
         """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean."""

@@ -233,6 +233,8 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         raise ValueError(f"fdp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
     g = resolve(group)
     _check_src(src, g, "sync_buffers")
+    if _tree.compiling():
+        return _sync_buffers_traced(buffers, mode, src, g)
     meta, leaves = _tensor_leaves(buffers, "sync_buffers")
     if g.process_group is None or not leaves:
         return buffers
@@ -257,6 +259,32 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         synced = _coalesced_broadcast([leaves[i] for i in others], src, g, "sync_buffers")
         for i, t in zip(others, synced):
             out[i] = t
+    return _tree.unflatten(treedef, out)
+
+
+def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
+    """``sync_buffers`` inside ``torch.compile``: one functional collective per dtype.
+
+    The cross-rank layout check reads values on the host, so it is not traced: check once
+    eagerly (``fdp.assert_same_shapes(buffers)``) before compiling the step.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    leaves, treedef = _tree.flatten(buffers)
+    if g.process_group is None or not leaves:
+        return buffers
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(leaves):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for dtype, idx in by_dtype.items():
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        if mode == "mean" and dtype.is_floating_point:
+            flat = funcol.wait_tensor(funcol.all_reduce(flat * (1.0 / g.size), "sum", g.process_group))
+        else:
+            flat = funcol.wait_tensor(funcol.broadcast(flat, src, g.process_group))
+        for i, part in zip(idx, torch.split(flat, [leaves[i].numel() for i in idx])):
+            out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(treedef, out)
 
 

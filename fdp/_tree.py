@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
+import torch
 
 NAMESPACE = "fdp"
 
@@ -71,3 +72,8 @@ def first_difference(expected: TreeDef, got: TreeDef) -> str:
             return f"missing leaf {exp_paths[n]} (expected {len(exp_paths)} leaves, found {len(got_paths)})"
         return f"unexpected extra leaf {got_paths[n]} (expected {len(exp_paths)} leaves, found {len(got_paths)})"
     return f"same leaf paths but different containers: expected {expected}, found {got}"
+
+
+def compiling() -> bool:
+    """True while torch.compile traces the calling code (fdp then takes traceable paths)."""
+    return torch.compiler.is_compiling()

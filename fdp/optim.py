@@ -53,6 +53,10 @@ LR = float | Callable[[int], float]
 _meta = operator.attrgetter("shape", "dtype", "device")
 
 
+def _traced_meta(t: Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device)
+
+
 class GradientTransformation(NamedTuple):
     """An optimizer as a pair of pure functions (the shape of ``optax.GradientTransformation``).
 
@@ -153,7 +157,7 @@ def sgd(
         _check_state(state, SGDState, name, momentum_buffer=momentum != 0)
         ps = _Params(params, name)
         p, g = ps.leaves, ps.like(grads, "grads")
-        step = int(state.step)  # a CPU scalar: no device sync
+        step = _host_step(state, lr, name, exact_first_step=dampening != 0)
         bufs: list[Tensor | None] = []
         if momentum != 0:
             old = ps.like(state.momentum_buffer, "state.momentum_buffer")
@@ -245,7 +249,7 @@ def adamw(
         m = ps.like(state.exp_avg, "state.exp_avg")
         v = ps.like(state.exp_avg_sq, "state.exp_avg_sq")
         vmax = ps.like(state.max_exp_avg_sq, "state.max_exp_avg_sq") if amsgrad else []
-        step = int(state.step)  # a CPU scalar: no device sync
+        step = _host_step(state, lr, name)
         if not donate:
             p, m, v, vmax = _clone(p), _clone(m), _clone(v), _clone(vmax)
         # The kernel increments one step tensor per parameter (torch.optim keeps one each):
@@ -290,7 +294,26 @@ def _check_state(state: Any, kind: type, name: str, **needed: bool) -> None:
             )
 
 
-def _lr_at(lr: LR, step: int) -> float:
+def _host_step(state: Any, lr: LR, name: str, exact_first_step: bool = False) -> int | None:
+    """The step count as a Python int (a CPU scalar: no device sync); None under torch.compile.
+
+    Under torch.compile the count stays a tensor in the graph: a schedule, which needs it on
+    the host, is not supported there, and SGD's momentum buffers start from their zero
+    initial values instead of a clone of the first gradient. With ``dampening == 0`` that is
+    the same update (up to the sign of exact zeros); with dampening it is not, so refuse.
+    """
+    if not _tree.compiling():
+        return int(state.step)
+    if callable(lr):
+        raise RuntimeError(f"{name}: an lr schedule reads the step count on the host; under "
+                           "torch.compile pass a float lr (or call the schedule outside the graph)")
+    if exact_first_step:
+        raise RuntimeError(f"{name}: momentum with dampening != 0 needs the step count on the host "
+                           "(torch's first step differs); it is not supported under torch.compile")
+    return None
+
+
+def _lr_at(lr: LR, step: int | None) -> float:
     return float(lr(step)) if callable(lr) else lr
 
 
@@ -340,9 +363,10 @@ class _Params:
                 f"{_tree.first_difference(self.treedef, got)}"
             )
         try:
+            meta = _traced_meta if _tree.compiling() else _meta  # dynamo can't call attrgetter
             if self._meta is None:
-                self._meta = list(map(_meta, self.leaves))
-            if list(map(_meta, leaves)) == self._meta:
+                self._meta = list(map(meta, self.leaves))
+            if list(map(meta, leaves)) == self._meta:
                 return leaves
         except AttributeError:  # a leaf that is not a tensor: find it below
             pass

@@ -11,8 +11,8 @@ Two implementations, bit-identical to each other:
 
 * ``"triton"``: one launch per call over a table of tensor pointers and offsets (the
   multi_tensor_apply pattern), used for CUDA tensors when Triton is installed;
-* ``"torch"``: stock torch ops (``cat(out=)``, ``mul(out=)``, ``split_with_sizes_copy``),
-  used everywhere else.
+* ``"torch"``: stock torch ops (``_chunk_cat(out=)``, ``mul(out=)`` through a cached scratch,
+  ``_foreach_copy_``), used everywhere else.
 
 ``impl=`` or the environment variable ``FDP_KERNELS=torch|triton`` forces one. Under
 ``TRITON_INTERPRET=1`` (set before this module is imported) the Triton kernels run on CPU
@@ -37,26 +37,49 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def triton_available() -> bool:
-    """Whether the Triton path can run here (Triton importable; CUDA or the interpreter)."""
+def _triton_problem(device: torch.device | None) -> str | None:
+    """Why the Triton path cannot run on ``device`` here (any device if None), or None."""
     try:
-        from . import _triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        from . import _triton
+    except ImportError as e:
+        return f"triton is not importable ({e})"
+    if _triton.interpreted():
+        if device is not None and device.type != "cpu":
+            return (f"TRITON_INTERPRET=1 was set when fdp.kernels loaded Triton, and the interpreter "
+                    f"runs on CPU tensors only, not {device}")
+        return None
+    if device is not None and device.type != "cuda":
+        return (f"Triton needs CUDA tensors, got {device} (set TRITON_INTERPRET=1 before importing "
+                "fdp.kernels to interpret Triton on CPU tensors)")
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (and TRITON_INTERPRET=1 was not set at import)"
+    return None
+
+
+def triton_available(device: torch.device | None = None) -> bool:
+    """Whether the Triton path can run here: Triton importable, and CUDA present or the
+    interpreter on; with ``device``, whether it can run on tensors of that device."""
+    return _triton_problem(device) is None
 
 
 def select(device: torch.device, impl: str | None = None) -> str:
-    """The implementation used for tensors on ``device`` ("torch" or "triton")."""
+    """The implementation used for tensors on ``device`` ("torch" or "triton").
+
+    Raises:
+      ValueError: an unknown ``impl``. RuntimeError: ``impl="triton"`` where Triton cannot
+        run on ``device`` (the message says why).
+    """
     impl = impl or os.environ.get("FDP_KERNELS") or "auto"
     if impl not in (*_IMPLS, "auto"):
         raise ValueError(f"fdp.kernels: impl must be 'torch', 'triton' or 'auto', got {impl!r}")
     if impl == "auto":
-        if device.type == "cuda" and not _interpreting() and triton_available():
+        if device.type == "cuda" and not _interpreting() and triton_available(device):
             return "triton"
         return "torch"
-    if impl == "triton" and not triton_available():
-        raise RuntimeError("fdp.kernels: impl='triton' was requested but triton is not importable")
+    if impl == "triton":
+        problem = _triton_problem(device)
+        if problem is not None:
+            raise RuntimeError(f"fdp.kernels: impl='triton' cannot run here: {problem}")
     return impl
 
 

@@ -1,75 +1,316 @@
 """Multi-tensor flatten/unflatten with stock torch ops (every device; the CPU path).
 
-Every op here is a single pass at memory bandwidth where torch offers one:
-``torch.cat(out=)`` for a plain flatten, ``torch.mul(out=)`` per leaf for the fused
-scale(+cast), ``split_with_sizes_copy(out=)`` for unflatten into existing tensors.
+Why it is shaped like this (measured on a 2-core x86 VM; ``python -m fdp.bench kernels``):
+
+* Every torch op costs microseconds of dispatch, and so does every tensor made from
+  Python (``t.view(-1)`` alone is ~1 us), so the work is organised to need few per-leaf
+  Python operations: a run of leaves goes to one ``torch._chunk_cat`` call, which flattens
+  tensors of any shape in C++, and which leaves form which run is planned once per tuple of
+  sizes and cached.
+* On CPU, ``cat`` uses a tight memcpy loop only when its output has fewer than 32768
+  elements (ATen's GRAIN_SIZE) or torch runs one thread; otherwise it builds a
+  TensorIterator per input, a few us each. With several threads, runs of small leaves are
+  therefore cut into groups of fewer than 32768 elements; with one, a plain flatten is a
+  single call whatever the leaves.
+* Two passes over the whole bucket (gather, then multiply or cast) pay an extra read and
+  write of memory. A big leaf is multiplied straight into ``out`` in one op (for fp32 ->
+  bf16 that op runs TensorIterator's casting loop, measured no slower here than a multiply
+  into an L2-resident scratch plus a vectorised cast-copy, and one op instead of two).
+  Small leaves stream through a scratch chunk that stays in L2: gather, multiply in
+  place, one cast-copy into ``out``, so only the last pass touches memory.
+
+The numerics are the reference's exactly: the product is formed in the compute dtype
+``c = promote(promote(src, out), float32)`` (16-bit values are widened exactly first) and
+rounded once to ``out``'s dtype by torch's own conversion.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-# Below this many elements per leaf on average, one launch per leaf costs more than an
-# extra pass over the bucket, so scaling is done as cat + one in-place multiply.
-_SMALL_LEAF = 16384
+# cat's memcpy loop runs below this many output elements (ATen's internal GRAIN_SIZE).
+_SERIAL_CAT = 32768
+# Leaves under this many elements are gathered in groups of at least _MIN_GROUP leaves
+# (fewer than _SERIAL_CAT elements per group): each group is one call, its copies one
+# tight loop. Bigger leaves, and small ones too few in a row to be worth a call of their
+# own, go through one cat per run: a few us per leaf, small next to their bytes.
+_SMALL_LEAF = 8192
+_MIN_GROUP = 4
+# Elements per scratch chunk on CPU: 2 MiB of fp32, about one core's L2 on the dev VM, so a
+# chunk is still cached when it is multiplied and cast (measured best of 128 K .. 1 M).
+_CHUNK = 524288
+_PLAN_CACHE_SIZE = 256
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+_SCRATCH = threading.local()  # simulated ranks are threads: one scratch set per thread
 
 
-def _views(out: torch.Tensor, srcs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    views, o = [], 0
-    for t in srcs:
-        n = t.numel()
-        views.append(out[o : o + n].view(t.shape))
-        o += n
-    return views
+@dataclass
+class _Run:
+    """Leaves ``i..j-1`` (none empty or 0-d) at ``out[a:a + n]``: one ``_chunk_cat``."""
+
+    i: int
+    j: int
+    a: int
+    n: int
+
+
+@dataclass
+class _Chunk:
+    """Small leaves at ``out[a:a + n]`` (``n <= _CHUNK``), gathered by ``parts``: tuples
+    ``(i, j, lo, hi)`` of leaves ``i..j-1`` going to ``[lo, hi)`` of the chunk, each part
+    under ``_SERIAL_CAT`` elements. A 0-d leaf is a part of its own (``_chunk_cat`` crashes
+    on a list of only 0-d tensors and rejects them next to others)."""
+
+    a: int
+    n: int
+    parts: list[tuple[int, int, int, int]]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    total: int
+    steps: list[_Run | _Chunk]
+    scalars: frozenset[int]  # indices of 0-d leaves
+    whole: bool  # no empty or 0-d leaf: one ``_chunk_cat`` can take them all
+
+
+@dataclass(frozen=True)
+class _Limits:
+    small: int  # leaves under this many elements may be grouped
+    serial: int  # a group has fewer elements than this
+    min_group: int  # and at least this many leaves
+    chunk: int  # a chunk has at most this many elements
+
+
+# With one thread, cat's memcpy loop runs at any size: a group may fill its chunk.
+# Off the CPU there is no cache to stream through and every op is a kernel launch: all
+# leaves form one group in one chunk (one gather, one multiply, one cast).
+_CPU = _Limits(_SMALL_LEAF, _SERIAL_CAT, _MIN_GROUP, _CHUNK)
+_CPU_1_THREAD = _Limits(_SMALL_LEAF, _CHUNK, _MIN_GROUP, _CHUNK)
+_DEVICE = _Limits(1 << 62, 1 << 62, 1, 1 << 62)
+
+
+def _build_plan(sizes: Sequence[int], scalars: Sequence[int], lim: _Limits) -> _Plan:
+    """Cut the leaves into runs and chunks (empty leaves are skipped; they move nothing)."""
+    steps: list[_Run | _Chunk] = []
+    scalar_set = frozenset(scalars)
+
+    def run(i: int, j: int, a: int, n: int) -> None:
+        last = steps[-1] if steps else None
+        if isinstance(last, _Run) and last.j == i:  # leaf i follows the run: extend it
+            last.j, last.n = j, last.n + n
+        else:
+            steps.append(_Run(i, j, a, n))
+
+    def part(i: int, j: int, a: int, n: int) -> None:
+        last = steps[-1] if steps else None
+        if not (isinstance(last, _Chunk) and last.a + last.n == a and last.n + n <= lim.chunk):
+            last = _Chunk(a, 0, [])
+            steps.append(last)
+        last.parts.append((i, j, last.n, last.n + n))
+        last.n += n
+
+    pending = None  # [first leaf, offset, elements] of the small leaves not yet placed
+
+    def flush(k: int) -> None:
+        nonlocal pending
+        if pending is not None:
+            i, a, n = pending
+            (part if k - i >= lim.min_group else run)(i, k, a, n)
+            pending = None
+
+    a = 0
+    for k, n in enumerate(sizes):
+        if n == 0:
+            flush(k)
+        elif k in scalar_set:
+            flush(k)
+            part(k, k + 1, a, 1)
+        elif n < lim.small:
+            if pending is not None and pending[2] + n >= lim.serial:
+                flush(k)
+            if pending is None:
+                pending = [k, a, 0]
+            pending[2] += n
+        else:
+            flush(k)
+            run(k, k + 1, a, n)
+        a += n
+    flush(len(sizes))
+    return _Plan(a, steps, scalar_set, not scalar_set and 0 not in sizes)
+
+
+def _plan(srcs: Sequence[torch.Tensor], device: torch.device) -> _Plan:
+    # The key costs two C-level passes over the leaves (~0.1 us per leaf): at 2,000 leaves
+    # that is already a tenth of a copy of their bytes, so nothing more is looked at.
+    sizes = tuple(map(torch.Tensor.numel, srcs))
+    dims = tuple(map(torch.Tensor.dim, srcs))
+    scalars = tuple(k for k, d in enumerate(dims) if not d) if 0 in dims else ()
+    limits = _DEVICE if device.type != "cpu" else _CPU_1_THREAD if torch.get_num_threads() == 1 else _CPU
+    key = (sizes, scalars, limits)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = _build_plan(sizes, scalars, limits)
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan
+
+
+def _scratch(dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:
+    """``n`` elements of scratch: a per-thread buffer reused across calls on CPU."""
+    if device.type != "cpu":
+        return torch.empty(n, dtype=dtype, device=device)
+    bufs = getattr(_SCRATCH, "bufs", None)
+    if bufs is None:
+        bufs = _SCRATCH.bufs = {}
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = bufs[dtype] = torch.empty(max(n, _CHUNK), dtype=dtype)
+    return buf[:n]
+
+
+def _gather(plan: _Plan, srcs: Sequence[torch.Tensor], chunk: _Chunk, dst: torch.Tensor) -> None:
+    """Copy the chunk's leaves back to back into ``dst`` (casting to its dtype)."""
+    # Every part's view of `dst` from one call, before the first copy (as in _scaled).
+    views = dst.view(1, -1).split([hi - lo for _, _, lo, hi in chunk.parts], dim=1)
+    for (i, j, _, _), view in zip(chunk.parts, views):
+        if i in plan.scalars:
+            view.copy_(srcs[i].view(1, 1))
+        else:
+            torch._chunk_cat(srcs[i:j], 0, 1, out=view)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
 def flatten(srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Write ``(src.to(c) * scale).to(out.dtype)`` for all ``srcs`` back to back into ``out``.
+
+    Args:
+      srcs: tensors of one dtype on ``out``'s device; any shapes and strides.
+      out: a 1-D tensor with as many elements as all sources together.
+      scale: the factor, or None for a plain copy/cast.
+
+    Returns:
+      ``out``.
+    """
     if not srcs:
+        if out.numel():
+            raise ValueError(f"fdp.kernels.flatten: no sources for an out of {out.numel()} elements")
         return out
-    src_dtype = srcs[0].dtype
-    contiguous = all(t.is_contiguous() for t in srcs)
-    small = contiguous and out.numel() < _SMALL_LEAF * len(srcs)
-    if scale is None:  # a copy; a cast rounds once (half -> half goes through fp32 exactly)
-        if contiguous:
-            torch.cat([t.view(-1) for t in srcs], out=out)
+    plan = _plan(srcs, out.device)
+    if plan.total != out.numel():
+        raise ValueError(f"fdp.kernels.flatten: out has {out.numel()} elements, the sources {plan.total}")
+    if not out.is_contiguous():  # e.g. a strided 1-D view: go through a contiguous buffer
+        tmp = flatten(srcs, torch.empty(out.shape, dtype=out.dtype, device=out.device), scale)
+        return out.copy_(tmp)
+    with torch.no_grad():
+        if scale is None:
+            _copy(plan, srcs, out)
         else:
-            for v, t in zip(_views(out, srcs), srcs):
-                v.copy_(t)
-        return out
-    compute = torch.promote_types(torch.promote_types(src_dtype, out.dtype), torch.float32)
-    if compute == out.dtype:
-        # Widening or same dtype: the copy into `out` is exact, then one multiply in place.
-        if small or out.dtype != src_dtype:
-            flatten(srcs, out, None)
-            out.mul_(scale)
-        else:
-            for v, t in zip(_views(out, srcs), srcs):
-                torch.mul(t, scale, out=v)
-    elif compute == src_dtype or src_dtype == out.dtype:
-        # Narrowing (e.g. fp32 -> bf16): multiply in the source dtype, round once on the store.
-        # Same 16-bit dtype: torch multiplies halves in fp32 ("opmath") and rounds once.
-        if small:
-            torch.mul(torch.cat([t.view(-1) for t in srcs]), scale, out=out)
-        else:
-            for v, t in zip(_views(out, srcs), srcs):
-                torch.mul(t, scale, out=v)
-    else:
-        # Between two 16-bit types: multiply in fp32, round once to `out`.
-        for v, t in zip(_views(out, srcs), srcs):
-            torch.mul(t.to(compute), scale, out=v)
+            _scaled(plan, srcs, out, scale)
     return out
 
 
+def _copy(plan: _Plan, srcs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    src_dtype = srcs[0].dtype
+    if plan.whole and out.dtype == src_dtype and (out.device.type != "cpu" or torch.get_num_threads() == 1):
+        # One call: with one thread (or off the CPU) cat's fast path takes any number of leaves.
+        torch._chunk_cat(srcs, 0, 1, out=out.view(1, -1))
+        return
+    for step in plan.steps:
+        o = out[step.a : step.a + step.n]
+        if isinstance(step, _Run):
+            torch._chunk_cat(srcs[step.i : step.j], 0, 1, out=o.view(1, -1))
+        elif out.dtype == src_dtype:
+            _gather(plan, srcs, step, o)
+        else:
+            # A casting cat cannot use the memcpy loop: gather into scratch, then one
+            # vectorised cast-copy.
+            tmp = _scratch(src_dtype, step.n, out.device)
+            _gather(plan, srcs, step, tmp)
+            o.copy_(tmp)
+
+
+def _scaled(plan: _Plan, srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float) -> None:
+    src_dtype, out_dtype, device = srcs[0].dtype, out.dtype, out.device
+    compute = torch.promote_types(torch.promote_types(src_dtype, out_dtype), torch.float32)
+    piece = _CHUNK if device.type == "cpu" else 1 << 62
+    for step in plan.steps:
+        o = out[step.a : step.a + step.n]
+        if isinstance(step, _Chunk):
+            # Gather in the source dtype (memcpy loop), widen exactly if the source is
+            # 16-bit, multiply in place, cast once into `out`: all but the last pass in L2.
+            t = o if out_dtype == src_dtype else _scratch(src_dtype, step.n, device)
+            _gather(plan, srcs, step, t)
+            if src_dtype != compute:
+                w = o if out_dtype == compute else _scratch(compute, step.n, device)
+                w.copy_(t)
+                t = w
+            t.mul_(scale)
+            if t is not o:
+                o.copy_(t)
+            continue
+        run = srcs[step.i : step.j]
+        if src_dtype == compute:
+            # One op per leaf, straight into `out`: the product is formed in the source
+            # dtype and rounded once to `out`'s. (Measured: for leaves this big, the casting
+            # loop of an fp32 -> bf16 multiply is no slower than multiplying into an L2
+            # scratch and cast-copying, and it is one op instead of two. The views of `out`
+            # come from one C++ call, made before the first multiply: measurably faster
+            # than making each between two multiplies.)
+            for src, view in zip(run, torch._C._nn.unflatten_dense_tensors(o, list(run))):
+                torch.mul(src, scale, out=view)
+            continue
+        a = 0
+        for src in run:
+            # A 16-bit source: torch would multiply in its own dtype, so widen it exactly
+            # in scratch, piece by piece, multiply there, cast once into `out`.
+            n = src.numel()
+            flat = _flat(src)
+            for p in range(0, n, piece):
+                q = min(n, p + piece)
+                _scale_piece(flat[p:q], o[a + p : a + q], scale, compute)
+            a += n
+
+
+def _scale_piece(x: torch.Tensor, o: torch.Tensor, scale: float, compute: torch.dtype) -> None:
+    """``o = (x.to(compute) * scale).to(o.dtype)`` for a 16-bit piece that fits the scratch."""
+    w = o if o.dtype == compute else _scratch(compute, x.numel(), x.device)
+    w.copy_(x)
+    w.mul_(scale)
+    if w is not o:
+        o.copy_(w)
+
+
 def unflatten(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+    """Copy consecutive segments of the 1-D ``flat`` into ``outs``, each cast to its dtype.
+
+    ``unflatten_dense_tensors`` makes every segment's view, shaped like its output, in one
+    C++ call, and ``_foreach_copy_`` copies (and casts) them in another: no per-leaf Python.
+
+    Args:
+      flat: a 1-D tensor with as many elements as all outputs together.
+      outs: tensors of any shapes, strides and dtypes on ``flat``'s device.
+    """
     if not outs:
+        if flat.numel():
+            raise ValueError(f"fdp.kernels.unflatten: flat has {flat.numel()} elements, no outputs")
         return
-    if all(o.dtype == flat.dtype and o.is_contiguous() for o in outs):
-        torch.split_with_sizes_copy(flat, [o.numel() for o in outs], out=[o.view(-1) for o in outs])
-        return
-    o = 0
-    for t in outs:
-        n = t.numel()
-        t.copy_(flat[o : o + n].view(t.shape))
-        o += n
+    total = sum(map(torch.Tensor.numel, outs))
+    if total != flat.numel():
+        raise ValueError(f"fdp.kernels.unflatten: flat has {flat.numel()} elements, the outputs {total}")
+    with torch.no_grad():
+        torch._foreach_copy_(list(outs), torch._C._nn.unflatten_dense_tensors(flat, list(outs)))

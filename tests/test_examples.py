@@ -8,13 +8,12 @@ a temporary folder so checkpoints and plots do not litter the repository.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from procs import clean_env, run, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -35,16 +34,9 @@ PLAIN = {
 
 def run_example(name: str, args: list[str], cwd: Path, *, ranks: int | None) -> str:
     """Run examples/<name> (under torchrun with ``ranks`` ranks, or plain python); return stdout."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")}
-    env["OMP_NUM_THREADS"] = "1"
     script = str(EXAMPLES / name)
-    if ranks is None:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), script, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    cmd = [sys.executable, script, *args] if ranks is None else torchrun(ranks, script, *args)
+    proc = run(cmd, cwd=cwd, env=clean_env(), timeout=TIMEOUT_S)
     assert proc.returncode == 0, (
         f"{' '.join(cmd[1:])} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
         f"\n--- stderr\n{proc.stderr[-6000:]}"

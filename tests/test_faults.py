@@ -1,8 +1,6 @@
 """Faults: dead ranks, restarts that resume bit-exactly, non-finite gradients."""
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -10,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import batch, mlp
+from procs import clean_env, run, torchrun
 
 import fdp
 
@@ -47,18 +46,16 @@ def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
 def test_torchrun_restart_resumes_from_checkpoint_bit_exactly(tmp_path):
     """Rank 1 dies at step 5; torchrun (--max-restarts=1) restarts both ranks, which resume
     from the step-4 checkpoint; the final params equal an uninterrupted run's."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    common = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     script = [str(ROOT / "examples" / "train_mlp.py"), "--steps", "12", "--ckpt-every", "2", "--width", "32"]
 
-    def run(name, extra, restarts=0):
-        cmd = [*common, f"--max-restarts={restarts}", *script, "--ckpt", str(tmp_path / f"{name}.pt"),
-               "--out", str(tmp_path / f"{name}-final.pt"), *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    def train(name, extra, restarts=0):
+        cmd = torchrun(2, *script, "--ckpt", str(tmp_path / f"{name}.pt"),
+                       "--out", str(tmp_path / f"{name}-final.pt"), *extra, max_restarts=restarts)
+        return run(cmd, timeout=180, env=clean_env(), cwd=tmp_path)
 
-    clean = run("clean", [])
+    clean = train("clean", [])
     assert clean.returncode == 0, clean.stderr[-3000:]
-    crashed = run("crash", ["--resume", "--crash-at-step", "5", "--crash-rank", "1"], restarts=1)
+    crashed = train("crash", ["--resume", "--crash-at-step", "5", "--crash-rank", "1"], restarts=1)
     assert crashed.returncode == 0, crashed.stderr[-3000:]
     assert "resumed from" in crashed.stdout and "at step 4" in crashed.stdout, crashed.stdout[-2000:]
     assert "exitcode: 17" in crashed.stderr  # the injected death really happened

@@ -1,13 +1,11 @@
 """fdp.init and fdp.Group."""
 
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import torch
 import torch.distributed as dist
+from procs import clean_env, run, torchrun
 
 import fdp
 import fdp.testing
@@ -50,12 +48,7 @@ def test_init_under_torchrun(tmp_path):
         print(f"RESULT rank={g.rank} size={g.size} local={g.local_rank} main={g.is_main} "
               f"backend={g.backend} sum={t.item():g}", flush=True)
     """))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)],
-        capture_output=True, text=True, timeout=120, env=env,
-    )
+    proc = run(torchrun(2, str(script)), timeout=120, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the two ranks share one stdout pipe, so lines may run together
     lines = sorted(re.findall(r"RESULT [^\n]*?sum=\d+", proc.stdout))

@@ -1,0 +1,409 @@
+"""``python -m fdp.bench``: fdp beside torch DDP on the same models, data and process group.
+
+For each model, every rank trains the same per-rank data through four steps, interleaved
+step by step (the order rotates) in one process group, warm-up excluded:
+
+  local      ``torch.func.grad`` and the optimizer, no communication (the floor);
+  ddp        torch ``DistributedDataParallel``: forward, ``backward()``, ``torch.optim.SGD``;
+  fdp        ``reducer.grad`` (all-reduce overlapped with the backward) + ``fdp.optim.sgd``;
+  fdp-after  ``torch.func.grad`` to completion, then ``reducer.all_reduce`` (no overlap).
+
+Every step includes the optimizer (SGD, momentum 0.9, in place for both libraries) and, for
+models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; fdp's
+``sync_buffers``). Reported per model and step kind: the median step time, its ratio to
+DDP's, the exposed communication (median step minus median local step) and the peak memory
+of the step, measured separately per kind in a fresh world (peak RSS over the RSS before the
+first step on CPU; ``max_memory_allocated`` on CUDA).
+
+Runs by itself (it forks its own 2-rank gloo world on 127.0.0.1) or under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fdp
+
+KINDS = ("local", "ddp", "fdp", "fdp-after")
+LR = 0.01
+
+
+# ----------------------------------------------------------------------------- models
+class MLP(nn.Module):
+    """8 x Linear(1024, 1024): 33.6 MB of fp32 parameters, little compute per byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: int, stride: int) -> None:
+        super().__init__()
+        cin = c // stride if stride > 1 else c
+        self.conv1 = nn.Conv2d(cin, c, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+                     if stride > 1 else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
+class CNN(nn.Module):
+    """A small ResNet with BatchNorm (about 2.8M parameters, 26 BN buffers groups)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.blocks = nn.Sequential(Block(32, 1), Block(64, 2), Block(128, 2), Block(256, 2))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Tiny(nn.Module):
+    """1,000 tiny layers (2,000 leaves): the per-leaf overhead of a reducer."""
+
+    def __init__(self, n: int = 1000, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class Transformer(nn.Module):
+    """4 pre-norm transformer encoder blocks, d_model 256, 4 heads, sequence 64."""
+
+    def __init__(self, d: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, d)
+        block = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)))
+
+
+def _images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple]]] = {
+    "mlp": (MLP, lambda g: (torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g))),
+    "cnn": (CNN, lambda g: _images(32, g)),
+    "tiny1000": (Tiny, lambda g: (torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g))),
+    "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (8, 64), generator=g),
+                                            torch.randint(0, 1000, (8, 64), generator=g))),
+}
+
+
+def _loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "tiny1000":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- steps
+class Steps:
+    """The four step kinds for one model, each with its own replica of the same weights."""
+
+    def __init__(self, name: str, group: fdp.Group, cfg: argparse.Namespace,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        make, data = MODELS[name]
+        self.name, self.group = name, group
+        device = group.device
+        torch.manual_seed(0)
+        template = make().to(device)
+        g = torch.Generator().manual_seed(100 + group.rank)
+        self.batches = [tuple(t.to(device) for t in data(g)) for _ in range(4)]
+        self.i = 0
+
+        if "ddp" in kinds:  # DDP with torch.optim.SGD
+            ddp_model = make().to(device)
+            ddp_model.load_state_dict(template.state_dict())
+            self.ddp = nn.parallel.DistributedDataParallel(ddp_model, bucket_cap_mb=cfg.bucket_cap_mb)
+            if cfg.hook != "allreduce":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp_hook = {"bf16_compress": _ddp_bf16, "fp16_compress": default_hooks.fp16_compress_hook}[cfg.hook]
+                self.ddp.register_comm_hook(group.process_group, ddp_hook)
+            self.ddp_opt = torch.optim.SGD(self.ddp.parameters(), lr=LR, momentum=0.9)
+
+        # fdp: one functional replica per kind (so no kind sees another's updates)
+        self.apply, _, _ = fdp.functionalize(template)
+        self.state: dict[str, Any] = {}
+        for kind in kinds:
+            if kind != "ddp":
+                params = {k: v.detach().clone() for k, v in template.named_parameters()}
+                buffers = {k: v.clone() for k, v in template.named_buffers()}
+                opt = fdp.optim.sgd(lr=LR, momentum=0.9, donate=True)
+                self.state[kind] = [params, buffers, opt.init(params), opt]
+        self.has_buffers = any(True for _ in template.buffers())
+        params = {k: v.detach() for k, v in template.named_parameters()}
+        # DDP's first bucket is 1 MiB only when the cap is left at its default
+        first_cap = 1 if cfg.bucket_cap_mb == 25 else cfg.bucket_cap_mb
+        self.reducer = fdp.Reducer(params, group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                   first_bucket_cap_mb=first_cap, comm_hook=getattr(fdp.hooks, cfg.hook))
+
+        def loss_fn(params: dict, buffers: dict, x: torch.Tensor, y: torch.Tensor) -> tuple:
+            out, new_buffers = self.apply(params, buffers, x)
+            return _loss(name, out, y), new_buffers
+
+        self.loss_fn = loss_fn
+        self.grad_fn = self.reducer.grad(loss_fn, has_aux=True)
+        self.local_grad = torch.func.grad(loss_fn, has_aux=True)
+
+    def batch(self) -> tuple:
+        b = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return b
+
+    def run(self, kind: str) -> None:
+        x, y = self.batch()
+        if kind == "ddp":
+            self.ddp_opt.zero_grad(set_to_none=False)
+            _loss(self.name, self.ddp(x), y).backward()
+            self.ddp_opt.step()
+            return
+        params, buffers, opt_state, opt = self.state[kind]
+        if kind == "fdp":
+            grads, buffers = self.grad_fn(params, buffers, x, y)
+        else:
+            grads, buffers = self.local_grad(params, buffers, x, y)
+            if kind == "fdp-after":
+                grads = self.reducer.all_reduce(grads)
+        if self.has_buffers and kind != "local":
+            buffers = fdp.sync_buffers(buffers, group=self.group)
+        params, opt_state = opt.update(grads, opt_state, params)
+        self.state[kind] = [params, buffers, opt_state, opt]
+
+
+def _ddp_bf16(state: Any, bucket: Any) -> Any:
+    # DDP refuses bf16_compress_hook off CUDA by its name only; gloo reduces bf16 fine.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def _sync(group: fdp.Group) -> None:
+    if group.device.type == "cuda":
+        torch.cuda.synchronize()
+    if group.process_group is not None:
+        dist.barrier(group=group.process_group)
+
+
+def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tuple[str, ...] = KINDS) -> dict:
+    steps = Steps(name, group, cfg)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    exposed: list[float] = []
+    for i in range(cfg.warmup + cfg.steps):
+        order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]  # rotate: no kind always first
+        for kind in order:
+            _sync(group)
+            t = time.perf_counter()
+            steps.run(kind)
+            if group.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            if i >= cfg.warmup:
+                times[kind].append(dt)
+                if kind == "fdp":
+                    exposed.append(steps.reducer.last_timeline().exposed_comm)
+    # every rank's view; rank 0's is reported (all ranks waited at the same barriers)
+    out = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    out["fdp_timeline_exposed"] = statistics.median(exposed) * 1000 if exposed else None
+    out["buckets"] = len(steps.reducer.plan.buckets)
+    out["leaves"] = len(steps.reducer.plan.slots)
+    out["mbytes"] = sum(b.nbytes for b in steps.reducer.plan.buckets) / 2**20
+    return out
+
+
+def _rss() -> tuple[int, int]:
+    """(current RSS, peak RSS) in bytes, from /proc (Linux)."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, v = line.split(":")
+                vals[key] = int(v.split()[0]) * 1024
+    return vals["VmRSS"], vals["VmHWM"]
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace) -> float | None:
+    """Peak extra memory (MiB) of `kind`'s steps: a fresh world, this kind only."""
+    steps = Steps(name, group, cfg, kinds=(kind,))
+    if group.device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        if not _reset_peak_rss():
+            return None
+        base = _rss()[0]
+    for _ in range(4):
+        _sync(group)
+        steps.run(kind)
+    if group.device.type == "cuda":
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return (_rss()[1] - base) / 2**20
+
+
+# ----------------------------------------------------------------------------- driver
+def _per_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
+    torch.set_num_threads(cfg.threads)
+    results: dict[str, Any] = {"models": {}, "sweep": {}}
+    for name in cfg.models:
+        results["models"][name] = time_model(name, group, cfg)
+    if cfg.sweep:
+        for cap in cfg.sweep_caps:
+            sub = argparse.Namespace(**{**vars(cfg), "bucket_cap_mb": cap})
+            r = time_model(cfg.sweep_model, group, sub, kinds=("ddp", "fdp"))
+            results["sweep"][cap] = {"ddp": r["ddp"], "fdp": r["fdp"], "buckets": r["buckets"]}
+    return results
+
+
+def _memory_rank(group: fdp.Group, cfg: argparse.Namespace, name: str, kind: str) -> float | None:
+    torch.set_num_threads(cfg.threads)
+    return memory_model(name, kind, group, cfg)
+
+
+def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
+    if "RANK" in os.environ:  # under torchrun: this process is one rank
+        group = fdp.init()
+        return [fn(group, cfg, *extra)]
+    return fdp.testing.run(fn, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg, *extra))
+
+
+def table(results: dict, cfg: argparse.Namespace) -> str:
+    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'peak MiB':>9}"]
+    for name, r in results["models"].items():
+        for kind in KINDS:
+            ms = r[kind]
+            ratio = ms / r["ddp"]
+            exposed = "" if kind == "local" else f"{ms - r['local']:.2f}"
+            mem = r.get("memory", {}).get(kind)
+            lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
+                         f"{'' if mem is None else f'{mem:9.1f}':>9}")
+        lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets; "
+                     f"fdp timeline exposed comm {r['fdp_timeline_exposed']:.2f} ms)")
+    if results.get("sweep"):
+        lines.append("")
+        lines.append(f"bucket cap sweep ({cfg.sweep_model}): cap MiB, buckets, ddp ms, fdp ms, fdp/ddp")
+        for cap, r in results["sweep"].items():
+            lines.append(f"  {cap:>7} {r['buckets']:>4} {r['ddp']:9.2f} {r['fdp']:9.2f} {r['fdp'] / r['ddp']:7.3f}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(results["models"])
+    ncols = 2 if results.get("sweep") else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4), dpi=110, squeeze=False)
+    ax = axes[0][0]
+    width = 0.2
+    for j, kind in enumerate(KINDS):
+        vals = [results["models"][m][kind] / results["models"][m]["ddp"] for m in models]
+        ax.bar([i + (j - 1.5) * width for i in range(len(models))], vals, width, label=kind)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("step time / DDP's (lower is better)")
+    ax.legend(fontsize=8)
+    ax.set_title("median step time relative to DDP")
+    if results.get("sweep"):
+        ax = axes[0][1]
+        caps = list(results["sweep"])
+        for kind in ("ddp", "fdp"):
+            ax.plot(caps, [results["sweep"][c][kind] for c in caps], "o-", label=kind)
+        ax.set_xscale("log")
+        ax.set_xlabel("bucket cap (MiB)")
+        ax.set_ylabel("median step (ms)")
+        ax.legend()
+        ax.set_title("bucket cap sweep")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fdp.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,cnn,tiny1000,transformer",
+                   help=f"comma-separated, from {','.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per kind (medians)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--bucket-cap-mb", type=float, default=25)
+    p.add_argument("--world-size", type=int, default=2, help="ranks to fork when not under torchrun")
+    p.add_argument("--hook", default="allreduce", choices=["allreduce", "bf16_compress", "fp16_compress"])
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    p.add_argument("--sweep", action="store_true", help="also time bucket caps 0.25 .. 100 MiB")
+    p.add_argument("--sweep-model", default="mlp")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write a PNG chart here")
+    p.add_argument("--timeout", type=float, default=1800)
+    cfg = p.parse_args(argv)
+    cfg.models = [m for m in cfg.models.split(",") if m]
+    unknown = [m for m in cfg.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    cfg.sweep_caps = [0.25, 1, 5, 25, 100]
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
+
+    results = _launch(_per_rank, cfg)[0]
+    if not cfg.no_memory:
+        for name in cfg.models:
+            results["models"][name]["memory"] = {
+                kind: _launch(_memory_rank, cfg, name, kind)[0] for kind in KINDS
+            }
+    results["config"] = {k: v for k, v in vars(cfg).items()}
+    results["torch"] = torch.__version__
+    under_torchrun = "RANK" in os.environ
+    if not under_torchrun or int(os.environ["RANK"]) == 0:
+        print(table(results, cfg))
+        if cfg.json:
+            with open(cfg.json, "w") as f:
+                json.dump(results, f, indent=2, default=str)
+        if cfg.plot:
+            plot(results, cfg.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

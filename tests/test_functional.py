@@ -188,3 +188,15 @@ def test_apply_names_missing_extra_and_misshaped_keys():
     del b["bn2.running_var"]
     with pytest.raises(ValueError, match="`buffers` is missing key 'bn2.running_var'"):
         apply(params, b, x)
+
+
+def test_the_module_is_left_as_it_was_even_when_the_forward_raises():
+    model = Tied()
+    originals = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    apply, params, buffers = fdp.functionalize(model)
+    with pytest.raises(IndexError):
+        apply(params, buffers, torch.tensor([99]))  # out of the embedding's range
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert after.keys() == originals.keys()
+    assert all(after[n] is originals[n] for n in after), "a swapped-in tensor stayed in the module"
+    assert model.out.weight is model.emb.weight

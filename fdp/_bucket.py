@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,6 +57,11 @@ class Bucket:
         return self.numel * _itemsize(self.dtype)
 
 
+# Attribute getters mapped over leaves (C-level: no Python bytecode per leaf).
+_shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -99,7 +105,7 @@ class BucketPlan:
         self.caps = caps
         self._shapes = [torch.Size(s.shape) for s in slots]
         self._dtypes = [s.dtype for s in slots]
-        self._bucket_leaves = [list(b.leaves) for b in buckets]
+        self._templates: list[list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -222,7 +228,11 @@ class BucketPlan:
                 f"fdp: {what} does not match the bucket plan's structure: "
                 f"{_tree.first_difference(self.treedef, treedef)}"
             )
-        if [t.shape for t in leaves] != self._shapes or [t.dtype for t in leaves] != self._dtypes:
+        try:
+            same = list(map(_shape, leaves)) == self._shapes and list(map(_dtype, leaves)) == self._dtypes
+        except AttributeError:  # a leaf that is not a tensor
+            same = False
+        if not same:
             self._raise_leaf_mismatch(leaves, what)
         return leaves
 
@@ -326,7 +336,18 @@ class BucketPlan:
         flattened inside the traced code, since dynamo replaces optree's tree specs).
         """
         leaves: list[Any] = [None] * len(self.slots)
-        for b, f in zip(self.buckets, flats):
-            for i, off, n in zip(b.leaves, b.offsets, b.numels):
-                leaves[i] = f[off : off + n].view(self.slots[i].shape)
+        if _tree.compiling():  # traceable slicing
+            for b, f in zip(self.buckets, flats):
+                for i, off, n in zip(b.leaves, b.offsets, b.numels):
+                    leaves[i] = f[off : off + n].view(self.slots[i].shape)
+        else:  # every view of a bucket from one C++ call (~1 us per leaf less than slicing here)
+            for b, f, shapes in zip(self.buckets, flats, self._shape_templates()):
+                for i, v in zip(b.leaves, torch._C._nn.unflatten_dense_tensors(f, shapes)):
+                    leaves[i] = v
         return _tree.unflatten(treedef or self.treedef, leaves)
+
+    def _shape_templates(self) -> list[list[torch.Tensor]]:
+        """Per bucket, storage-less tensors shaped like its leaves (what the view call reads)."""
+        if self._templates is None:
+            self._templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in self.buckets]
+        return self._templates

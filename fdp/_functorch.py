@@ -2,6 +2,11 @@
 
 Checked on torch 2.4 and 2.13 (the versions CI and the package floor cover):
 
+* ``Tensor._backward_hooks``: a leaf's tensor hooks live in this dict, which the autograd
+  engine calls with the leaf's gradient; assigning a one-entry dict to a fresh leaf is what
+  ``Tensor.register_hook`` does, without its Python bookkeeping (~0.4 us instead of ~3 us per
+  leaf: 5 ms a step for a model of 2,000 leaves).
+
 * ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``: inside
   ``torch.func.grad`` a tensor hook receives a functorch-wrapped gradient; unwrapping it
   (repeatedly, one level per transform) gives the plain tensor that holds the values.
@@ -17,7 +22,7 @@ non-overlapped path: ``torch.func.grad`` first, then a bucketed all-reduce.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -32,6 +37,11 @@ try:
     AVAILABLE = True
 except ImportError:  # pragma: no cover - exercised only on a torch without these APIs
     AVAILABLE = False
+
+
+def set_leaf_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Make ``hook`` the only backward hook of ``t``, a fresh leaf that requires grad."""
+    t._backward_hooks = {0: hook}
 
 
 def unwrap(t: torch.Tensor) -> torch.Tensor:

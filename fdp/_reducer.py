@@ -204,7 +204,9 @@ class Reducer:
         self._results: list[torch.Tensor | None] = [None] * len(self.plan.buckets)
         self._bucket_of = [s.bucket for s in self.plan.slots]
         self._release = [s.numel * _itemsize(s.dtype) >= _RELEASE_BYTES for s in self.plan.slots]
-        self._leaf_hooks = [self._make_hook(i) for i in range(len(self.plan.slots))]
+        # One hook per leaf, for each engine (the functorch one unwraps its gradients).
+        self._hooks = {engine: [self._make_hook(i, engine == "functorch") for i in range(len(self.plan.slots))]
+                       for engine in ("autograd", "functorch")}
         self._steps = 0
         self._cur: _Step | None = None
         self._timeline: Timeline | None = None
@@ -374,7 +376,7 @@ class Reducer:
         step = _Step(self, "grad", acc, self._scale(1.0 / self.group.size), True)
         self._cur = step
         try:
-            _, value = self._local(engine, fn, argnums, has_aux, args, kwargs, leaves, self._leaf_hooks)
+            _, value = self._local(engine, fn, argnums, has_aux, args, kwargs, leaves, self._hooks[engine])
             step.bwd_end = time.perf_counter()
             return self._finish(step), value
         except BaseException:
@@ -391,10 +393,10 @@ class Reducer:
         if engine == "functorch":
             instrumented = self._instrument(fn, argnums, has_aux, hooks)
             return torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
-        inputs = [t.detach().requires_grad_() for t in leaves]
+        inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
         if hooks is not None:
             for leaf, hook in zip(inputs, hooks):
-                leaf.register_hook(hook)
+                _functorch.set_leaf_hook(leaf, hook)
         args = _replace(args, argnums, _tree.unflatten(self.plan.treedef, inputs))
         with torch.enable_grad():
             out = fn(*args, **kwargs)
@@ -428,15 +430,16 @@ class Reducer:
         if self._cur is not None:
             self._cur.bwd_start = time.perf_counter()
 
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    def _make_hook(self, i: int, wrapped: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
         bucket = self._bucket_of[i]
         release = self._release[i]
+        unwrap = _functorch.unwrap if wrapped else None
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             step = self._cur
             if step is None or step.got[i]:
                 return None
-            step.stash[i] = _functorch.unwrap(grad)
+            step.stash[i] = unwrap(grad) if unwrap else grad
             step.got[i] = 1
             step.pending[bucket] -= 1
             if step.pending[bucket] == 0:

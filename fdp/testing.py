@@ -268,6 +268,7 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
                 try:
                     msg = pickle.loads(c.recv_bytes())
                 except EOFError:
+                    procs[rank].join(5)  # the pipe closes just before the process is reaped
                     msg = ("err", RuntimeError(f"process exited with code {procs[rank].exitcode} "
                                                "without reporting a result"), "")
                 c.close()

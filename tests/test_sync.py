@@ -231,3 +231,20 @@ def test_active_false_matches_ddp_join_and_loops_end_together():
             assert torch.equal(mine[k], theirs[k].detach()), f"rank {rank}, leaf {k!r}"
     for k in res[0][0]:
         assert torch.equal(res[0][0][k], res[1][0][k]), "replicas must stay identical"
+
+
+def test_sync_buffers_checks_a_layout_once_and_again_when_it_changes():
+    def body(group):
+        calls = []
+        real = fdp._sync.verify_layout
+        fdp._sync.verify_layout = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+        try:
+            b = {"m": torch.zeros(3)}
+            for _ in range(3):
+                fdp.sync_buffers(b, group=group)
+            fdp.sync_buffers({"m": torch.zeros(4)}, group=group)  # a new layout: checked
+            return len(calls)
+        finally:
+            fdp._sync.verify_layout = real
+
+    assert fdp.testing.run(body, 2, backend="gloo") == [2, 2]

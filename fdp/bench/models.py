@@ -1,12 +1,18 @@
 """``python -m fdp.bench``: fdp beside torch DDP on the same models, data and process group.
 
-For each model, every rank trains the same per-rank data through four steps, interleaved
+For each model, every rank trains the same per-rank data through these steps, interleaved
 step by step (the order rotates) in one process group, warm-up excluded:
 
-  local      ``torch.func.grad`` and the optimizer, no communication (the floor);
+  local      the gradient (fdp's engine: autograd on detached leaves) and the optimizer,
+             no communication: the floor;
   ddp        torch ``DistributedDataParallel``: forward, ``backward()``, ``torch.optim.SGD``;
-  fdp        ``reducer.grad`` (all-reduce overlapped with the backward) + ``fdp.optim.sgd``;
-  fdp-after  ``torch.func.grad`` to completion, then ``reducer.all_reduce`` (no overlap).
+  fdp        ``reducer.grad``: all-reduce overlapped with the backward;
+  fdp-after  ``Reducer(overlap=False).grad``: the same engine, the whole gradient first, then
+             the bucketed all-reduce (what overlap buys is fdp-after minus fdp);
+  func-ar    ``torch.func.grad`` to completion, then ``reducer.all_reduce``: the functional
+             step written by hand (torch.func's own wrapping costs show here);
+  compiled   (``--compiled``) ``torch.compile(fullgraph=True)`` of the ``func-ar`` step:
+             collectives inside the graph.
 
 Every step includes the optimizer (SGD, momentum 0.9, in place for both libraries) and, for
 models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; fdp's
@@ -36,7 +42,7 @@ from torch import nn
 
 import fdp
 
-KINDS = ("local", "ddp", "fdp", "fdp-after")
+KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar")
 LR = 0.01
 
 
@@ -130,7 +136,7 @@ def _loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- steps
 class Steps:
-    """The four step kinds for one model, each with its own replica of the same weights."""
+    """The step kinds for one model, each with its own replica of the same weights."""
 
     def __init__(self, name: str, group: fdp.Group, cfg: argparse.Namespace,
                  kinds: tuple[str, ...] = KINDS) -> None:
@@ -176,7 +182,29 @@ class Steps:
 
         self.loss_fn = loss_fn
         self.grad_fn = self.reducer.grad(loss_fn, has_aux=True)
-        self.local_grad = torch.func.grad(loss_fn, has_aux=True)
+        self.func_grad = torch.func.grad(loss_fn, has_aux=True)
+        after = fdp.Reducer(params, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=first_cap,
+                            comm_hook=getattr(fdp.hooks, cfg.hook), overlap=False) if "fdp-after" in kinds else None
+        self.after_grad = after.grad(loss_fn, has_aux=True) if after else None
+        if "compiled" in kinds:
+            if self.has_buffers:  # sync_buffers skips its cross-rank check inside the graph
+                fdp.assert_same_shapes(self.state["compiled"][1], group)
+            self.compiled = torch.compile(self._func_ar_step, fullgraph=True)
+
+    def _local_grad(self, params: dict, buffers: dict, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss, buffers = self.loss_fn(leaves, buffers, x, y)
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        return dict(zip(leaves, grads)), buffers
+
+    def _func_ar_step(self, params: dict, buffers: dict, opt_state: Any, x: torch.Tensor, y: torch.Tensor,
+                      opt: Any) -> tuple:
+        grads, buffers = self.func_grad(params, buffers, x, y)
+        grads = self.reducer.all_reduce(grads)
+        if self.has_buffers:
+            buffers = fdp.sync_buffers(buffers, group=self.group)
+        params, opt_state = opt.update(grads, opt_state, params)
+        return params, buffers, opt_state
 
     def batch(self) -> tuple:
         b = self.batches[self.i % len(self.batches)]
@@ -191,12 +219,16 @@ class Steps:
             self.ddp_opt.step()
             return
         params, buffers, opt_state, opt = self.state[kind]
+        if kind in ("func-ar", "compiled"):
+            step = self.compiled if kind == "compiled" else self._func_ar_step
+            self.state[kind] = [*step(params, buffers, opt_state, x, y, opt), opt]
+            return
         if kind == "fdp":
             grads, buffers = self.grad_fn(params, buffers, x, y)
+        elif kind == "fdp-after":
+            grads, buffers = self.after_grad(params, buffers, x, y)
         else:
-            grads, buffers = self.local_grad(params, buffers, x, y)
-            if kind == "fdp-after":
-                grads = self.reducer.all_reduce(grads)
+            grads, buffers = self._local_grad(params, buffers, x, y)
         if self.has_buffers and kind != "local":
             buffers = fdp.sync_buffers(buffers, group=self.group)
         params, opt_state = opt.update(grads, opt_state, params)
@@ -217,8 +249,8 @@ def _sync(group: fdp.Group) -> None:
         dist.barrier(group=group.process_group)
 
 
-def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tuple[str, ...] = KINDS) -> dict:
-    steps = Steps(name, group, cfg)
+def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tuple[str, ...]) -> dict:
+    steps = Steps(name, group, cfg, kinds)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     exposed: list[float] = []
     for i in range(cfg.warmup + cfg.steps):
@@ -236,6 +268,7 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
                     exposed.append(steps.reducer.last_timeline().exposed_comm)
     # every rank's view; rank 0's is reported (all ranks waited at the same barriers)
     out = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    out["iqr"] = {k: [q * 1000 for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1}
     out["fdp_timeline_exposed"] = statistics.median(exposed) * 1000 if exposed else None
     out["buckets"] = len(steps.reducer.plan.buckets)
     out["leaves"] = len(steps.reducer.plan.slots)
@@ -287,11 +320,12 @@ def _per_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
     torch.set_num_threads(cfg.threads)
     results: dict[str, Any] = {"models": {}, "sweep": {}}
     for name in cfg.models:
-        results["models"][name] = time_model(name, group, cfg)
+        torch._dynamo.reset()
+        results["models"][name] = time_model(name, group, cfg, cfg.kinds)
     if cfg.sweep:
         for cap in cfg.sweep_caps:
             sub = argparse.Namespace(**{**vars(cfg), "bucket_cap_mb": cap})
-            r = time_model(cfg.sweep_model, group, sub, kinds=("ddp", "fdp"))
+            r = time_model(cfg.sweep_model, group, sub, ("ddp", "fdp"))
             results["sweep"][cap] = {"ddp": r["ddp"], "fdp": r["fdp"], "buckets": r["buckets"]}
     return results
 
@@ -311,7 +345,7 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
 def table(results: dict, cfg: argparse.Namespace) -> str:
     lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'peak MiB':>9}"]
     for name, r in results["models"].items():
-        for kind in KINDS:
+        for kind in cfg.kinds:
             ms = r[kind]
             ratio = ms / r["ddp"]
             exposed = "" if kind == "local" else f"{ms - r['local']:.2f}"
@@ -338,10 +372,11 @@ def plot(results: dict, path: str) -> None:
     ncols = 2 if results.get("sweep") else 1
     fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4), dpi=110, squeeze=False)
     ax = axes[0][0]
-    width = 0.2
-    for j, kind in enumerate(KINDS):
+    kinds = results["config"]["kinds"]
+    width = 0.8 / len(kinds)
+    for j, kind in enumerate(kinds):
         vals = [results["models"][m][kind] / results["models"][m]["ddp"] for m in models]
-        ax.bar([i + (j - 1.5) * width for i in range(len(models))], vals, width, label=kind)
+        ax.bar([i + (j - (len(kinds) - 1) / 2) * width for i in range(len(models))], vals, width, label=kind)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_xticks(range(len(models)), models)
     ax.set_ylabel("step time / DDP's (lower is better)")
@@ -373,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hook", default="allreduce", choices=["allreduce", "bf16_compress", "fp16_compress"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the torch.compile(fullgraph=True) step (compiles per model: slow)")
     p.add_argument("--sweep", action="store_true", help="also time bucket caps 0.25 .. 100 MiB")
     p.add_argument("--sweep-model", default="mlp")
     p.add_argument("--json", default=None, help="write the results here")
@@ -384,15 +421,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     cfg.sweep_caps = [0.25, 1, 5, 25, 100]
+    cfg.kinds = KINDS + (("compiled",) if cfg.compiled else ())
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
 
     results = _launch(_per_rank, cfg)[0]
+    results["config"] = dict(vars(cfg))
     if not cfg.no_memory:
         for name in cfg.models:
             results["models"][name]["memory"] = {
-                kind: _launch(_memory_rank, cfg, name, kind)[0] for kind in KINDS
+                kind: _launch(_memory_rank, cfg, name, kind)[0] for kind in cfg.kinds
             }
-    results["config"] = {k: v for k, v in vars(cfg).items()}
     results["torch"] = torch.__version__
     under_torchrun = "RANK" in os.environ
     if not under_torchrun or int(os.environ["RANK"]) == 0:

@@ -297,8 +297,12 @@ def _reset_peak_rss() -> bool:
 
 
 def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace) -> float | None:
-    """Peak extra memory (MiB) of `kind`'s steps: a fresh world, this kind only."""
-    steps = Steps(name, group, cfg, kinds=(kind,))
+    """Peak memory (MiB) that `kind` adds: a fresh world running this kind only.
+
+    Measured from before the model is built to the peak over its construction (model,
+    replica, optimizer state, DDP's or fdp's buffers) and four steps, so state that one
+    library allocates up front and the other during its steps is counted for both.
+    """
     if group.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -307,6 +311,7 @@ def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace
         if not _reset_peak_rss():
             return None
         base = _rss()[0]
+    steps = Steps(name, group, cfg, kinds=(kind,))
     for _ in range(4):
         _sync(group)
         steps.run(kind)

@@ -1,0 +1,38 @@
+"""The benchmarks run (at a tiny size) and print the columns the docs and notes quote.
+
+These check the harness, not the speed: speed claims come from full runs on a quiet machine
+(`python -m fdp.bench`, recorded in docs/performance.md), never from timed tests.
+"""
+
+import json
+
+from fdp.bench import kernels as kernels_bench
+from fdp.bench import models as models_bench
+
+
+def test_model_benchmark_prints_every_kind_with_ratio_exposed_and_memory(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = models_bench.main(["--models", "tiny1000", "--steps", "2", "--warmup", "1",
+                              "--json", str(out_json), "--plot", str(tmp_path / "bench.png")])
+    text = capsys.readouterr().out
+    assert code == 0
+    header = text.splitlines()[0].split()
+    assert header == ["model", "step", "ms", "vs", "ddp", "exposed", "ms", "peak", "MiB"]
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny1000")}
+    assert set(rows) == set(models_bench.KINDS)
+    assert float(rows["ddp"][3]) == 1.0  # the ratio column is relative to DDP
+    for kind, row in rows.items():
+        assert float(row[2]) > 0
+        assert float(row[-1]) > 0, f"{kind}: no peak memory"
+    results = json.loads(out_json.read_text())
+    assert set(models_bench.KINDS) <= set(results["models"]["tiny1000"])
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_kernel_benchmark_prints_ratios_to_a_copy(capsys):
+    code = kernels_bench.main(["--reps", "20", "--warmup", "1", "--cases", "100-leaves", "--threads", "1"])
+    text = capsys.readouterr().out
+    assert code in (0, 1)  # 1 = a target missed; the harness itself worked
+    for row in ("flatten", "flatten+scale", "flatten+scale+bf16", "unflatten (fresh)", "unflatten (out=)"):
+        assert f" {row} " in text
+    assert "x copy" in text

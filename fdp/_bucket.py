@@ -322,12 +322,7 @@ class BucketPlan:
             for b, f in zip(self.buckets, flats):
                 kernels.unflatten(f, [leaves[i] for i in b.leaves], impl=impl)
             return out
-        leaves: list[Any] = [None] * len(self.slots)
-        for b, f in zip(self.buckets, flats):
-            copy = f.to(dtype or b.dtype, copy=True)
-            for i, off, n in zip(b.leaves, b.offsets, b.numels):
-                leaves[i] = copy[off : off + n].view(self.slots[i].shape)
-        return _tree.unflatten(self.treedef, leaves)
+        return self.views([f.to(dtype or b.dtype, copy=True) for b, f in zip(self.buckets, flats)])
 
     def views(self, flats: Sequence[torch.Tensor], treedef: _tree.TreeDef | None = None) -> Any:
         """A tree of views into ``flats`` (no copy): valid as long as the buffers are.

@@ -229,7 +229,10 @@ class BucketPlan:
                 f"{_tree.first_difference(self.treedef, treedef)}"
             )
         try:
-            same = list(map(_shape, leaves)) == self._shapes and list(map(_dtype, leaves)) == self._dtypes
+            if _tree.compiling():  # dynamo cannot call attrgetter objects
+                same = [t.shape for t in leaves] == self._shapes and [t.dtype for t in leaves] == self._dtypes
+            else:
+                same = list(map(_shape, leaves)) == self._shapes and list(map(_dtype, leaves)) == self._dtypes
         except AttributeError:  # a leaf that is not a tensor
             same = False
         if not same:

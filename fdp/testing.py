@@ -20,7 +20,7 @@ Two backends:
   Its SUM all-reduce adds the ranks' tensors in rank order.
 
 ``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over
-  127.0.0.1. Asynchrony and overlap are real. ``fn``, ``args`` and the results cross process
+  127.0.0.1 (after a rendezvous through a file in a temporary folder). Asynchrony and overlap are real. ``fn``, ``args`` and the results cross process
   boundaries by pickling; ``fn`` may be a closure (fork copies the parent's memory). Each
   child starts with the parent's RNG state.
 
@@ -36,7 +36,9 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -193,18 +195,22 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
 # ----------------------------------------------------------------------------------- gloo
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, timeout: float, conn) -> None:
+def _child(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, timeout: float, conn) -> None:
     code = 0
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            LOCAL_WORLD_SIZE=str(world_size),
         )
         pg_timeout = timedelta(seconds=timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=pg_timeout)
+        store = dist.FileStore(store_path, world_size)
+        store.set_timeout(pg_timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        # Every rank's gloo mesh is up before any rank runs `fn`: a rank that finishes `fn`
+        # and exits at once must not close connections a slower rank is still opening.
+        dist.barrier()
         group = Group.from_process_group(dist.group.WORLD, device="cpu", timeout=pg_timeout)
         try:
             payload = ("ok", fn(group, *args))
@@ -234,10 +240,12 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, tim
 
 def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
     ctx = mp.get_context("fork")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-        timeout=timedelta(seconds=timeout),
-    )
+    # The rendezvous is a FileStore: it needs no server thread in this process. (A TCPStore
+    # server here would be running a thread while we fork, and a child that inherits a lock
+    # that thread held deadlocks before it can join the group.) Gloo itself still talks TCP
+    # over 127.0.0.1.
+    store_dir = tempfile.mkdtemp(prefix="fdp-testing-")
+    store_path = os.path.join(store_dir, "store")
     # Collectives time out a little before the whole run does, so a stuck rank reports
     # its own error instead of being killed silently.
     coll_timeout = max(1.0, timeout * 0.8)
@@ -245,7 +253,7 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
     for rank in range(world_size):
         recv, send = ctx.Pipe(duplex=False)
         p = ctx.Process(
-            target=_child, args=(rank, world_size, store.port, fn, args, coll_timeout, send),
+            target=_child, args=(rank, world_size, store_path, fn, args, coll_timeout, send),
             name=f"fdp-rank-{rank}", daemon=True,
         )
         p.start()
@@ -284,7 +292,7 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
                 os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(5)
-        del store
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         rank = min(errors, key=lambda r: _error_rank_order(errors[r][0], r))
         exc, tb = errors[rank]

@@ -27,6 +27,7 @@ Runs by itself (it forks its own 2-rank gloo world on 127.0.0.1) or under torchr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -139,8 +140,10 @@ class Steps:
     """The step kinds for one model, each with its own replica of the same weights."""
 
     def __init__(self, name: str, group: fdp.Group, cfg: argparse.Namespace,
-                 kinds: tuple[str, ...] = KINDS) -> None:
+                 kinds: tuple[str, ...] = KINDS, n_layers: int | None = None) -> None:
         make, data = MODELS[name]
+        if n_layers is not None:  # a small stand-in of the same kind (warm-up)
+            make = functools.partial(make, n_layers)
         self.name, self.group = name, group
         device = group.device
         torch.manual_seed(0)
@@ -167,6 +170,8 @@ class Steps:
             if kind != "ddp":
                 params = {k: v.detach().clone() for k, v in template.named_parameters()}
                 buffers = {k: v.clone() for k, v in template.named_buffers()}
+                if kind != "local":  # what DDP's constructor does, as fdp's users do it
+                    params, buffers = fdp.broadcast((params, buffers), group=group)
                 opt = fdp.optim.sgd(lr=LR, momentum=0.9, donate=True)
                 self.state[kind] = [params, buffers, opt.init(params), opt]
         self.has_buffers = any(True for _ in template.buffers())
@@ -303,6 +308,17 @@ def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace
     replica, optimizer state, DDP's or fdp's buffers) and four steps, so state that one
     library allocates up front and the other during its steps is counted for both.
     """
+    # Build and step a tiny model of every kind first: the imports and one-time setup both
+    # libraries do (DDP's constructor imports torch._dynamo, ~100 MiB of resident modules)
+    # must not count as the model's memory.
+    warm = argparse.Namespace(**{**vars(cfg), "bucket_cap_mb": 25})
+    tiny = Steps("tiny1000", group, warm, kinds=KINDS, n_layers=2)
+    for k in KINDS:
+        tiny.run(k)
+    del tiny
+    import gc
+
+    gc.collect()
     if group.device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -24,6 +24,7 @@ from ._group import init as init
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
 from ._reducer import Timeline as Timeline
+from ._sync import ReplicaCheck as ReplicaCheck
 from ._sync import any_rank as any_rank
 from ._sync import assert_replicas_equal as assert_replicas_equal
 from ._sync import assert_same_shapes as assert_same_shapes
@@ -41,6 +42,7 @@ __all__ = [
     "Group",
     "Pending",
     "Reducer",
+    "ReplicaCheck",
     "ReplicaMismatchError",
     "Timeline",
     "any_rank",

@@ -248,3 +248,28 @@ def test_sync_buffers_checks_a_layout_once_and_again_when_it_changes():
             fdp._sync.verify_layout = real
 
     assert fdp.testing.run(body, 2, backend="gloo") == [2, 2]
+
+
+def test_asynchronous_replica_check_reports_drift_when_waited():
+    def body(group):
+        state = {"w": torch.ones(4), "b": torch.zeros(2)}
+        ok = fdp.assert_replicas_equal(state, group, wait=False)
+        ok.wait()
+        if group.rank == 1:
+            state["b"] = torch.tensor([0.0, 1e-9])
+        pending = fdp.assert_replicas_equal(state, group, wait=False)  # returns at once
+        try:
+            pending.wait()
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for msg in fdp.testing.run(body, 2, backend="gloo"):
+        assert msg is not None and "leaf ['b'] differs on rank(s) [1]" in msg
+
+
+def test_replica_check_of_different_layouts_names_the_leaf():
+    def body(group):
+        fdp.assert_replicas_equal({"w": torch.ones(3 + group.rank)}, group)
+
+    with pytest.raises(fdp.ReplicaMismatchError, match=r"leaf \['w'\] has shape \(3,\) float32 on rank 0 but \(4,\)"):
+        fdp.testing.run(body, 2)

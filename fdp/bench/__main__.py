@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|soak|gpu] ...``: benchmarks that run fdp beside its peer in one run.
+"""``python -m fdp.bench [kernels|replicas|soak|gpu] ...``: benchmarks that run fdp beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
 """
@@ -14,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import kernels
 
         return kernels.main(argv[1:])
+    if argv and argv[0] == "replicas":
+        from . import replicas
+
+        return replicas.main(argv[1:])
     if argv and argv[0] == "soak":
         from . import soak
 

@@ -19,6 +19,11 @@ class _RankFilter(logging.Filter):
         return True
 
 
+def debug_mode() -> bool:
+    """Whether ``FDP_DEBUG`` asks for collective fingerprint checks (see ``fdp.Reducer``)."""
+    return os.environ.get("FDP_DEBUG", "0").lower() not in ("", "0", "false", "no")
+
+
 def configure(level: str | None = None) -> None:
     """Send fdp's log lines to stderr as ``[fdp rank 0] ...`` at ``level`` (default: $FDP_LOG)."""
     level = level or os.environ.get("FDP_LOG")

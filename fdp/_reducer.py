@@ -26,7 +26,6 @@ the next call.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,9 +35,9 @@ import torch
 
 from . import _comm, _functorch, _sync, _tree, kernels
 from . import hooks as _hooks
-from ._bucket import BucketPlan
+from ._bucket import BucketPlan, _itemsize
 from ._group import Group, resolve
-from ._log import log
+from ._log import debug_mode, log
 
 # Gradients smaller than this are left to autograd: replacing them costs more than it saves.
 _RELEASE_BYTES = 64 * 1024
@@ -193,7 +192,7 @@ class Reducer:
         # "functorch" (torch.func.grad itself; its hooks need the private functorch APIs,
         # without which only the non-overlapped path can use it).
         self.engine = "auto"
-        self.debug = _env_flag("FDP_DEBUG") if debug is None else debug
+        self.debug = debug_mode() if debug is None else debug
         self.skip_nonfinite = skip_nonfinite
         self.finite = True  # verdict of the last step (always True without skip_nonfinite)
         self.nonfinite_steps = 0
@@ -591,14 +590,6 @@ def _all_finite(flats: list[torch.Tensor]) -> bool:
     for group in by_dtype.values():
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0: unchanged
     return found is None or not bool(found.item())
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
 
 
 def _loss_of(out: Any, has_aux: bool) -> torch.Tensor:

@@ -9,7 +9,6 @@ adds the checks DDP runs internally as user-callable functions (``assert_same_sh
 from __future__ import annotations
 
 import hashlib
-import os
 import weakref
 import zlib
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ from . import _comm, _tree, kernels
 from ._bucket import BucketPlan, MiB
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
+from ._log import debug_mode
 
 BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
 
@@ -78,14 +78,10 @@ _agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _verify_once(meta: Sequence[Meta], group: Group, what: str, extra: str) -> None:
     key = (tuple(meta), extra)
     seen = _agreed.setdefault(group.process_group, set())
-    if key in seen and not _debug():
+    if key in seen and not debug_mode():
         return
     verify_layout(meta, group, what, extra)
     seen.add(key)
-
-
-def _debug() -> bool:
-    return os.environ.get("FDP_DEBUG", "0").lower() not in ("", "0", "false", "no")
 
 
 def _describe(everyone: list[tuple[list[Meta], str]]) -> str:

@@ -41,6 +41,10 @@ from ._log import debug_mode, log
 
 # Gradients smaller than this are left to autograd: replacing them costs more than it saves.
 _RELEASE_BYTES = 64 * 1024
+# A hook costs a few microseconds per leaf per step. A bucket whose leaves average less than
+# this many bytes gains less from an early launch than its hooks cost (thousands of biases,
+# say); trailing buckets like that are not hooked, and launch when the backward returns.
+_HOOK_MEAN_BYTES = 16 * 1024
 
 
 @dataclass
@@ -203,9 +207,16 @@ class Reducer:
         self._results: list[torch.Tensor | None] = [None] * len(self.plan.buckets)
         self._bucket_of = [s.bucket for s in self.plan.slots]
         self._release = [s.numel * _itemsize(s.dtype) >= _RELEASE_BYTES for s in self.plan.slots]
-        # One hook per leaf, for each engine (the functorch one unwraps its gradients).
-        self._hooks = {engine: [self._make_hook(i, engine == "functorch") for i in range(len(self.plan.slots))]
-                       for engine in ("autograd", "functorch")}
+        # One hook per leaf, for each engine (the functorch one unwraps its gradients), up to
+        # the last bucket worth launching early; the leaves after it have no hook (None).
+        worth = [i for i, b in enumerate(self.plan.buckets) if b.nbytes >= _HOOK_MEAN_BYTES * len(b.leaves)]
+        self._hooked_buckets = worth[-1] + 1 if worth else 0
+        self._unhooked = [i for b in self.plan.buckets[self._hooked_buckets:] for i in b.leaves]
+        self._hooks = {
+            engine: [self._make_hook(i, engine == "functorch") if s.bucket < self._hooked_buckets else None
+                     for i, s in enumerate(self.plan.slots)]
+            for engine in ("autograd", "functorch")
+        }
         self._steps = 0
         self._cur: _Step | None = None
         self._timeline: Timeline | None = None
@@ -375,8 +386,11 @@ class Reducer:
         step = _Step(self, "grad", acc, self._scale(1.0 / self.group.size), True)
         self._cur = step
         try:
-            _, value = self._local(engine, fn, argnums, has_aux, args, kwargs, leaves, self._hooks[engine])
+            grads, value = self._local(engine, fn, argnums, has_aux, args, kwargs, leaves, self._hooks[engine])
             step.bwd_end = time.perf_counter()
+            if self._unhooked:  # gradients of the leaves without hooks come back from autograd
+                for i in self._unhooked:
+                    step.stash[i] = grads[i]  # None for an unused leaf: zero-filled at launch
             return self._finish(step), value
         except BaseException:
             self._cur = None
@@ -386,16 +400,19 @@ class Reducer:
                leaves: list[torch.Tensor], hooks: list[Callable] | None) -> tuple[Any, Any]:
         """This rank's gradients and value, as ``torch.func.grad_and_value`` returns them.
 
-        With ``hooks``, each leaf's hook sees its gradient as the backward produces it (and
-        the returned gradients are not meaningful: the hooks keep the real ones).
+        With ``hooks``, each hooked leaf's hook sees its gradient as the backward produces it,
+        and the gradients come back as a list in leaf order (None for a leaf the loss does
+        not use); only the entries of leaves without a hook are meaningful.
         """
         if engine == "functorch":
             instrumented = self._instrument(fn, argnums, has_aux, hooks)
-            return torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
+            grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
+            return (grads if hooks is None else _tree.leaves(grads)), value
         inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
         if hooks is not None:
             for leaf, hook in zip(inputs, hooks):
-                _functorch.set_leaf_hook(leaf, hook)
+                if hook is not None:
+                    _functorch.set_leaf_hook(leaf, hook)
         args = _replace(args, argnums, _tree.unflatten(self.plan.treedef, inputs))
         with torch.enable_grad():
             out = fn(*args, **kwargs)
@@ -405,9 +422,10 @@ class Reducer:
                 if hooks is not None:
                     loss.register_hook(self._on_backward_start)
                 grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-        if hooks is None:
-            grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
         value = (loss.detach(), _detach(out[1])) if has_aux else loss.detach()
+        if hooks is not None:
+            return list(grads), value
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
         return _tree.unflatten(self.plan.treedef, grads), value
 
     def _instrument(self, fn: Callable, argnums: Any, has_aux: bool, hooks: list[Callable] | None) -> Callable:
@@ -416,7 +434,8 @@ class Reducer:
         def instrumented(*args: Any, **kwargs: Any) -> Any:
             if hooks is not None:
                 for leaf, hook in zip(plan.leaves_of(_select(args, argnums)), hooks):
-                    leaf.register_hook(hook)
+                    if hook is not None:
+                        leaf.register_hook(hook)
             out = fn(*args, **kwargs)
             loss = _loss_of(out, has_aux)
             if hooks is not None and loss.requires_grad:

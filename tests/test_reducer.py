@@ -11,6 +11,15 @@ import fdp
 from fdp._bucket import MiB
 
 OVERLAP = [True, False]
+
+
+@pytest.fixture(autouse=True)
+def hook_every_leaf(monkeypatch):
+    """These small test models have leaves of a few KiB, which the Reducer would leave
+    unhooked (not worth an early launch); hook them all so the overlap path is what runs.
+    The unhooked path has tests of its own below."""
+    monkeypatch.setattr(fdp._reducer, "_HOOK_MEAN_BYTES", 0)
+
 # "autograd": plain autograd on detached leaves (what "auto" picks at the top level);
 # "functorch": torch.func.grad with hooks on functorch-wrapped leaves (the private-API path).
 ENGINES = ["autograd", "functorch"]
@@ -144,7 +153,8 @@ def test_accumulated_micro_batches_equal_one_big_batch(k):
             torch.testing.assert_close(micro[n], big[n], rtol=1e-5, atol=1e-6, msg=f"leaf {n!r}")
 
 
-def unused_params(group, overlap, engine):
+def unused_params(group, overlap, engine, hook_bytes=0):
+    fdp._reducer._HOOK_MEAN_BYTES = hook_bytes
     class TwoHeads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -167,11 +177,12 @@ def unused_params(group, overlap, engine):
     return grads, local
 
 
+@pytest.mark.parametrize("hook_bytes", [0, 16 * 1024], ids=["hooked", "unhooked"])
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("overlap", OVERLAP)
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
-def test_unused_and_rank_dependent_parameters(backend, overlap, engine):
-    res = fdp.testing.run(unused_params, 2, backend=backend, args=(overlap, engine), timeout=30)
+def test_unused_and_rank_dependent_parameters(backend, overlap, engine, hook_bytes):
+    res = fdp.testing.run(unused_params, 2, backend=backend, args=(overlap, engine, hook_bytes), timeout=30)
     for rank, (grads, _) in enumerate(res):
         assert torch.equal(grads["never.weight"], torch.zeros(4, 8)), f"rank {rank}"
         # head_a is used only on rank 0, head_b only on rank 1: each gets half its rank's grad
@@ -317,3 +328,37 @@ def test_functorch_engine_rejects_mutating_captured_tensors_like_torch_func():
     reducer.engine = "functorch"
     with pytest.raises(RuntimeError, match="captured"):
         reducer.grad(lambda p: counter.add_(1) + p["w"].sum())({"w": torch.ones(2)})
+
+
+
+def unhooked_tail(group):
+    """A big layer (hooked, launched during the backward) before many tiny ones (the
+    trailing buckets: unhooked, reduced when the backward returns)."""
+    fdp._reducer._HOOK_MEAN_BYTES = 16 * 1024  # the default, inside this process
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)], nn.Linear(8, 4096), nn.Tanh(),
+                          nn.Linear(4096, 64))
+    apply, params, buffers = fdp.functionalize(init_model(model))
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.5)
+    x, y = batch(group.rank)
+    loss = lambda p: apply(p, buffers, x)[0].square().mean()  # noqa: E731
+    grads = reducer.grad(loss)(params)
+    local = torch.func.grad(loss)(params)
+    return grads, local, reducer._hooked_buckets, len(reducer.plan.buckets), reducer.last_timeline()
+
+
+def init_model(model):
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def test_trailing_buckets_of_tiny_leaves_are_reduced_after_the_backward_exactly():
+    res = fdp.testing.run(unhooked_tail, 2, backend="gloo")
+    for rank, (grads, _, hooked, nbuckets, tl) in enumerate(res):
+        assert 0 < hooked < nbuckets, (hooked, nbuckets)
+        assert tl.buckets[0].launch < tl.backward_end, "the big layer's bucket overlaps the backward"
+        assert tl.buckets[-1].launch >= tl.backward_end, "the tiny layers' bucket waits for the end"
+        for k in grads:
+            assert torch.equal(grads[k], res[0][1][k] * 0.5 + res[1][1][k] * 0.5), f"rank {rank}, leaf {k!r}"

@@ -70,7 +70,7 @@ def test_batchnorm_step_on_cuda(nccl_world):
 @pytest.mark.parametrize("dst", [torch.float32, torch.bfloat16, torch.float16])
 def test_triton_kernels_on_cuda_match_the_torch_path_bitwise(dst):
     if kernels.select(torch.device("cuda")) != "triton":
-        pytest.skip("triton is not installed")
+        pytest.skip(reason="triton is not installed")
     g = torch.Generator(device="cuda").manual_seed(0)
     srcs = [torch.randn(s, generator=g, device="cuda") for s in [(3,), (17, 5), (), (0,), (1000,), (64, 33)]]
     srcs.append(torch.randn(8, 6, generator=g, device="cuda").t())  # strided

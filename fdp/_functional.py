@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 
 Tree = dict[str, torch.Tensor]
+_shape = operator.attrgetter("shape")
 
 
 class Apply:
@@ -110,6 +112,12 @@ def _check(what: str, tree: Any, shapes: dict[str, torch.Size]) -> None:
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
         raise ValueError(f"fdp: apply: `{what}` has unexpected key {extra[0]!r}; "
                          f"expected only the keys functionalize returned")
+    if not torch.compiler.is_compiling():  # dynamo cannot call attrgetter objects
+        try:  # the per-call case: one C-level pass over the values (same key order as shapes)
+            if list(map(_shape, tree.values())) == list(shapes.values()) and list(tree) == list(shapes):
+                return
+        except AttributeError:  # a value that is not a tensor: named below
+            pass
     for k, shape in shapes.items():
         t = tree[k]
         if not isinstance(t, torch.Tensor):

@@ -25,12 +25,47 @@ _ordered.__enter__()
 TreeDef = optree.PyTreeSpec
 
 
+# The commonest tree by far is a flat dict of tensors (what functionalize returns), flattened
+# several times per step (the reducer, the optimizer's checks). optree spends ~0.25 us per
+# leaf on it; a plain dict whose values are all tensors has a structure that depends only on
+# its keys, so that structure is cached by key tuple and the leaves are its values (~0.03 us
+# per leaf). Anything else goes to optree.
+_DICT_SPECS: dict[tuple, TreeDef] = {}
+_DICT_SPECS_MAX = 64
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _tensor_dict(tree: Any) -> tuple[list[Any], TreeDef] | None:
+    """(leaves, treedef) of a plain dict of plain tensors from the cache, else None."""
+    if type(tree) is not dict or not tree or torch.compiler.is_compiling():
+        return None
+    values = list(tree.values())
+    if not _TENSOR_TYPES.issuperset(map(type, values)):
+        return None
+    keys = tuple(tree)
+    spec = _DICT_SPECS.get(keys)
+    if spec is None:
+        leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        if len(leaves_) != len(values):  # not all values were leaves after all: no caching
+            return leaves_, spec
+        if len(_DICT_SPECS) >= _DICT_SPECS_MAX:
+            _DICT_SPECS.pop(next(iter(_DICT_SPECS)))
+        _DICT_SPECS[keys] = spec
+    return values, spec
+
+
 def flatten(tree: Any) -> tuple[list[Any], TreeDef]:
     """Leaves in insertion order and the tree structure."""
+    fast = _tensor_dict(tree)
+    if fast is not None:
+        return fast
     return optree.tree_flatten(tree, namespace=NAMESPACE)
 
 
 def leaves(tree: Any) -> list[Any]:
+    fast = _tensor_dict(tree)
+    if fast is not None:
+        return fast[0]
     return optree.tree_leaves(tree, namespace=NAMESPACE)
 
 

@@ -36,3 +36,5 @@ def test_kernel_benchmark_prints_ratios_to_a_copy(capsys):
     for row in ("flatten", "flatten+scale", "flatten+scale+bf16", "unflatten (fresh)", "unflatten (out=)"):
         assert f" {row} " in text
     assert "x copy" in text
+    for row in ("floor: cat of 1-D views", "floor: leaf views"):  # same-run floors, no target
+        assert f" {row} " in text and "(floor, no target)" in text

@@ -204,3 +204,26 @@ def test_mismatched_trees_name_the_first_differing_path():
                        out={"a": torch.zeros(5), "b": {"c": torch.zeros(3)}})
     with pytest.raises(ValueError, match="2 flat tensors|1 flat tensors"):
         plan.unflatten([torch.zeros(5), torch.zeros(1)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b.w", "c", "0", "x.y.z"]),
+                          st.sampled_from(["tensor", "param", "none", "int", "dict", "list"])),
+                min_size=0, max_size=6, unique_by=lambda kv: kv[0]))
+def test_tree_flatten_fast_path_equals_optree(items):
+    # fdp._tree.flatten takes a cached shortcut for plain dicts of tensors: whatever the
+    # dict holds, the leaves (same objects, same order) and the structure must be optree's.
+    import optree
+
+    make = {"tensor": lambda: torch.ones(2), "param": lambda: torch.nn.Parameter(torch.ones(1)),
+            "none": lambda: None, "int": lambda: 3, "dict": lambda: {"k": torch.zeros(1)},
+            "list": lambda: [torch.zeros(1), 2]}
+    tree = {k: make[kind]() for k, kind in items}
+    want_leaves, want_def = optree.tree_flatten(tree, namespace=fdp._tree.NAMESPACE)
+    for _ in range(2):  # the first call fills the cache, the second reads it
+        leaves, treedef = fdp._tree.flatten(tree)
+        assert treedef == want_def
+        assert len(leaves) == len(want_leaves) and all(a is b for a, b in zip(leaves, want_leaves))
+        assert all(a is b for a, b in zip(fdp._tree.leaves(tree), want_leaves))
+    reordered = dict(reversed(list(tree.items())))  # insertion order is part of the structure
+    assert fdp._tree.flatten(reordered)[1] == optree.tree_structure(reordered, namespace=fdp._tree.NAMESPACE)

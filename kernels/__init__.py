@@ -47,7 +47,7 @@ def _triton_problem(device: torch.device | None) -> str | None:
         if device is not None and device.type != "cpu":
             return (f"TRITON_INTERPRET=1 was set when fdp.kernels loaded Triton, and the interpreter "
                     f"runs on CPU tensors only, not {device}")
-        return None
+        return _triton.interpreter_problem()
     if device is not None and device.type != "cuda":
         return (f"Triton needs CUDA tensors, got {device} (set TRITON_INTERPRET=1 before importing "
                 "fdp.kernels to interpret Triton on CPU tensors)")

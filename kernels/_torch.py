@@ -50,6 +50,34 @@ _PLANS_LOCK = threading.Lock()
 _SCRATCH = threading.local()  # simulated ranks are threads: one scratch set per thread
 
 
+def _probe_chunk_cat_strided() -> bool:
+    """Whether ``_chunk_cat`` takes sources that cannot be viewed flat (torch 2.4 views them)."""
+    try:
+        torch._chunk_cat([torch.zeros(2, 2).t()], 0, 1, out=torch.empty(1, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
+def _probe_unflatten_keeps_empty_shapes() -> bool:
+    """Whether ``unflatten_dense_tensors`` shapes an empty segment like its tensor (torch 2.4
+    returns a 1-D ``[0]`` tensor for every empty one)."""
+    return torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch.empty(0, 1)])[0].shape == (0, 1)
+
+
+_CHUNK_CAT_STRIDED = _probe_chunk_cat_strided()
+_UNFLATTEN_KEEPS_EMPTY_SHAPES = _probe_unflatten_keeps_empty_shapes()
+
+
+def unflatten_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``unflatten_dense_tensors(flat, like)``: views of consecutive segments of ``flat``
+    shaped like ``like``, empty segments included on every supported torch."""
+    views = torch._C._nn.unflatten_dense_tensors(flat, list(like))
+    if not _UNFLATTEN_KEEPS_EMPTY_SHAPES:
+        views = [v if v.shape == t.shape else v.view(t.shape) for v, t in zip(views, like)]
+    return views
+
+
 @dataclass
 class _Run:
     """Leaves ``i..j-1`` (none empty or 0-d) at ``out[a:a + n]``: one ``_chunk_cat``."""
@@ -210,6 +238,8 @@ def flatten(srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None
         if out.numel():
             raise ValueError(f"fdp.kernels.flatten: no sources for an out of {out.numel()} elements")
         return out
+    if not _CHUNK_CAT_STRIDED:
+        srcs = [t if t.is_contiguous() else t.reshape(-1) for t in srcs]
     plan = _plan(srcs, out.device)
     if plan.total != out.numel():
         raise ValueError(f"fdp.kernels.flatten: out has {out.numel()} elements, the sources {plan.total}")
@@ -313,4 +343,4 @@ def unflatten(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
     if total != flat.numel():
         raise ValueError(f"fdp.kernels.unflatten: flat has {flat.numel()} elements, the outputs {total}")
     with torch.no_grad():
-        torch._foreach_copy_(list(outs), torch._C._nn.unflatten_dense_tensors(flat, list(outs)))
+        torch._foreach_copy_(list(outs), unflatten_views(flat, outs))

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.language import constexpr
 from triton.runtime.interpreter import InterpretedFunction
 
 __all__ = ["flatten", "unflatten", "interpreted", "BLOCK"]
@@ -52,8 +53,11 @@ _TL_DTYPES = {
 }
 
 
+# constexpr parameters are annotated with the bare name: under postponed annotations the
+# annotation is a string, and Triton 3.0's interpreter only treats "constexpr" (not
+# "tl.constexpr") as a compile-time constant.
 @triton.jit
-def _round_to(y, OUT: tl.constexpr):
+def _round_to(y, OUT: constexpr):
     """``y`` (fp32 or fp64) rounded once to ``OUT`` the way torch rounds it."""
     if OUT == tl.bfloat16:
         y = y.to(tl.float32)  # fp64 goes through fp32, as torch's BFloat16(float) does
@@ -70,7 +74,7 @@ def _round_to(y, OUT: tl.constexpr):
 
 
 @triton.jit
-def _widen(x, COMPUTE: tl.constexpr):
+def _widen(x, COMPUTE: constexpr):
     """``x`` exactly in ``COMPUTE`` (fp32 or fp64)."""
     if x.dtype == tl.bfloat16:
         # bf16 is the top half of an fp32: widen by shifting the bits. The interpreter's own
@@ -86,13 +90,13 @@ def _flatten_kernel(
     scale_ptr,
     n_tensors,
     n_blocks,
-    SRC: tl.constexpr,
-    COMPUTE: tl.constexpr,
-    OUT: tl.constexpr,
-    APPLY_SCALE: tl.constexpr,
-    PTR_DIV: tl.constexpr,
-    OFF_DIV: tl.constexpr,
-    BLOCK: tl.constexpr,
+    SRC: constexpr,
+    COMPUTE: constexpr,
+    OUT: constexpr,
+    APPLY_SCALE: constexpr,
+    PTR_DIV: constexpr,
+    OFF_DIV: constexpr,
+    BLOCK: constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(table + 3 * n_tensors + pid)
@@ -129,11 +133,11 @@ def _unflatten_kernel(
     flat_ptr,
     n_tensors,
     n_blocks,
-    COMPUTE: tl.constexpr,
-    OUT: tl.constexpr,
-    PTR_DIV: tl.constexpr,
-    OFF_DIV: tl.constexpr,
-    BLOCK: tl.constexpr,
+    COMPUTE: constexpr,
+    OUT: constexpr,
+    PTR_DIV: constexpr,
+    OFF_DIV: constexpr,
+    BLOCK: constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(table + 3 * n_tensors + pid)
@@ -159,6 +163,33 @@ def _unflatten_kernel(
 def interpreted() -> bool:
     """Whether the kernels were built for the interpreter (``TRITON_INTERPRET=1`` at import)."""
     return isinstance(_flatten_kernel, InterpretedFunction)
+
+
+_INTERPRETER_PROBLEM: list[str | None] = []  # filled by the first interpreter_problem() call
+
+
+def interpreter_problem() -> str | None:
+    """Why the interpreter cannot be trusted here, or None (checked once, by a tiny launch).
+
+    Triton 3.0's interpreter with numpy >= 2 runs kernels without storing anything
+    (triton-lang/triton#4440): every result would be the output's old contents. A flatten
+    of three known values is launched once; if they do not come back, the Triton path is
+    refused with this message instead of returning garbage.
+    """
+    if not _INTERPRETER_PROBLEM:
+        problem = None
+        if interpreted():
+            src = torch.tensor([1.0, -2.0, 3.5])
+            got = flatten([src], torch.zeros(3), None)
+            if not torch.equal(got, src):
+                import numpy
+
+                problem = (f"Triton {triton.__version__}'s interpreter failed a self-test under numpy "
+                           f"{numpy.__version__} (a flatten of [1, -2, 3.5] returned {got.tolist()}); "
+                           "Triton 3.0's interpreter stores nothing with numpy >= 2 "
+                           "(triton-lang/triton#4440): install numpy<2 or a newer triton")
+        _INTERPRETER_PROBLEM.append(problem)
+    return _INTERPRETER_PROBLEM[0]
 
 
 class _Table:

@@ -13,6 +13,31 @@ from models import batch, cnn, mlp
 
 import fdp
 
+
+def _dynamo_traces_functional_call():
+    """torch 2.4's dynamo puts torch.func.functional_call in the graph as an opaque call and
+    cannot take the module argument (Unsupported: NNModuleVariable); 2.13 traces it."""
+    from torch._dynamo import trace_rules
+
+    return trace_rules.lookup(torch.func.functional_call).__name__ != "TorchInGraphFunctionVariable"
+
+
+def _dynamo_keeps_user_exception_messages():
+    """torch 2.4's dynamo replaces an exception raised in traced code by
+    Unsupported("Observed exception") under fullgraph, dropping its message."""
+    def inner(x):
+        raise RuntimeError("-".join(("fdp", "probe")))  # the text is not in the source
+
+    def f(x):
+        return inner(x)
+
+    try:
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(1))
+    except Exception as e:
+        return "fdp-probe" in str(e)
+    return False
+
+
 # Compiled fp32 kernels differ from eager ones by a few ulps per step; over 5 steps of
 # SGD (lr 0.05) on these small models that stays far below 1e-5.
 RTOL, ATOL = 1e-5, 1e-6
@@ -51,6 +76,8 @@ def compiled_vs_eager(group, model_name):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.skipif(not _dynamo_traces_functional_call(),
+                    reason=f"dynamo in torch {torch.__version__} cannot trace torch.func.functional_call")
 @pytest.mark.parametrize("model_name", ["mlp", "cnn"])
 def test_compiled_train_step_is_one_graph_and_matches_eager(model_name):
     res = fdp.testing.run(compiled_vs_eager, 2, backend="gloo", timeout=500, args=(model_name,))
@@ -65,14 +92,16 @@ def test_compiled_train_step_is_one_graph_and_matches_eager(model_name):
 
 def test_untraceable_options_fail_loudly_under_compile():
     reducer = fdp.Reducer({"w": torch.ones(3)}, comm_hook=fdp.hooks.noop)
+    # Where dynamo drops the message, the error is still raised (just not fdp's text).
+    keeps = _dynamo_keeps_user_exception_messages()
 
     def step(w):
         return reducer.all_reduce({"w": w})["w"]
 
-    with pytest.raises(Exception, match="not traceable"):
+    with pytest.raises(Exception, match="not traceable" if keeps else None):
         torch.compile(step, fullgraph=True, backend="eager")(torch.ones(3))
     opt = fdp.optim.sgd(lr=lambda step: 0.1)
     params = {"w": torch.ones(3)}
     state = opt.init(params)
-    with pytest.raises(Exception, match="schedule"):
+    with pytest.raises(Exception, match="schedule" if keeps else None):
         torch.compile(lambda g, s, p: opt.update(g, s, p), fullgraph=True, backend="eager")(params, state, params)

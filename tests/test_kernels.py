@@ -21,9 +21,11 @@ try:
     _triton = importlib.import_module("fdp.kernels._triton")
 except ImportError:  # no triton: the torch-path tests still run
     _triton = None
+_interpreter_problem = _triton.interpreter_problem() if _triton is not None and _triton.interpreted() else None
 needs_triton = pytest.mark.skipif(
-    _triton is None or not _triton.interpreted(),
-    reason="runs the Triton kernels in the interpreter (triton installed, TRITON_INTERPRET=1 before import)",
+    _triton is None or not _triton.interpreted() or _interpreter_problem is not None,
+    reason="runs the Triton kernels in the interpreter (triton installed, TRITON_INTERPRET=1 before import"
+    + (f"; here: {_interpreter_problem})" if _interpreter_problem else ")"),
 )
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -309,3 +311,16 @@ def test_torch_path_checks_sizes():
         kernels.flatten([torch.randn(4)], torch.empty(5), impl="torch")
     with pytest.raises(ValueError, match="flat has 4 elements, the outputs 3"):
         kernels.unflatten(torch.randn(4), [torch.empty(3)], impl="torch")
+
+
+@needs_triton
+def test_an_interpreter_that_stores_nothing_is_refused(monkeypatch):
+    # Triton 3.0's interpreter under numpy >= 2 launches kernels that store nothing; fdp's
+    # one-time self-test must catch that and refuse the Triton path by name, not return the
+    # output's old contents. Simulate it with a flatten that writes nothing.
+    monkeypatch.setattr(_triton, "_INTERPRETER_PROBLEM", [])
+    monkeypatch.setattr(_triton, "flatten", lambda srcs, out, scale: out)
+    assert "self-test" in _triton.interpreter_problem()
+    assert not kernels.triton_available(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="numpy<2 or a newer triton"):
+        kernels.flatten([torch.ones(2)], torch.empty(2), impl="triton")

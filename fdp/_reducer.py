@@ -55,7 +55,12 @@ class BucketTimes:
     nbytes: int
     ready: float | None = None  # its last gradient arrived
     launch: float | None = None  # its collective was issued
-    done: float | None = None  # its collective completed
+    # When fdp first saw its collective complete: looked at on every later bucket launch,
+    # when the backward returns, and as each wait returns, so at most the gap between two
+    # of those after the true completion (no callback: a Python callback on the
+    # communication thread contends for the GIL with the backward, measured at several ms
+    # per step).
+    done: float | None = None
 
 
 @dataclass
@@ -90,8 +95,8 @@ class Timeline:
 class _Step:
     """Per-step bookkeeping (one per call; nothing survives the step)."""
 
-    __slots__ = ("n", "kind", "pending", "stash", "got", "next", "flats", "handles", "acc", "scale",
-                 "active", "t0", "times", "bwd_start", "bwd_end")
+    __slots__ = ("n", "kind", "pending", "stash", "got", "next", "flats", "handles", "in_flight", "acc",
+                 "scale", "active", "t0", "times", "bwd_start", "bwd_end")
 
     def __init__(self, reducer: Reducer, kind: str, acc: list[torch.Tensor] | None, scale: float | None, active: bool):
         plan = reducer.plan
@@ -103,6 +108,7 @@ class _Step:
         self.next = 0
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.handles: list[Any] = [None] * len(plan.buckets)
+        self.in_flight: list[int] = []  # launched buckets not yet seen complete
         self.acc = acc
         self.scale = scale
         self.active = active
@@ -508,19 +514,15 @@ class Reducer:
         if self.debug:
             _sync.check_collective(self.group, step.n, b, bucket.numel, flat.dtype, what)
         times = step.times[b]
+        _stamp_done(step)
         times.launch = time.perf_counter() - step.t0
-        t0 = step.t0
         step.flats[b] = flat
-
-        def _done(_: Any) -> None:
-            times.done = time.perf_counter() - t0
-
         if self._sum_work:
             work = _comm.all_reduce(flat, self.group, what, async_op=True)
             if self.group.process_group is None:
                 times.done = times.launch
             else:
-                work.get_future().add_done_callback(_done)
+                step.in_flight.append(b)
             step.handles[b] = work
         else:
             fut = self.hook(bucket, flat, self.group)
@@ -529,12 +531,13 @@ class Reducer:
                     f"fdp: comm hook {self.hook.name} returned {type(fut).__name__} for bucket {b}; "
                     "it must return a torch.futures.Future whose value is the reduced flat tensor"
                 )
-            fut.add_done_callback(_done)
+            step.in_flight.append(b)
             step.handles[b] = fut
 
     def _finish(self, step: _Step) -> Any:
         try:
             self._launch_ready(step, force=True)
+            _stamp_done(step)
             results = []
             for b, handle in enumerate(step.handles):
                 what = f"all-reduce of bucket {b} of {len(self.plan.buckets)} (step {step.n})"
@@ -543,6 +546,8 @@ class Reducer:
                     out = step.flats[b]
                 else:
                     out = self._hook_result(handle, b, step.flats[b], what)
+                if step.times[b].done is None:
+                    step.times[b].done = time.perf_counter() - step.t0
                 results.append(out)
             if self.skip_nonfinite:
                 self.finite = _all_finite(results)
@@ -597,6 +602,21 @@ class Reducer:
             else:
                 outs.append(r.to(bucket.dtype))  # decompress into fresh gradients
         return plan.views(outs)
+
+
+def _stamp_done(step: _Step) -> None:
+    """Stamp ``done`` on the launched buckets whose collective has completed by now."""
+    if not step.in_flight:
+        return
+    now = time.perf_counter() - step.t0
+    still = []
+    for b in step.in_flight:
+        h = step.handles[b]
+        if h.is_completed() if hasattr(h, "is_completed") else h.done():
+            step.times[b].done = now
+        else:
+            still.append(b)
+    step.in_flight = still
 
 
 def _all_finite(flats: list[torch.Tensor]) -> bool:

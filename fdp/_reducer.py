@@ -546,7 +546,8 @@ class Reducer:
                     out = step.flats[b]
                 else:
                     out = self._hook_result(handle, b, step.flats[b], what)
-                if step.times[b].done is None:
+                _stamp_done(step)  # this bucket, and any later one already complete
+                if step.times[b].done is None:  # a hook's future may still be running its callbacks
                     step.times[b].done = time.perf_counter() - step.t0
                 results.append(out)
             if self.skip_nonfinite:

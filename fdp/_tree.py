@@ -8,6 +8,7 @@ order and with it the bucket order). Leaf paths are formatted like JAX's ``keyst
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ TreeDef = optree.PyTreeSpec
 # per leaf). Anything else goes to optree.
 _DICT_SPECS: dict[tuple, TreeDef] = {}
 _DICT_SPECS_MAX = 64
+_DICT_SPECS_LOCK = threading.Lock()
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
@@ -48,9 +50,10 @@ def _tensor_dict(tree: Any) -> tuple[list[Any], TreeDef] | None:
         leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         if len(leaves_) != len(values):  # not all values were leaves after all: no caching
             return leaves_, spec
-        if len(_DICT_SPECS) >= _DICT_SPECS_MAX:
-            _DICT_SPECS.pop(next(iter(_DICT_SPECS)))
-        _DICT_SPECS[keys] = spec
+        with _DICT_SPECS_LOCK:  # simulated ranks are threads; evicting races without it
+            if len(_DICT_SPECS) >= _DICT_SPECS_MAX:
+                _DICT_SPECS.pop(next(iter(_DICT_SPECS)))
+            _DICT_SPECS[keys] = spec
     return values, spec
 
 

@@ -227,3 +227,31 @@ def test_tree_flatten_fast_path_equals_optree(items):
         assert all(a is b for a, b in zip(fdp._tree.leaves(tree), want_leaves))
     reordered = dict(reversed(list(tree.items())))  # insertion order is part of the structure
     assert fdp._tree.flatten(reordered)[1] == optree.tree_structure(reordered, namespace=fdp._tree.NAMESPACE)
+
+
+def test_tree_structure_cache_is_bounded_and_thread_safe():
+    # More layouts than the cache holds, flattened from several threads at once (simulated
+    # ranks are threads): every result is still optree's, and the cache stays bounded.
+    import threading
+
+    import optree
+
+    trees = [{f"k{i}_{j}": torch.zeros(1) for j in range(1 + i % 5)} for i in range(200)]
+    errors = []
+
+    def work():
+        try:
+            for t in trees:
+                leaves, treedef = fdp._tree.flatten(t)
+                assert treedef == optree.tree_structure(t, namespace=fdp._tree.NAMESPACE)
+                assert all(a is b for a, b in zip(leaves, t.values()))
+        except Exception as e:  # reported below, from the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(fdp._tree._DICT_SPECS) <= fdp._tree._DICT_SPECS_MAX

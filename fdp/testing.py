@@ -22,7 +22,10 @@ Two backends:
 ``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over
   127.0.0.1 (after a rendezvous through a file in a temporary folder). Asynchrony and overlap are real. ``fn``, ``args`` and the results cross process
   boundaries by pickling; ``fn`` may be a closure (fork copies the parent's memory). Each
-  child starts with the parent's RNG state.
+  child starts with the parent's RNG state. Because the ranks are forked, the calling process
+  must not have started autograd's worker threads: on CUDA builds of torch a
+  ``torch.compile`` or a CUDA backward in the caller does, and the ranks' first backward
+  then fails (fdp's error says so); compile inside ``fn`` instead.
 
 In both, an exception on any rank is re-raised here (same type, message prefixed with the
 rank, remote traceback attached), and nothing runs past ``timeout`` seconds: collectives
@@ -297,6 +300,13 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
         rank = min(errors, key=lambda r: _error_rank_order(errors[r][0], r))
         exc, tb = errors[rank]
         exc = _tag(exc, rank, tb)
+        if _AUTOGRAD_FORK in str(exc):
+            exc.add_note(
+                "fdp.testing.run(backend='gloo') forks its ranks, and this process had already "
+                "started autograd's worker threads, which a forked child cannot use (on CUDA builds "
+                "of torch, running torch.compile or a CUDA backward here starts them). Do that work "
+                "inside fn, on the ranks, or run this test in a fresh process."
+            )
         for r in sorted(errors):
             if r != rank:
                 exc.add_note(f"rank {r} also raised {type(errors[r][0]).__name__}: {errors[r][0]}")
@@ -309,6 +319,9 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
         )
     return [results[r] for r in range(world_size)]
 
+
+# torch's error in a forked child whose parent had started autograd's device threads.
+_AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
 
 # What gloo says when the *other* end of a collective went away: a consequence, not a cause.
 _PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

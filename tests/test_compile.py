@@ -37,7 +37,14 @@ def _dynamo_traces_fdp():
         torch._dynamo.reset()
 
 
-_TRACES_FDP, _WHY_NOT = _dynamo_traces_fdp()
+def _in_child(fn):
+    """``fn()`` in a forked process: compiling in this one would start autograd's worker
+    threads, and on CUDA builds of torch every later fork-based gloo test would then fail
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    return fdp.testing.run(lambda group: fn(), 1, backend="gloo", timeout=300)[0]
+
+
+_TRACES_FDP, _WHY_NOT = _in_child(_dynamo_traces_fdp)
 
 
 def _dynamo_keeps_user_exception_messages():
@@ -116,18 +123,35 @@ def test_compile_support_is_not_skipped_on_the_pinned_torch():
         assert _TRACES_FDP, _WHY_NOT
 
 
-def test_untraceable_options_fail_loudly_under_compile():
+def _untraceable_option_errors():
+    """Compile two steps fdp refuses to trace; return whether dynamo keeps an exception's
+    text here, and each compile's error message (None if it compiled)."""
     reducer = fdp.Reducer({"w": torch.ones(3)}, comm_hook=fdp.hooks.noop)
-    # Where dynamo drops the message, the error is still raised (just not fdp's text).
-    keeps = _dynamo_keeps_user_exception_messages()
-
-    def step(w):
-        return reducer.all_reduce({"w": w})["w"]
-
-    with pytest.raises(Exception, match="not traceable" if keeps else None):
-        torch.compile(step, fullgraph=True, backend="eager")(torch.ones(3))
     opt = fdp.optim.sgd(lr=lambda step: 0.1)
     params = {"w": torch.ones(3)}
     state = opt.init(params)
-    with pytest.raises(Exception, match="schedule" if keeps else None):
-        torch.compile(lambda g, s, p: opt.update(g, s, p), fullgraph=True, backend="eager")(params, state, params)
+    calls = [
+        lambda: torch.compile(lambda w: reducer.all_reduce({"w": w})["w"], fullgraph=True,
+                              backend="eager")(torch.ones(3)),
+        lambda: torch.compile(lambda g, s, p: opt.update(g, s, p), fullgraph=True,
+                              backend="eager")(params, state, params),
+    ]
+    errors = []
+    for call in calls:
+        try:
+            call()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - the message is checked by the caller
+            errors.append(f"{type(e).__name__}: {e}")
+    return _dynamo_keeps_user_exception_messages(), errors
+
+
+def test_untraceable_options_fail_loudly_under_compile():
+    keeps, (hook_error, schedule_error) = _in_child(_untraceable_option_errors)
+    assert hook_error is not None and schedule_error is not None, "an untraceable option compiled"
+    # fdp's own message shows where dynamo keeps exception texts and reaches fdp's check (on
+    # torch 2.4 it replaces the text; on 2.5-2.12 with optree 0.20 it stops earlier, at
+    # optree); the compile fails either way.
+    if keeps and _TRACES_FDP:
+        assert "not traceable" in hook_error, hook_error
+        assert "schedule" in schedule_error, schedule_error

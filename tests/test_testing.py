@@ -85,3 +85,16 @@ def test_bad_arguments():
         fdp.testing.run(sum_of_ranks, 0)
     with pytest.raises(ValueError, match="backend"):
         fdp.testing.run(sum_of_ranks, 2, backend="mpi")
+
+
+def _autograd_fork_error(group):
+    # What a forked rank raises on its first backward when the parent process had started
+    # autograd's device threads (CUDA builds of torch, after a torch.compile or a CUDA
+    # backward in the parent); a CPU build never starts them, so the error is raised as is.
+    raise RuntimeError(fdp.testing._AUTOGRAD_FORK + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+
+
+def test_autograd_fork_error_says_what_to_do():
+    with pytest.raises(RuntimeError, match="Autograd-and-Fork") as info:
+        fdp.testing.run(_autograd_fork_error, 1, backend="gloo", timeout=30)
+    assert any("inside fn, on the ranks" in note for note in info.value.__notes__)

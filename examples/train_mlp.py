@@ -166,13 +166,13 @@ if group.is_main:
           f"{accuracy:.3f} (chance {1 / CLASSES:.2f})", flush=True)
     if args.out:
         torch.save({k: v.cpu() for k, v in params.items()}, args.out)
-    if args.plot:
-        import fdp.viz
+if args.plot:
+    import fdp.viz  # (matplotlib) on every rank, and then a barrier: no rank starts late
 
-        grad_and_loss(params, buffers, *batch_at(0))  # one more step to draw (not applied)
+    fdp.any_rank(False)
+    grad_and_loss(params, buffers, *batch_at(0))  # one more step, to draw (not applied)
+    if group.is_main:
         fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
         print("wrote timeline.png", flush=True)
-elif args.plot:
-    grad_and_loss(params, buffers, *batch_at(0))  # every rank takes part in that step
 if accuracy < args.min_accuracy:
     raise SystemExit(f"held-out accuracy {accuracy:.3f} is below --min-accuracy {args.min_accuracy}")

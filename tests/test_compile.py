@@ -18,8 +18,9 @@ def _dynamo_traces_fdp():
     """Whether this torch's dynamo traces what fdp calls under compile without a graph break,
     and if not, why: ``torch.func.functional_call`` with a module (torch 2.4 puts it in the
     graph as an opaque call: "Unsupported: ... NNModuleVariable") and optree's own flatten in
-    fdp's namespace (torch 2.5-2.7 break the graph on "optree C/C++ function ... flatten";
-    its polyfills cover only torch's own namespace there)."""
+    fdp's namespace (torch 2.5-2.9 break the graph on "optree C/C++ function ... flatten",
+    their polyfills covering only torch's own namespace; 2.10-2.12 trace it, but trip on
+    optree 0.20's ``sys.version_info`` comparison). docs/compile.md has the measured table."""
     import optree
 
     lin = torch.nn.Linear(2, 2)
@@ -150,7 +151,7 @@ def test_untraceable_options_fail_loudly_under_compile():
     keeps, (hook_error, schedule_error) = _in_child(_untraceable_option_errors)
     assert hook_error is not None and schedule_error is not None, "an untraceable option compiled"
     # fdp's own message shows where dynamo keeps exception texts and reaches fdp's check (on
-    # torch 2.4 it replaces the text; on 2.5-2.12 with optree 0.20 it stops earlier, at
+    # torch 2.4 it replaces the text; where it cannot trace fdp's trees it stops earlier, at
     # optree); the compile fails either way.
     if keeps and _TRACES_FDP:
         assert "not traceable" in hook_error, hook_error

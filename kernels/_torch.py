@@ -12,9 +12,14 @@ Why it is shaped like this (measured on a 2-core x86 VM; ``python -m fdp.bench k
   TensorIterator per input, a few us each. With several threads, runs of small leaves are
   therefore cut into groups of fewer than 32768 elements; with one, a plain flatten is a
   single call whatever the leaves.
-* Two passes over the whole bucket (gather, then multiply or cast) pay an extra read and
-  write of memory. A big leaf is multiplied straight into ``out`` in one op (for fp32 ->
-  bf16 that op runs TensorIterator's casting loop, measured no slower here than a multiply
+* A scale in the leaves' own dtype (fp32 -> fp32, fp64 -> fp64) is a gather and then one
+  in-place multiply of the whole bucket: the second pass over the bytes costs less than an
+  op per leaf (measured 1.16-1.19x a copy against 1.37-1.40x for 100 leaves at one thread).
+  Only when every leaf is contiguous: ``_chunk_cat`` copies a strided leaf into a temporary
+  before gathering it (all of them at once: +28 MiB of peak memory on the benchmark's MLP,
+  whose weight gradients are transposes), while a multiply per leaf reads it in place.
+  With a cast (fp32 -> bf16, 16-bit sources), a big leaf is multiplied straight into
+  ``out`` in one op (TensorIterator's casting loop, measured no slower here than a multiply
   into an L2-resident scratch plus a vectorised cast-copy, and one op instead of two).
   Small leaves stream through a scratch chunk that stays in L2: gather, multiply in
   place, one cast-copy into ``out``, so only the last pass touches memory.
@@ -249,6 +254,15 @@ def flatten(srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None
     with torch.no_grad():
         if scale is None:
             _copy(plan, srcs, out)
+        elif (out.dtype == srcs[0].dtype and out.dtype in (torch.float32, torch.float64)
+              and all(map(torch.Tensor.is_contiguous, srcs))):
+            # The product is formed in the leaves' own dtype: gather, then one in-place
+            # multiply (see the module docstring; 2,000 leaves: 2.0x instead of 2.7-2.8x).
+            # Only for contiguous leaves: the gather would copy a strided one (a Linear's
+            # weight gradient is a transpose) into a temporary first, where a multiply reads
+            # it in place.
+            _copy(plan, srcs, out)
+            out.mul_(scale)
         else:
             _scaled(plan, srcs, out, scale)
     return out

@@ -17,7 +17,9 @@ Why it is shaped like this (measured on a 2-core x86 VM; ``python -m fdp.bench k
   op per leaf (measured 1.16-1.19x a copy against 1.37-1.40x for 100 leaves at one thread).
   Only when every leaf is contiguous: ``_chunk_cat`` copies a strided leaf into a temporary
   before gathering it (all of them at once: +28 MiB of peak memory on the benchmark's MLP,
-  whose weight gradients are transposes), while a multiply per leaf reads it in place.
+  whose weight gradients are transposes), while a multiply per leaf reads it in place. For
+  the same reason a plain copy with strided leaves goes through ``_foreach_copy_`` into the
+  leaves' views of ``out``.
   With a cast (fp32 -> bf16, 16-bit sources), a big leaf is multiplied straight into
   ``out`` in one op (TensorIterator's casting loop, measured no slower here than a multiply
   into an L2-resident scratch plus a vectorised cast-copy, and one op instead of two).
@@ -253,7 +255,10 @@ def flatten(srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None
         return out.copy_(tmp)
     with torch.no_grad():
         if scale is None:
-            _copy(plan, srcs, out)
+            if all(map(torch.Tensor.is_contiguous, srcs)):
+                _copy(plan, srcs, out)
+            else:  # strided leaves are read in place (_chunk_cat would copy each one first)
+                torch._foreach_copy_(unflatten_views(out, srcs), list(srcs))
         elif (out.dtype == srcs[0].dtype and out.dtype in (torch.float32, torch.float64)
               and all(map(torch.Tensor.is_contiguous, srcs))):
             # The product is formed in the leaves' own dtype: gather, then one in-place

@@ -23,13 +23,15 @@ from ._group import Group as Group
 from ._group import init as init
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
-from ._reducer import Timeline as Timeline
 from ._sync import ReplicaCheck as ReplicaCheck
 from ._sync import any_rank as any_rank
 from ._sync import assert_replicas_equal as assert_replicas_equal
 from ._sync import assert_same_shapes as assert_same_shapes
 from ._sync import broadcast as broadcast
 from ._sync import sync_buffers as sync_buffers
+from ._timeline import BucketTimes as BucketTimes
+from ._timeline import StepRecord as StepRecord
+from ._timeline import Timeline as Timeline
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,7 @@ __all__ = [
     "Apply",
     "Bucket",
     "BucketPlan",
+    "BucketTimes",
     "CheckpointError",
     "CollectiveError",
     "Group",
@@ -44,6 +47,7 @@ __all__ = [
     "Reducer",
     "ReplicaCheck",
     "ReplicaMismatchError",
+    "StepRecord",
     "Timeline",
     "any_rank",
     "assert_replicas_equal",

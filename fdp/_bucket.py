@@ -54,7 +54,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * itemsize(self.dtype)
 
 
 # Attribute getters mapped over leaves (C-level: no Python bytecode per leaf).
@@ -63,7 +63,7 @@ _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -133,10 +133,10 @@ class BucketPlan:
           ValueError: a cap <= 0. TypeError: a leaf that is not a floating-point tensor
             (the message names its path).
         """
-        return cls._build(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
+        return cls.from_caps(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
 
     @classmethod
-    def _build(cls, tree: Any, caps: tuple[int, ...], *, floating_only: bool) -> BucketPlan:
+    def from_caps(cls, tree: Any, caps: tuple[int, ...], *, floating_only: bool = True) -> BucketPlan:
         paths, leaves, treedef = _tree.flatten_with_paths(tree)
         for p, t in zip(paths, leaves):
             if not isinstance(t, torch.Tensor):
@@ -250,7 +250,7 @@ class BucketPlan:
             if t.dtype != s.dtype:
                 raise ValueError(f"fdp: {what} leaf {s.path} has dtype {t.dtype}, the plan expects {s.dtype}")
 
-    def _check_devices(self, leaves: Sequence[torch.Tensor], what: str) -> None:
+    def check_devices(self, leaves: Sequence[torch.Tensor], what: str) -> None:
         if list(map(_device, leaves)) == self._devices:  # the per-step case: one C-level pass
             return
         for s, t in zip(self.slots, leaves):
@@ -278,7 +278,7 @@ class BucketPlan:
         ``out`` reuses the caller's buffers (no allocation).
         """
         leaves = self.leaves_of(tree, "flatten")
-        self._check_devices(leaves, "flatten")
+        self.check_devices(leaves, "flatten")
         flats = self._out_buffers(out, dtype)
         for b, flat in zip(self.buckets, flats):
             kernels.flatten([leaves[i] for i in b.leaves], flat, scale=scale, impl=impl)
@@ -344,7 +344,7 @@ class BucketPlan:
                     leaves[i] = f[off : off + n].view(self.slots[i].shape)
         else:  # every view of a bucket from one C++ call (~1 us per leaf less than slicing here)
             for b, f, shapes in zip(self.buckets, flats, self._shape_templates()):
-                for i, v in zip(b.leaves, kernels._torch.unflatten_views(f, shapes)):
+                for i, v in zip(b.leaves, kernels.views(f, shapes)):
                     leaves[i] = v
         return _tree.unflatten(treedef or self.treedef, leaves)
 

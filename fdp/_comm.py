@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CollectiveError
+from ._errors import CollectiveError, ReplicaMismatchError
 from ._group import Group
 
 
@@ -21,6 +21,9 @@ class Done:
     """A work handle for something that already happened (world of one, sync backends)."""
 
     def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -35,7 +38,19 @@ DONE = Done()
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _fail(group: Group, what: str, exc: BaseException) -> CollectiveError:
+def completed(value: Any) -> torch.futures.Future:
+    """A Future that already holds ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def is_completed(handle: Any) -> bool:
+    """Whether a work handle or Future has finished (never blocks)."""
+    return handle.is_completed() if hasattr(handle, "is_completed") else handle.done()
+
+
+def collective_error(group: Group, what: str, exc: BaseException) -> CollectiveError:
     return CollectiveError(
         f"fdp: {what} failed on rank {group.rank} of {group.size} "
         f"(timeout {group.timeout.total_seconds():g}s): {exc}. "
@@ -52,7 +67,7 @@ def wait(work: Any, group: Group, what: str) -> None:
         else:
             work.wait(group.timeout)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
 
 
 def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False) -> Any:
@@ -62,7 +77,7 @@ def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = Fal
     try:
         work = dist.all_reduce(t, group=group.process_group, async_op=True)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     if async_op:
         return work
     wait(work, group, what)
@@ -77,24 +92,31 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         gsrc = dist.get_global_rank(group.process_group, src)
         work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     if async_op:
         return work
     wait(work, group, what)
     return None
 
 
-def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
-    """Gather equal-shaped tensors: returns ``[group.size, *t.shape]``."""
+def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[torch.Tensor, Any]:
+    """Start gathering equal-shaped tensors: ``(out, work)``; after ``wait(work, ...)``,
+    ``out.view(group.size, *t.shape)`` holds every rank's ``t``."""
     if group.process_group is None:
-        return t.unsqueeze(0).clone()
+        return t.reshape(-1).clone(), DONE
     out = t.new_empty(group.size * t.numel())
     try:
         work = _all_gather_single(
             out, t.contiguous().view(-1), group=group.process_group, async_op=True
         )
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
+    return out, work
+
+
+def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
+    """Gather equal-shaped tensors: returns ``[group.size, *t.shape]``."""
+    out, work = all_gather_start(t, group, what)
     wait(work, group, what)
     return out.view(group.size, *t.shape)
 
@@ -129,3 +151,61 @@ def count_ranks(flag: bool, group: Group, what: str = "fdp.count_ranks") -> int:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=group.device)
     all_reduce(t, group, what)
     return int(t.item())
+
+
+def wait_future(fut: torch.futures.Future, group: Group, what: str) -> Any:
+    """The value of a comm hook's Future; a failure raises ``CollectiveError`` naming ``what``.
+
+    Futures have no timed wait: the collectives behind them carry the process group's own
+    timeout (the one ``fdp.init`` sets), which fails the Future when it expires.
+    """
+    try:
+        return fut.wait()
+    except Exception as e:
+        raise collective_error(group, what, e) from e
+
+
+# ---------------------------------------------------------------------------- traced (torch.compile)
+# Functional collectives are the graph-visible form torch.compile traces (and Inductor can
+# reorder for overlap); the eager path above uses c10d's work handles, which dynamo cannot
+# trace. Both are torch's public-by-convention distributed APIs as of 2.13.
+
+
+def traced_all_reduce(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """SUM all-reduce as graph nodes (``all_reduce -> wait``); the identity in a world of one."""
+    if group.process_group is None:
+        return flat
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.process_group))
+
+
+def traced_broadcast(flat: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Broadcast from group rank ``src`` as graph nodes; the identity in a world of one."""
+    if group.process_group is None:
+        return flat
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.broadcast(flat, src, group.process_group))
+
+
+def count_and_check_active(active: bool | None, group: Group, what: str) -> int:
+    """Number of active ranks for ``all_reduce(active=...)``, checking that every rank passed it.
+
+    One 2-element all-reduce carries (active, passed); ranks that passed ``active=`` and
+    ranks that did not would otherwise issue different collectives and hang until the
+    timeout. Raises ``ReplicaMismatchError`` on every rank when they disagree.
+    """
+    if group.process_group is None:
+        return 1 if active is None else int(bool(active))
+    t = torch.tensor([1 if active is None or active else 0, 0 if active is None else 1],
+                     dtype=torch.int64, device=group.device)
+    all_reduce(t, group, what)
+    n, passed = (int(v) for v in t.tolist())
+    if 0 < passed < group.size:
+        mine = "passed active=" if active is not None else "did not pass active="
+        raise ReplicaMismatchError(
+            f"fdp: {what}: {passed} of {group.size} ranks passed active= and the others did not; "
+            f"every rank must pass it, or none (rank {group.rank} {mine})"
+        )
+    return n

@@ -197,8 +197,7 @@ def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = 
     values = hashlib.sha256(sums.numpy().tobytes()).digest()
     mine = torch.tensor([len(leaves), *(int.from_bytes(d[:7], "little") for d in (layout, layout[7:], values, values[7:]))],
                         dtype=torch.int64, device=g.device)
-    rows = mine.new_empty(g.size * mine.numel())
-    work = _comm._all_gather_single(rows, mine, group=g.process_group, async_op=True)
+    rows, work = _comm.all_gather_start(mine, g, "fdp.assert_replicas_equal")
     check = ReplicaCheck(tree, treedef, sums, work, rows.view(g.size, -1), g)
     if not wait:
         return check
@@ -237,7 +236,7 @@ def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]
 
 def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
     """Broadcast every leaf from ``src`` in <= 250 MiB flat buckets; fresh tensors back."""
-    plan = BucketPlan._build(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
+    plan = BucketPlan.from_caps(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
     leaves = _tree.leaves(tree)
     flats = []
     pending: list[Any] = []
@@ -318,7 +317,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     out: list[Any] = [None] * len(leaves)
     if floating:
         ftree = [leaves[i] for i in floating]
-        plan = BucketPlan._build(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
+        plan = BucketPlan.from_caps(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
         flats = plan.flatten(ftree, scale=1.0 / g.size)
         works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
                  for b, f in zip(plan.buckets, flats)]

@@ -8,9 +8,18 @@ the ``fdp.Bucket`` (index, paths, shapes, ``last``), ``flat`` the filled 1-D buf
 hook returns is handed to the caller as the gradient, so it must not be one the hook
 reuses later.
 
-Wrap a function in ``CommHook`` to declare a different wire dtype (the dtype buckets are
-filled in: the cast is fused into the copy too) or to receive unscaled gradients
-(``prescale=False``; the hook must then divide).
+A hook declares what it can do by being wrapped in ``CommHook``; the Reducer asks these
+capabilities and never compares a hook's identity (every hook, the default included, runs
+its own body on the same road):
+
+* ``dtype``: the wire dtype buckets are filled in (the cast is fused into the copy);
+* ``prescale``: whether the buffer arrives multiplied by 1/world_size;
+* ``in_place``: the function sums ``flat`` over the group *in place* with an elementwise
+  SUM and returns a work handle (``wait(timeout)``, ``is_completed()``). The step then waits
+  with the group's timeout, polls completion for the timeline, and hands out ``flat`` itself
+  (no copy). Calling such a hook directly still returns a Future, like any other hook;
+* ``traced``: a function ``(flat, group) -> Tensor`` that does the same reduction with
+  traceable collectives, used under ``torch.compile``; hooks without one are refused there.
 
 Built-ins: ``allreduce`` (the default), ``fp16_compress``, ``bf16_compress``, ``noop`` and
 ``powersgd(...)``.
@@ -22,43 +31,109 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from . import _comm
 from ._bucket import Bucket
 from ._group import Group
 
-HookFn = Callable[[Bucket, torch.Tensor, Group], torch.futures.Future]
+HookFn = Callable[[Bucket, torch.Tensor, Group], Any]
+TracedFn = Callable[[torch.Tensor, Group], torch.Tensor]
 
 __all__ = ["CommHook", "allreduce", "bf16_compress", "fp16_compress", "noop", "powersgd"]
 
 
 class CommHook:
-    """A comm hook function plus what the Reducer needs to know about it.
+    """A comm hook function plus the capabilities it declares.
 
     Args:
-      fn: ``fn(bucket, flat, group) -> Future[Tensor]``.
+      fn: ``fn(bucket, flat, group) -> Future[Tensor]``; with ``in_place=True``,
+        ``fn(bucket, flat, group) -> work`` that sums ``flat`` over the group in place.
       dtype: the wire dtype buckets are filled in (``None``: the gradients' own dtype, or the
         Reducer's ``reduce_dtype``). The result is cast back to the gradients' dtype.
       prescale: if True (default) the buffer arrives multiplied by 1/world_size.
       name: for error messages and logs.
+      in_place: ``fn`` reduces ``flat`` in place with an elementwise SUM and returns a work
+        handle with ``wait(timeout)`` and ``is_completed()`` (a c10d ``Work``).
+      traced: ``traced(flat, group) -> Tensor``, the same reduction built from traceable
+        collectives (``torch.distributed._functional_collectives``), for ``torch.compile``.
+
+    Example::
+
+        def logging_allreduce(bucket, flat, group):
+            print("bucket", bucket.index, bucket.nbytes)
+            return fdp.hooks.allreduce(bucket, flat, group)
+
+        reducer = fdp.Reducer(params, comm_hook=fdp.hooks.CommHook(logging_allreduce, name="logging"))
     """
 
-    def __init__(self, fn: HookFn, *, dtype: torch.dtype | None = None, prescale: bool = True, name: str | None = None):
+    def __init__(self, fn: HookFn, *, dtype: torch.dtype | None = None, prescale: bool = True,
+                 name: str | None = None, in_place: bool = False, traced: TracedFn | None = None):
         if not callable(fn):
             raise TypeError(f"fdp: a comm hook must be callable, got {type(fn).__name__}")
+        if traced is not None and not callable(traced):
+            raise TypeError(f"fdp: CommHook(traced=...) must be callable, got {type(traced).__name__}")
         self.fn = fn
         self.dtype = dtype
         self.prescale = prescale
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.in_place = in_place
+        self.traced = traced
+
+    @property
+    def traceable(self) -> bool:
+        """Whether the hook can run under ``torch.compile`` (it declared ``traced``)."""
+        return self.traced is not None
 
     def __call__(self, bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
-        return self.fn(bucket, flat, group)
+        """Run the hook on one bucket; always returns a Future of the reduced tensor."""
+        if not self.in_place:
+            return self.fn(bucket, flat, group)
+        work = self.fn(bucket, flat, group)
+        return work.get_future().then(lambda _: flat)
+
+    def launch(self, bucket: Bucket, flat: torch.Tensor, group: Group) -> Any:
+        """Start the reduction of one bucket: a work handle (``in_place``) or a Future."""
+        handle = self.fn(bucket, flat, group)
+        if not self.in_place and not isinstance(handle, torch._C.Future):
+            raise TypeError(
+                f"fdp: comm hook {self.name} returned {type(handle).__name__} for bucket {bucket.index}; "
+                "it must return a torch.futures.Future whose value is the reduced flat tensor"
+            )
+        return handle
+
+    def collect(self, handle: Any, bucket: Bucket, flat: torch.Tensor, group: Group, what: str) -> torch.Tensor:
+        """Wait for ``handle`` (from ``launch``) and return the reduced bucket, 1-D, ``bucket.numel`` long.
+
+        An ``in_place`` hook's result is ``flat`` itself; a Future's value is checked (a floating tensor of the bucket's size) and raises
+        ``TypeError`` naming the hook and the bucket otherwise.
+        """
+        if self.in_place:
+            _comm.wait(handle, group, what)
+            return flat
+        value = _comm.wait_future(handle, group, f"{what} (comm hook {self.name})")
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel or not value.is_floating_point():
+            got = (f"a {type(value).__name__}" if not isinstance(value, torch.Tensor)
+                   else f"a {value.dtype} tensor of shape {tuple(value.shape)}")
+            raise TypeError(
+                f"fdp: comm hook {self.name} returned {got} for bucket {bucket.index}; expected a floating "
+                f"tensor of {bucket.numel} elements (the reduced bucket)"
+            )
+        return value.reshape(-1)
+
+    def describe(self) -> str:
+        """What ranks must agree on: name, wire dtype, prescale (checked at Reducer construction)."""
+        wire = "the gradients' dtype" if self.dtype is None else str(self.dtype).replace("torch.", "")
+        return f"comm hook {self.name} (wire {wire}, prescale={self.prescale})"
 
     def __repr__(self) -> str:
-        return f"fdp.hooks.CommHook({self.name}, dtype={self.dtype}, prescale={self.prescale})"
+        return (f"fdp.hooks.CommHook({self.name}, dtype={self.dtype}, prescale={self.prescale}, "
+                f"in_place={self.in_place}, traceable={self.traceable})")
 
 
 def as_hook(hook: CommHook | HookFn | None) -> CommHook:
+    """The ``CommHook`` for a ``comm_hook=`` argument: the default for None, a plain callable wrapped."""
     if hook is None:
         return allreduce
     if isinstance(hook, CommHook):
@@ -66,31 +141,24 @@ def as_hook(hook: CommHook | HookFn | None) -> CommHook:
     return CommHook(hook)
 
 
-def _sum_all_reduce(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
-    if group.process_group is None:
-        return _completed(flat)
-    work = dist.all_reduce(flat, group=group.process_group, async_op=True)
-    return work.get_future().then(lambda f: f.value()[0])
-
-
-def _completed(t: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
+def _sum_in_place(bucket: Bucket, flat: torch.Tensor, group: Group) -> Any:
+    return _comm.all_reduce(flat, group, f"all-reduce of bucket {bucket.index}", async_op=True)
 
 
 def _noop(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
-    return _completed(flat)
+    return _comm.completed(flat)
 
 
-allreduce = CommHook(_sum_all_reduce, name="allreduce")
+allreduce = CommHook(_sum_in_place, name="allreduce", in_place=True, traced=_comm.traced_all_reduce)
 allreduce.__doc__ = "Sum the prescaled buckets: the mean over ranks (the default)."
 
-fp16_compress = CommHook(_sum_all_reduce, dtype=torch.float16, name="fp16_compress")
+fp16_compress = CommHook(_sum_in_place, dtype=torch.float16, name="fp16_compress", in_place=True,
+                         traced=_comm.traced_all_reduce)
 """Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
 the gradients' dtype. Halves the bytes on the wire (DDP's ``fp16_compress_hook``)."""
 
-bf16_compress = CommHook(_sum_all_reduce, dtype=torch.bfloat16, name="bf16_compress")
+bf16_compress = CommHook(_sum_in_place, dtype=torch.bfloat16, name="bf16_compress", in_place=True,
+                         traced=_comm.traced_all_reduce)
 """Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa."""
 
 noop = CommHook(_noop, name="noop")
@@ -154,7 +222,7 @@ def powersgd(
 
     def _powersgd(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
         if group.process_group is None:
-            return _completed(flat)
+            return _comm.completed(flat)
         state = holder.get("state")
         if state is None:
             state = psgd.PowerSGDState(

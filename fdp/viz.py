@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ._reducer import Timeline
+from ._timeline import Timeline
 
 __all__ = ["plot_timeline"]
 

@@ -1,5 +1,11 @@
 """fdp.kernels: multi-tensor flatten/unflatten with a fused scale and dtype cast.
 
+Where it lives: the repository's top-level ``kernels/`` folder (the project's chosen layout
+keeps kernels apart from the Python library), installed as the subpackage ``fdp.kernels`` by
+``[tool.setuptools.package-dir]`` in pyproject.toml. There is no top-level ``kernels``
+module; inside fdp, ``from . import kernels`` resolves to this package. fdp uses only the
+names in ``__all__`` below; ``_torch`` and ``_triton`` are this package's own.
+
 ``flatten(srcs, out, scale=s)`` writes ``(src.to(c) * s).to(out.dtype)`` for every source,
 back to back, into the 1-D ``out``, where ``c`` is the widest of fp32 and the two dtypes:
 "multiply in fp32 (fp64 for fp64), round once to the bucket dtype". For the usual case
@@ -28,7 +34,7 @@ import torch
 
 from . import _torch
 
-__all__ = ["flatten", "unflatten", "select", "triton_available"]
+__all__ = ["flatten", "unflatten", "views", "select", "triton_available"]
 
 _IMPLS = ("torch", "triton")
 
@@ -116,3 +122,13 @@ def unflatten(
         return outs
     _torch.unflatten(flat, outs)
     return outs
+
+
+def views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views into consecutive segments of the 1-D ``flat``, shaped like ``like`` (no copy).
+
+    ``like`` may be storage-less (``device="meta"``) tensors: only their shapes are read.
+    One C++ call makes every view (torch's ``unflatten_dense_tensors``), which is why fdp's
+    bucket plans use it rather than slicing in Python.
+    """
+    return _torch.unflatten_views(flat, like)

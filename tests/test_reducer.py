@@ -13,12 +13,12 @@ from fdp._bucket import MiB
 OVERLAP = [True, False]
 
 
-@pytest.fixture(autouse=True)
-def hook_every_leaf(monkeypatch):
+def Reducer(*args, **kwargs):
     """These small test models have leaves of a few KiB, which the Reducer would leave
     unhooked (not worth an early launch); hook them all so the overlap path is what runs.
     The unhooked path has tests of its own below."""
-    monkeypatch.setattr(fdp._reducer, "_HOOK_MEAN_BYTES", 0)
+    kwargs.setdefault("hook_threshold_bytes", 0)
+    return fdp.Reducer(*args, **kwargs)
 
 # "autograd": plain autograd on detached leaves (what "auto" picks at the top level);
 # "functorch": torch.func.grad with hooks on functorch-wrapped leaves (the private-API path).
@@ -37,8 +37,7 @@ def grads_and_locals(group, overlap, caps, engine="autograd"):
     model = mlp(seed=0)
     apply, params, buffers = fdp.functionalize(model)
     loss = ce_loss(apply)
-    reducer = fdp.Reducer(params, group, bucket_caps_mb=caps, overlap=overlap)
-    reducer.engine = engine
+    reducer = Reducer(params, group, bucket_caps_mb=caps, overlap=overlap, engine=engine)
     x, y = batch(group.rank)
     grads, _ = reducer.grad(loss, has_aux=True)(params, buffers, x, y)
     local, _ = torch.func.grad(loss, has_aux=True)(params, buffers, x, y)
@@ -75,8 +74,7 @@ def ddp_parity(group, overlap, engine, steps=5, lr=0.1):
     ddp = nn.parallel.DistributedDataParallel(mlp(width=32, seed=1), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     apply, params, buffers = fdp.functionalize(ref_model)
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002, overlap=overlap)
-    reducer.engine = engine
+    reducer = Reducer(params, group, bucket_cap_mb=0.002, first_bucket_cap_mb=0.002, overlap=overlap, engine=engine)
     grad_fn = reducer.grad(ce_loss(apply), has_aux=True)
     for step in range(steps):
         x, y = batch(group.rank, step)
@@ -102,8 +100,7 @@ def test_five_sgd_steps_equal_torch_ddp_bitwise(overlap, engine):
 def overlap_timeline(group, engine):
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
     apply, params, buffers = fdp.functionalize(model)
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.25)
-    reducer.engine = engine
+    reducer = Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.25, engine=engine)
     x = torch.randn(64, 256)
     grad_fn = reducer.grad(lambda p, x: apply(p, buffers, x)[0].square().mean())
     timelines = []
@@ -135,7 +132,7 @@ def accumulate_vs_big_batch(group, k):
     def loss(p, x, y):
         return F.cross_entropy(apply(p, buffers, x)[0], y, reduction="sum")
 
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+    reducer = Reducer(params, group, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
     xs, ys = zip(*[batch(group.rank, step=i, n=4) for i in range(k)])
     acc = None
     for x, y in zip(xs[:-1], ys[:-1]):
@@ -154,7 +151,6 @@ def test_accumulated_micro_batches_equal_one_big_batch(k):
 
 
 def unused_params(group, overlap, engine, hook_bytes=0):
-    fdp._reducer._HOOK_MEAN_BYTES = hook_bytes
     class TwoHeads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -168,8 +164,8 @@ def unused_params(group, overlap, engine, hook_bytes=0):
             return self.head_a(h) if which == 0 else self.head_b(h)
 
     apply, params, buffers = fdp.functionalize(TwoHeads())
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=1 / 1024, first_bucket_cap_mb=1 / 1024, overlap=overlap)
-    reducer.engine = engine
+    reducer = Reducer(params, group, bucket_cap_mb=1 / 1024, first_bucket_cap_mb=1 / 1024, overlap=overlap,
+                      engine=engine, hook_threshold_bytes=hook_bytes)
     x, y = batch(group.rank)
     which = group.rank % 2  # ranks use different heads
     grads = reducer.grad(lambda p: F.cross_entropy(apply(p, buffers, x, which)[0], y))(params)
@@ -192,13 +188,13 @@ def test_unused_and_rank_dependent_parameters(backend, overlap, engine, hook_byt
 
 def grad_views(group):
     apply, params, buffers = fdp.functionalize(mlp(seed=3))
-    reducer = fdp.Reducer(params, group, grad_views=True)
+    reducer = Reducer(params, group, grad_views=True)
     loss = ce_loss(apply)
     g1, _ = reducer.grad(loss, has_aux=True)(params, buffers, *batch(group.rank, 0))
     snap = {k: v.clone() for k, v in g1.items()}
     ptrs = {k: v.data_ptr() for k, v in g1.items()}
     g2, _ = reducer.grad(loss, has_aux=True)(params, buffers, *batch(group.rank, 1))
-    fresh = fdp.Reducer(params, group)
+    fresh = Reducer(params, group)
     g3, _ = fresh.grad(loss, has_aux=True)(params, buffers, *batch(group.rank, 1))
     return snap, ptrs, g1, g2, g3
 
@@ -214,7 +210,7 @@ def test_grad_views_reuse_buffers_and_fresh_grads_do_not():
 
 def world_of_one():
     apply, params, buffers = fdp.functionalize(mlp(seed=4))
-    reducer = fdp.Reducer(params)  # no torch.distributed at all
+    reducer = Reducer(params)  # no torch.distributed at all
     loss = ce_loss(apply)
     x, y = batch(0)
     g, _ = reducer.grad(loss, has_aux=True)(params, buffers, x, y)
@@ -239,8 +235,7 @@ def test_grad_and_value_and_argnums_follow_torch_func(engine):
         out = apply(p, buffers, x)[0]
         return F.cross_entropy(out, y) * scale, {"logits": out}
 
-    reducer = fdp.Reducer(params)
-    reducer.engine = engine
+    reducer = Reducer(params, engine=engine)
     (g, (value, aux)) = reducer.grad_and_value(loss, argnums=1, has_aux=True)(2.0, params, x, y)
     (rg, (rvalue, raux)) = torch.func.grad_and_value(loss, argnums=1, has_aux=True)(2.0, params, x, y)
     assert torch.equal(value, rvalue) and torch.equal(aux["logits"], raux["logits"])
@@ -254,7 +249,7 @@ def test_grad_and_value_and_argnums_follow_torch_func(engine):
 
 def test_non_scalar_loss_is_a_clear_error():
     apply, params, buffers = fdp.functionalize(mlp(seed=6))
-    reducer = fdp.Reducer(params)
+    reducer = Reducer(params)
     x, _ = batch(0)
     with pytest.raises(ValueError, match=r"scalar loss tensor, got \(6, 4\)"):
         reducer.grad(lambda p: apply(p, buffers, x)[0])(params)
@@ -264,7 +259,7 @@ def test_non_scalar_loss_is_a_clear_error():
 
 def test_mismatched_trees_dtypes_and_devices_name_the_leaf():
     apply, params, buffers = fdp.functionalize(mlp(seed=7))
-    reducer = fdp.Reducer(params)
+    reducer = Reducer(params)
     bad = dict(params)
     bad["2.weight"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match=r"\['2.weight'\] has shape \(3, 3\)"):
@@ -276,14 +271,14 @@ def test_mismatched_trees_dtypes_and_devices_name_the_leaf():
     with pytest.raises(ValueError, match=r"\['0.weight'\] has shape"):
         reducer.grad(lambda p: sum(v.sum() for v in p.values()))({**params, "0.weight": torch.zeros(2)})
     with pytest.raises(ValueError, match="one device"):
-        fdp.Reducer({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
+        Reducer({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
     with pytest.raises(TypeError, match=r"\['n'\] has dtype torch.int64"):
-        fdp.Reducer({"a": torch.zeros(2), "n": torch.zeros(2, dtype=torch.long)})
+        Reducer({"a": torch.zeros(2), "n": torch.zeros(2, dtype=torch.long)})
 
 
 def test_reentering_a_reducer_mid_step_is_an_error():
     apply, params, buffers = fdp.functionalize(mlp(seed=8))
-    reducer = fdp.Reducer(params)
+    reducer = Reducer(params)
     pending = reducer.all_reduce_async(params)
     with pytest.raises(RuntimeError, match="still in flight"):
         reducer.all_reduce(params)
@@ -300,7 +295,7 @@ def test_reentering_a_reducer_mid_step_is_an_error():
 
 def test_grad_inside_another_transform_is_an_error():
     apply, params, buffers = fdp.functionalize(mlp(seed=9))
-    reducer = fdp.Reducer(params)
+    reducer = Reducer(params)
     with pytest.raises(RuntimeError, match="inside another torch.func transform"):
         torch.func.grad(lambda p: reducer.grad(lambda q: q["0.bias"].sum())(p)["0.bias"].sum())(params)
 
@@ -309,14 +304,14 @@ def test_mismatched_plans_across_ranks_are_reported_on_every_rank():
     def body(group):
         width = 16 if group.rank == 0 else 17
         _, params, _ = fdp.functionalize(mlp(width=width, seed=0))
-        fdp.Reducer(params, group)
+        Reducer(params, group)
 
     with pytest.raises(fdp.ReplicaMismatchError, match=r"leaf \['0.weight'\] has shape \(16, 8\) float32 on rank 0 but \(17, 8\) float32 on rank 1"):
         fdp.testing.run(body, 2, backend="gloo", timeout=30)
 
     def caps(group):
         _, params, _ = fdp.functionalize(mlp(seed=0))
-        fdp.Reducer(params, group, bucket_cap_mb=25 if group.rank == 0 else 5)
+        Reducer(params, group, bucket_cap_mb=25 if group.rank == 0 else 5)
 
     with pytest.raises(fdp.ReplicaMismatchError, match="bucket caps"):
         fdp.testing.run(caps, 2, timeout=30)
@@ -324,8 +319,7 @@ def test_mismatched_plans_across_ranks_are_reported_on_every_rank():
 
 def test_functorch_engine_rejects_mutating_captured_tensors_like_torch_func():
     counter = torch.zeros(())
-    reducer = fdp.Reducer({"w": torch.ones(2)})
-    reducer.engine = "functorch"
+    reducer = Reducer({"w": torch.ones(2)}, engine="functorch")
     with pytest.raises(RuntimeError, match="captured"):
         reducer.grad(lambda p: counter.add_(1) + p["w"].sum())({"w": torch.ones(2)})
 
@@ -334,16 +328,15 @@ def test_functorch_engine_rejects_mutating_captured_tensors_like_torch_func():
 def unhooked_tail(group):
     """A big layer (hooked, launched during the backward) before many tiny ones (the
     trailing buckets: unhooked, reduced when the backward returns)."""
-    fdp._reducer._HOOK_MEAN_BYTES = 16 * 1024  # the default, inside this process
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(20)], nn.Linear(8, 4096), nn.Tanh(),
                           nn.Linear(4096, 64))
     apply, params, buffers = fdp.functionalize(init_model(model))
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.5)
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.5, first_bucket_cap_mb=0.5)  # default threshold
     x, y = batch(group.rank)
     loss = lambda p: apply(p, buffers, x)[0].square().mean()  # noqa: E731
     grads = reducer.grad(loss)(params)
     local = torch.func.grad(loss)(params)
-    return grads, local, reducer._hooked_buckets, len(reducer.plan.buckets), reducer.last_timeline()
+    return grads, local, reducer.hooked_buckets, len(reducer.plan.buckets), reducer.last_timeline()
 
 
 def init_model(model):

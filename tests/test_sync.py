@@ -9,6 +9,8 @@ from models import batch, cnn, mlp
 from torch import nn
 
 import fdp
+import fdp._buffers
+import fdp._step
 
 BACKENDS = ["threads", "gloo"]
 
@@ -180,13 +182,16 @@ def test_debug_mode_turns_a_skipped_bucket_into_an_error_on_every_rank():
         reducer.all_reduce(params)  # a healthy step passes the checks
         if group.rank == 1:
             # Simulate a desync bug: rank 1 skips bucket 0 and launches from bucket 1.
-            step = fdp._reducer._Step(reducer, "all_reduce", None, 0.5, True)
-            step.stash = list(fdp._tree.leaves(params))
+            machine = fdp._step.StepMachine(reducer.plan, group, reducer.hook,
+                                            fdp._buffers.BucketBuffers(reducer.plan, [torch.float32] * 99, reuse=False),
+                                            debug=True)
+            machine.completed = reducer.steps
+            step = machine.start("all_reduce", scale=0.5)
+            step.give(list(fdp._tree.leaves(params)))
             step.next = 1
-            reducer._cur = step
-            reducer._launch_ready(step, force=True)
+            step.launch_ready(force=True)
             return None
-        reducer.all_reduce(params)
+        reducer.grad(lambda p: sum(t.sum() for t in p.values()))(params)  # bucket 0 first
 
     t0 = time.monotonic()
     with pytest.raises(fdp.ReplicaMismatchError, match=r"rank 0: \(step=1, bucket=0.*rank 1: \(step=1, bucket=1"):

@@ -1,0 +1,117 @@
+"""This rank's gradients: how a Reducer step runs the user's function and its backward.
+
+Two engines compute the same numbers:
+
+* ``"autograd"`` (what ``engine="auto"`` picks): at the top level, ``torch.func.grad``
+  computes exactly what ``torch.autograd.grad`` on fresh leaves computes, but wraps every op
+  of the forward and backward on the way; plain autograd skips that wrapping
+  (docs/performance.md, "engine"). Leaf hooks are set through ``fdp._functorch``.
+* ``"functorch"``: ``torch.func.grad_and_value`` itself, with hooks registered on its wrapped
+  leaves inside the transform (the private functorch APIs are in ``fdp._functorch``).
+
+Gradients travel as lists in the plan's leaf order; trees are built once, for the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from . import _functorch, _tree
+
+ENGINES = ("auto", "autograd", "functorch")
+
+
+def resolve_engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise ValueError(f"fdp.Reducer: engine must be one of {ENGINES}, got {engine!r}")
+    return "autograd" if engine == "auto" else engine
+
+
+def loss_of(out: Any, has_aux: bool) -> torch.Tensor:
+    """The scalar loss in ``fn``'s output, or a ``ValueError`` saying what came back instead."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError("fdp: with has_aux=True the function must return a (loss, aux) tuple, "
+                             f"got {type(out).__name__}")
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"fdp: the function passed to reducer.grad must return a scalar loss tensor, got {shape}; "
+            "reduce it (e.g. .mean()) or use has_aux=True to return extra outputs"
+        )
+    return out
+
+
+def select(args: tuple, argnums: int | tuple[int, ...]) -> Any:
+    """The differentiated argument(s), as ``torch.func.grad``'s ``argnums`` picks them."""
+    return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+
+def replace(args: tuple, argnums: int | tuple[int, ...], new: Any) -> tuple:
+    args = list(args)
+    if isinstance(argnums, int):
+        args[argnums] = new
+    else:
+        for i, v in zip(argnums, new):
+            args[i] = v
+    return tuple(args)
+
+
+def detach_tree(tree: Any) -> Any:
+    return _tree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
+                leaves: list[torch.Tensor], treedef: _tree.TreeDef,
+                hooks: Sequence[Callable | None] | None,
+                on_backward_start: Callable[[torch.Tensor], None] | None) -> tuple[list[Any], Any]:
+    """This rank's gradients (a list in leaf order) and value, as ``grad_and_value`` gives them.
+
+    With ``hooks``, each hooked leaf's hook sees its gradient as the backward produces it,
+    ``on_backward_start`` runs when the outer backward begins, and only the entries of
+    leaves without a hook are meaningful (None for a leaf the loss does not use). Without
+    hooks, unused leaves get zeros, as ``torch.func.grad`` returns.
+    """
+    if engine == "functorch":
+        instrumented = _instrument(fn, argnums, has_aux, treedef, hooks, on_backward_start)
+        grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
+        return _tree.leaves(grads), value
+    inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
+    if hooks is not None:
+        for leaf, hook in zip(inputs, hooks):
+            if hook is not None:
+                _functorch.set_leaf_hook(leaf, hook)
+    args = replace(args, argnums, _tree.unflatten(treedef, inputs))
+    with torch.enable_grad():
+        out = fn(*args, **kwargs)
+        loss = loss_of(out, has_aux)
+        grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
+        if loss.requires_grad and inputs:  # nothing to differentiate: torch.func.grad returns {}
+            if on_backward_start is not None:
+                loss.register_hook(on_backward_start)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    value = (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
+    if hooks is not None:
+        return list(grads), value
+    return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)], value
+
+
+def _instrument(fn: Callable, argnums: Any, has_aux: bool, treedef: _tree.TreeDef,
+                hooks: Sequence[Callable | None] | None,
+                on_backward_start: Callable[[torch.Tensor], None] | None) -> Callable:
+    def instrumented(*args: Any, **kwargs: Any) -> Any:
+        if hooks is not None:
+            for leaf, hook in zip(_tree.leaves(select(args, argnums)), hooks):
+                if hook is not None:
+                    leaf.register_hook(hook)
+        out = fn(*args, **kwargs)
+        loss = loss_of(out, has_aux)
+        if on_backward_start is not None and loss.requires_grad:
+            loss.register_hook(on_backward_start)
+        return out
+
+    return instrumented

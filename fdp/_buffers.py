@@ -1,0 +1,59 @@
+"""``BucketBuffers``: the one owner of the flat buffers a Reducer's steps fill and hand out.
+
+Two policies (the Reducer's ``grad_views``):
+
+* fresh (default): a bucket filled in the gradients' own dtype is a new tensor every step,
+  and once reduced it *becomes* the returned gradients (views into it, no copy); the caller
+  owns it from then on.
+* reuse (``grad_views=True``, DDP's ``gradient_as_bucket_view``): every buffer is allocated
+  once and reused each step; the returned gradients are views into it, valid until the next
+  call.
+
+Buckets that travel in another dtype than the gradients (``reduce_dtype``, compressing
+hooks) always fill a persistent wire buffer (scratch), and the result is cast into fresh
+tensors (or into persistent result buffers under reuse).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._bucket import BucketPlan
+
+
+class BucketBuffers:
+    """Flat buffers for ``plan``'s buckets, travelling in ``wire`` dtypes (one per bucket)."""
+
+    def __init__(self, plan: BucketPlan, wire: list[torch.dtype], *, reuse: bool) -> None:
+        self.plan, self.wire_dtypes, self.reuse = plan, list(wire), reuse
+        self._wire: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self._results: list[torch.Tensor | None] = [None] * len(plan.buckets)
+
+    def wire(self, b: int) -> torch.Tensor:
+        """The 1-D buffer bucket ``b`` is filled in this step."""
+        bucket = self.plan.buckets[b]
+        dtype = self.wire_dtypes[b]
+        n = bucket.numel
+        if self.reuse or dtype != bucket.dtype:
+            buf = self._wire[b]
+            if buf is None:
+                buf = self._wire[b] = torch.empty(n, dtype=dtype, device=bucket.device)
+            return buf
+        return torch.empty(n, dtype=dtype, device=bucket.device)
+
+    def grads(self, results: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per bucket, the flat tensor in the gradients' dtype that the returned gradients view."""
+        outs = []
+        for b, (bucket, r, f) in enumerate(zip(self.plan.buckets, results, flats)):
+            ours = r.untyped_storage().data_ptr() == f.untyped_storage().data_ptr()
+            if r.dtype == bucket.dtype and ours:
+                outs.append(r)  # fresh this step (handed over), or the reused buffer itself
+            elif not self.reuse:
+                # A hook's own memory is never handed out (it may reuse it); a cast is fresh.
+                outs.append(r.clone() if r.dtype == bucket.dtype else r.to(bucket.dtype))
+            else:
+                res = self._results[b]
+                if res is None:
+                    res = self._results[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+                outs.append(res.copy_(r))
+        return outs

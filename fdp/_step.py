@@ -1,0 +1,351 @@
+"""The step machine: leaf gradients in, reduced flat buckets out, overlapping the backward.
+
+``StepMachine`` is built once per Reducer from (plan, group, comm hook, buffers) and never
+sees the Reducer. It owns the per-leaf hooks and starts one ``Step`` per call; the ``Step``
+owns that call's state and its four actions:
+
+1. **receive**: a leaf hook hands over the leaf's gradient as the backward produces it (in
+   reverse registration order, interleaved with the compute of earlier layers);
+2. **fill**: when a bucket's last leaf arrives, one multi-tensor copy writes every gradient
+   of the bucket into its flat buffer with the 1/world scale and any cast fused in;
+3. **launch**: the bucket's collective is issued through the comm hook, strictly in bucket
+   order, so every rank issues the same collectives in the same order;
+4. **finish**: buckets not launched yet (unused leaves, unhooked tail) are filled and
+   launched in order, then every bucket is waited for and the reduced flat tensors are
+   returned.
+
+Only gradients of the *outer* backward count: a loss that itself differentiates the params
+(``torch.autograd.grad(..., create_graph=True)``: gradient penalties, MAML) fires the leaf
+hooks during its forward too. A step is armed by a hook on the loss, which runs first in
+the outer backward; hooks that fire before it are inner calls and are left alone.
+
+A rank whose step fails half-way (an exception in the backward after some buckets were
+launched) must not leave the others with collectives it never issues: the next call would
+pair its buckets with the rest of the failed step on the other ranks and sum gradients of
+two steps. ``StepMachine.abort`` drains instead: it launches the remaining buckets (zeros)
+and the step's status marked as failed, so every rank issues the same collectives and every
+rank raises for that step. The status is one 3-element int64 all-reduce launched right after
+the last bucket and waited after it: (failed ranks, sum of step numbers, sum of their
+squares), so a rank that is a step ahead or behind is caught too. It is a separate
+collective because any change to a bucket's size changes how gloo's ring splits it, and with
+it the summation order that makes fdp's results equal DDP's bit for bit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _functorch, kernels
+from ._bucket import BucketPlan, itemsize
+from ._buffers import BucketBuffers
+from ._comm import all_reduce, is_completed, wait
+from ._errors import CollectiveError
+from ._group import Group
+from ._sync import check_collective
+from ._timeline import BucketTimes, Timeline
+from .hooks import CommHook
+
+# Gradients smaller than this are left to autograd: handing autograd a zero in their place
+# costs more than the memory it frees.
+RELEASE_BYTES = 64 * 1024
+# Default of ``hook_threshold_bytes``: a hook costs a few microseconds per leaf per step, so
+# a trailing bucket whose leaves average less than this (thousands of biases, say) gains less
+# from an early launch than its hooks cost; such buckets launch when the backward returns.
+HOOK_MEAN_BYTES = 16 * 1024
+
+
+class _Live:
+    """The step in flight, read by the leaf hooks (a holder, so hooks do not keep the machine
+    alive: a Reducer is freed on ``del`` with no reference cycle)."""
+
+    __slots__ = ("step",)
+
+    def __init__(self) -> None:
+        self.step: Step | None = None
+
+
+class StepMachine:
+    """Runs Reducer steps over one bucket plan.
+
+    Args:
+      plan: the bucket layout. group: the ranks. hook: the comm hook (its declared
+      capabilities decide how buckets are launched and waited for). buffers: the flat
+      buffers' owner. debug: check each collective's fingerprint across ranks first.
+      hook_threshold_bytes: trailing buckets whose leaves average fewer bytes get no hooks.
+    """
+
+    def __init__(self, plan: BucketPlan, group: Group, hook: CommHook, buffers: BucketBuffers, *,
+                 debug: bool = False, hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> None:
+        self.plan, self.group, self.hook, self.buffers, self.debug = plan, group, hook, buffers, debug
+        self.bucket_of = [s.bucket for s in plan.slots]
+        self.release = [s.numel * itemsize(s.dtype) >= RELEASE_BYTES for s in plan.slots]
+        worth = [i for i, b in enumerate(plan.buckets) if b.nbytes >= hook_threshold_bytes * len(b.leaves)]
+        self.hooked_buckets = worth[-1] + 1 if worth else 0
+        self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
+        # The step status all-reduce (see the module docstring); nothing to pair without buckets.
+        self.status = group.process_group is not None and bool(plan.buckets)
+        self._live = _Live()
+        # One hook per leaf and engine, made once (the functorch one unwraps its gradients).
+        self.leaf_hooks = {
+            engine: [_leaf_hook(self._live, i, engine == "functorch") if s.bucket < self.hooked_buckets else None
+                     for i, s in enumerate(plan.slots)]
+            for engine in ("autograd", "functorch")
+        }
+        self.completed = 0  # steps whose collectives all completed
+
+    @property
+    def in_flight(self) -> Step | None:
+        return self._live.step
+
+    def start(self, kind: str, *, acc: list[torch.Tensor] | None = None, scale: float | None = None,
+              active: bool = True, what: str = "a step") -> Step:
+        """Begin a step: ``kind`` names it in messages, ``acc`` is added to the local gradients,
+        ``scale`` is fused into the fill, ``active=False`` contributes zeros."""
+        cur = self._live.step
+        if cur is not None:
+            raise RuntimeError(
+                f"fdp.Reducer: {what} called while step {cur.n} ({cur.kind}) is still in flight: a "
+                "reducer runs one step at a time (was grad_fn called inside the loss function, from "
+                "two threads, or an all_reduce_async handle not waited?)"
+            )
+        step = Step(self, kind, acc, scale, active)
+        self._live.step = step
+        return step
+
+    def finish(self, step: Step) -> list[torch.Tensor]:
+        """Launch what is left, wait for every bucket, and return the reduced flats (wire dtype)."""
+        try:
+            return step.finish()
+        except BaseException as e:
+            self.abort(step, e)
+            raise
+        finally:
+            self._end(step)
+
+    def abort(self, step: Step, exc: BaseException | None = None) -> None:
+        """This rank's step failed with ``exc``: issue the rest of its collectives marked as
+        failed, then return (the caller re-raises). A step that issued nothing yet needs
+        nothing: this rank's next call pairs with the others' current step. After a
+        ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
+        another rank's and every rank already knows."""
+        try:
+            if step.next > 0 and not isinstance(exc, CollectiveError):
+                step.drain()
+        except CollectiveError:
+            pass  # the group is broken: every rank's collectives fail with their own error
+        finally:
+            self._end(step)
+
+    def _end(self, step: Step) -> None:
+        if self._live.step is step:
+            self._live.step = None
+            if step.next == len(self.plan.buckets):
+                self.completed += 1
+
+
+def _leaf_hook(live: _Live, i: int, wrapped: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    unwrap = _functorch.unwrap if wrapped else None
+
+    def hook(grad: torch.Tensor) -> torch.Tensor | None:
+        step = live.step
+        if step is None:
+            return None
+        return step.receive(i, unwrap(grad) if unwrap else grad, grad)
+
+    return hook
+
+
+class Step:
+    """One call's exchange (see the module docstring). Made by ``StepMachine.start``."""
+
+    __slots__ = ("n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
+                 "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
+                 "handles", "in_flight", "acc", "scale", "active", "armed", "failed",
+                 "t0", "times", "bwd_start", "bwd_end")
+
+    def __init__(self, machine: StepMachine, kind: str, acc: list[torch.Tensor] | None, scale: float | None,
+                 active: bool) -> None:
+        plan = machine.plan
+        self.n, self.kind, self.plan, self.group = machine.completed, kind, plan, machine.group
+        self.hook, self.buffers, self.debug = machine.hook, machine.buffers, machine.debug
+        self.bucket_of, self.release = machine.bucket_of, machine.release
+        self.status = machine.status
+        self.status_t: torch.Tensor | None = None
+        self.status_work: Any = None
+        self.pending = [len(b.leaves) for b in plan.buckets]
+        self.stash: list[torch.Tensor | None] = [None] * len(plan.slots)
+        self.got = bytearray(len(plan.slots))
+        self.next = 0
+        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.handles: list[Any] = [None] * len(plan.buckets)
+        self.in_flight: list[int] = []  # launched buckets not yet seen complete
+        self.acc, self.scale, self.active = acc, scale, active
+        self.armed = False  # set when the outer backward starts (see the module docstring)
+        self.failed = False
+        self.t0 = time.perf_counter()
+        self.times = [BucketTimes(b.index, b.nbytes) for b in plan.buckets]
+        self.bwd_start: float | None = None
+        self.bwd_end: float | None = None
+
+    # ------------------------------------------------------------------ during the backward
+    def on_backward_start(self, grad: torch.Tensor) -> None:
+        """Hook on the loss: the outer backward has begun."""
+        self.armed = True
+        self.bwd_start = time.perf_counter()
+
+    def receive(self, i: int, grad: torch.Tensor, original: torch.Tensor) -> torch.Tensor | None:
+        """Leaf ``i``'s gradient, from its hook. Returns what autograd should keep in its place."""
+        if not self.armed or self.got[i]:
+            return None
+        self.stash[i] = grad
+        self.got[i] = 1
+        b = self.bucket_of[i]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self.times[b].ready = time.perf_counter() - self.t0
+            if b == self.next:
+                with _functorch.outside_transforms():
+                    self.launch_ready()
+        # Hand autograd a free zero instead: the gradient then lives only in the stash.
+        return original.new_zeros(()).expand(original.shape) if self.release[i] else None
+
+    def backward_done(self, grads: list[torch.Tensor | None], unhooked: list[int]) -> None:
+        """The backward returned: take the gradients of the leaves that have no hook."""
+        self.bwd_end = time.perf_counter()
+        for i in unhooked:
+            self.stash[i] = grads[i]  # None for an unused leaf: zero-filled at launch
+
+    def give(self, leaves: list[torch.Tensor]) -> None:
+        """All gradients at once (``all_reduce``): every bucket is ready."""
+        self.stash = list(leaves)
+        self.got = bytearray(b"\x01" * len(leaves))
+        self.pending = [0] * len(self.plan.buckets)
+
+    # ------------------------------------------------------------------ fill and launch
+    def launch_ready(self, force: bool = False) -> None:
+        """Launch buckets in order while the next one is complete (all of them if ``force``)."""
+        nb = len(self.plan.buckets)
+        while self.next < nb and (force or self.pending[self.next] == 0):
+            self._launch(self.next)
+            self.next += 1
+
+    def _fill(self, b: int, flat: torch.Tensor) -> None:
+        bucket = self.plan.buckets[b]
+        if not self.active or self.failed:
+            flat.zero_()
+        else:
+            srcs = []
+            for i in bucket.leaves:
+                g = self.stash[i]
+                if g is None:  # unused leaf: its hook never fired, its gradient is zero
+                    g = torch.zeros(self.plan.slots[i].shape, dtype=bucket.dtype, device=bucket.device)
+                srcs.append(g)
+                self.stash[i] = None
+            if self.acc is not None:
+                srcs = torch._foreach_add([self.acc[i] for i in bucket.leaves], srcs)
+            kernels.flatten(srcs, flat, scale=self.scale)
+
+    def _launch(self, b: int) -> None:
+        bucket = self.plan.buckets[b]
+        flat = self.buffers.wire(b)
+        self._fill(b, flat)
+        what = self.what(b)
+        if self.debug:
+            check_collective(self.group, self.n, b, flat.numel(), flat.dtype, what)
+        times = self.times[b]
+        self.stamp_done()
+        times.launch = time.perf_counter() - self.t0
+        self.flats[b] = flat
+        self.handles[b] = self.hook.launch(bucket, flat, self.group)
+        if self.group.process_group is None:
+            times.done = times.launch
+        else:
+            self.in_flight.append(b)
+        if bucket.last and self.status and self.hook.in_place:
+            self._start_status()  # overlaps the last bucket's all-reduce
+
+    def _start_status(self) -> None:
+        # A Future-returning hook may issue more collectives from its callbacks (PowerSGD
+        # chains three), so for those the status waits until every bucket is collected:
+        # issued earlier, it could interleave differently on different ranks.
+        n = self.n
+        self.status_t = torch.tensor([int(self.failed), n, n * n], dtype=torch.int64, device=self.group.device)
+        self.status_work = all_reduce(self.status_t, self.group, f"step {n} status", async_op=True)
+
+    def what(self, b: int) -> str:
+        return f"all-reduce of bucket {b} of {len(self.plan.buckets)} (step {self.n})"
+
+    # ------------------------------------------------------------------ wait and finish
+    def stamp_done(self) -> None:
+        """Stamp ``done`` on the launched buckets whose collective has completed by now."""
+        if not self.in_flight:
+            return
+        now = time.perf_counter() - self.t0
+        still = []
+        for b in self.in_flight:
+            if is_completed(self.handles[b]):
+                self.times[b].done = now
+            else:
+                still.append(b)
+        self.in_flight = still
+
+    def finish(self) -> list[torch.Tensor]:
+        self.launch_ready(force=True)
+        self.stamp_done()
+        results = []
+        for b, (bucket, handle) in enumerate(zip(self.plan.buckets, self.handles)):
+            results.append(self.hook.collect(handle, bucket, self.flats[b], self.group, self.what(b)))
+            self.stamp_done()  # this bucket, and any later one already complete
+            if self.times[b].done is None:  # a hook's future may still be running its callbacks
+                self.times[b].done = time.perf_counter() - self.t0
+        self._check_status()
+        return results
+
+    def drain(self) -> None:
+        """Issue the rest of this failed step's collectives, marked as failed, and wait for them."""
+        self.failed = True
+        self.launch_ready(force=True)
+        for b, handle in enumerate(self.handles):
+            try:
+                self.hook.collect(handle, self.plan.buckets[b], self.flats[b], self.group, self.what(b))
+            except (CollectiveError, TypeError):
+                pass
+        if self.status:
+            if self.status_work is None:
+                self._start_status()
+            wait(self.status_work, self.group, f"step {self.n} status")
+
+    def _check_status(self) -> None:
+        if not self.status:
+            return
+        if self.status_work is None:
+            self._start_status()
+        n, size = self.n, self.group.size
+        wait(self.status_work, self.group, f"step {n} status")
+        failed, steps, squares = (int(v) for v in self.status_t.tolist())
+        if failed:
+            raise CollectiveError(
+                f"fdp: step {n} failed on {failed} other rank(s) of {size} after they had launched some "
+                f"of its buckets (an exception in their loss or backward); its gradients are discarded on "
+                f"every rank (this is rank {self.group.rank}). The ranks are still in step: the next call "
+                "starts a fresh step everywhere."
+            )
+        if steps != n * size or squares != n * n * size:
+            raise CollectiveError(
+                f"fdp: the ranks ran different steps of this Reducer together (rank {self.group.rank} is at "
+                f"step {n}; the ranks' step numbers sum to {steps}, not {n * size}): some rank called it "
+                "more often than the others, so these gradients mix different steps and are discarded. "
+                "Every rank must make the same sequence of Reducer calls."
+            )
+
+    def timeline(self) -> Timeline:
+        return Timeline(
+            self.n, self.kind,
+            None if self.bwd_start is None else self.bwd_start - self.t0,
+            None if self.bwd_end is None else self.bwd_end - self.t0,
+            time.perf_counter() - self.t0, self.times,
+        )

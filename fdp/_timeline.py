@@ -1,0 +1,68 @@
+"""What happened when in a step: ``BucketTimes``, ``Timeline`` and the ``StepRecord``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BucketTimes:
+    """One bucket's life in a step, in seconds since the step started."""
+
+    index: int
+    nbytes: int
+    ready: float | None = None  # its last gradient arrived
+    launch: float | None = None  # its collective was issued
+    # When fdp first saw its collective complete: looked at on every later bucket launch,
+    # when the backward returns, and as each wait returns, so at most the gap between two
+    # of those after the true completion. Completion is polled rather than signalled by a
+    # callback, because a Python callback on the communication thread contends for the GIL
+    # with the backward (docs/performance.md, "How completion is observed").
+    done: float | None = None
+
+
+@dataclass
+class Timeline:
+    """What happened when in one step (seconds since the call started).
+
+    ``backward_start``/``backward_end`` are None for ``all_reduce`` steps (no backward).
+    ``exposed_comm`` is the communication not hidden behind the backward: the time from the
+    backward's end (or the launch of the first bucket, for ``all_reduce``) to the last
+    bucket's completion.
+    """
+
+    step: int
+    kind: str
+    backward_start: float | None
+    backward_end: float | None
+    end: float
+    buckets: list[BucketTimes] = field(default_factory=list)
+
+    @property
+    def comm_done(self) -> float:
+        return max((b.done or 0.0) for b in self.buckets) if self.buckets else 0.0
+
+    @property
+    def exposed_comm(self) -> float:
+        start = self.backward_end
+        if start is None:
+            start = min((b.launch or 0.0) for b in self.buckets) if self.buckets else 0.0
+        return max(0.0, self.comm_done - start)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one completed Reducer step reports: ``reducer.last_step`` after each call.
+
+    Attributes:
+      step: the step's number (0 for the reducer's first).
+      kind: ``"grad"`` (``reducer.grad``/``grad_and_value``) or ``"all_reduce"``.
+      finite: whether every averaged gradient was finite; the same verdict on every rank.
+        Always True unless the Reducer was built with ``skip_nonfinite=True``.
+      timeline: when each bucket was ready, launched and done.
+    """
+
+    step: int
+    kind: str
+    finite: bool
+    timeline: Timeline

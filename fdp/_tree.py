@@ -31,9 +31,9 @@ TreeDef = optree.PyTreeSpec
 # leaf on it; a plain dict whose values are all tensors has a structure that depends only on
 # its keys, so that structure is cached by key tuple and the leaves are its values (~0.03 us
 # per leaf). Anything else goes to optree.
-_DICT_SPECS: dict[tuple, TreeDef] = {}
-_DICT_SPECS_MAX = 64
-_DICT_SPECS_LOCK = threading.Lock()
+DICT_SPECS: dict[tuple, TreeDef] = {}
+DICT_SPECS_MAX = 64
+DICT_SPECS_LOCK = threading.Lock()
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
@@ -45,15 +45,15 @@ def _tensor_dict(tree: Any) -> tuple[list[Any], TreeDef] | None:
     if not _TENSOR_TYPES.issuperset(map(type, values)):
         return None
     keys = tuple(tree)
-    spec = _DICT_SPECS.get(keys)
+    spec = DICT_SPECS.get(keys)
     if spec is None:
         leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         if len(leaves_) != len(values):  # not all values were leaves after all: no caching
             return leaves_, spec
-        with _DICT_SPECS_LOCK:  # simulated ranks are threads; evicting races without it
-            if len(_DICT_SPECS) >= _DICT_SPECS_MAX:
-                _DICT_SPECS.pop(next(iter(_DICT_SPECS)))
-            _DICT_SPECS[keys] = spec
+        with DICT_SPECS_LOCK:  # simulated ranks are threads; evicting races without it
+            if len(DICT_SPECS) >= DICT_SPECS_MAX:
+                DICT_SPECS.pop(next(iter(DICT_SPECS)))
+            DICT_SPECS[keys] = spec
     return values, spec
 
 

@@ -41,8 +41,8 @@ _ALIGN = 16  # bytes: the widest (128-bit) vector access
 
 # One launch at a time: the interpreter is not thread-safe, and the table cache is shared.
 _LOCK = threading.Lock()
-_TABLES: OrderedDict[tuple, _Table] = OrderedDict()
-_TABLE_CACHE_SIZE = 64
+TABLES: OrderedDict[tuple, _Table] = OrderedDict()
+TABLE_CACHE_SIZE = 64
 _SCALES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 _TL_DTYPES = {
@@ -227,18 +227,18 @@ def _table(ptrs: list[int], sizes: list[int], offsets: list[int] | None, device:
     table is exactly what would be rebuilt. It holds addresses, never the tensors.
     """
     key = (device, tuple(ptrs), tuple(sizes), None if offsets is None else tuple(offsets))
-    table = _TABLES.get(key)
+    table = TABLES.get(key)
     if table is not None:
-        _TABLES.move_to_end(key)
+        TABLES.move_to_end(key)
         return table
     if offsets is None:
         offsets, o = [], 0
         for n in sizes:
             offsets.append(o)
             o += n
-    table = _TABLES[key] = _Table(ptrs, sizes, offsets, device)
-    if len(_TABLES) > _TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
+    table = TABLES[key] = _Table(ptrs, sizes, offsets, device)
+    if len(TABLES) > TABLE_CACHE_SIZE:
+        TABLES.popitem(last=False)
     return table
 
 
@@ -257,7 +257,7 @@ def _scale_tensor(scale: float, dtype: torch.dtype, device: torch.device) -> tor
     s = _SCALES.get(key)
     if s is None:
         s = _SCALES[key] = torch.tensor([scale], dtype=dtype, device=device)
-        if len(_SCALES) > _TABLE_CACHE_SIZE:
+        if len(_SCALES) > TABLE_CACHE_SIZE:
             _SCALES.popitem(last=False)
     return s
 

@@ -178,19 +178,19 @@ def test_unaligned_views_and_strided_out():
 
 @needs_triton
 def test_pointer_tables_are_cached_per_layout_and_rebuilt_when_a_pointer_moves():
-    _triton._TABLES.clear()
+    _triton.TABLES.clear()
     a, b = torch.randn(10), torch.randn(3, 4)
     out = torch.empty(22)
     kernels.flatten([a, b], out, impl="triton")
     kernels.flatten([a, b], out, scale=2.0, impl="triton")
-    assert len(_triton._TABLES) == 1  # same pointers and sizes: one table
+    assert len(_triton.TABLES) == 1  # same pointers and sizes: one table
     c = torch.randn(10)  # same layout, another address
     kernels.flatten([c, b], out, scale=2.0, impl="triton")
-    assert len(_triton._TABLES) == 2
+    assert len(_triton.TABLES) == 2
     assert torch.equal(out, torch.cat([c, b.reshape(-1)]) * 2)
-    for _ in range(_triton._TABLE_CACHE_SIZE + 5):
+    for _ in range(_triton.TABLE_CACHE_SIZE + 5):
         kernels.flatten([torch.randn(3)], torch.empty(3), impl="triton")
-    assert len(_triton._TABLES) <= _triton._TABLE_CACHE_SIZE
+    assert len(_triton.TABLES) <= _triton.TABLE_CACHE_SIZE
 
 
 @needs_triton

@@ -91,7 +91,7 @@ def _autograd_fork_error(group):
     # What a forked rank raises on its first backward when the parent process had started
     # autograd's device threads (CUDA builds of torch, after a torch.compile or a CUDA
     # backward in the parent); a CPU build never starts them, so the error is raised as is.
-    raise RuntimeError(fdp.testing._AUTOGRAD_FORK + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+    raise RuntimeError("Unable to handle autograd's threading in combination with fork-based multiprocessing. See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
 
 
 def test_autograd_fork_error_says_what_to_do():

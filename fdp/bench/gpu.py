@@ -180,7 +180,7 @@ def check_step(device: torch.device, args: argparse.Namespace) -> Section:
 
     import fdp
 
-    from .models import MLP
+    from .zoo import MLP
 
     sec = Section("step", ok=True)
     owns = not dist.is_initialized()

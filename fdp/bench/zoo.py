@@ -1,0 +1,98 @@
+"""The benchmark models and their synthetic data (shared by ``python -m fdp.bench`` and its
+subcommands): an MLP, a small CNN with BatchNorm, ``tiny1000`` (1,000 small layers: 2,000
+leaves) and a small transformer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """8 x Linear(1024, 1024): 33.6 MB of fp32 parameters, little compute per byte."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.ReLU())])
+        self.head = nn.Linear(1024, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: int, stride: int) -> None:
+        super().__init__()
+        cin = c // stride if stride > 1 else c
+        self.conv1 = nn.Conv2d(cin, c, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, c, 1, stride, bias=False), nn.BatchNorm2d(c))
+                     if stride > 1 else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
+class CNN(nn.Module):
+    """A small ResNet with BatchNorm (about 2.8M parameters, 26 BN buffers groups)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU())
+        self.blocks = nn.Sequential(Block(32, 1), Block(64, 2), Block(128, 2), Block(256, 2))
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Tiny(nn.Module):
+    """1,000 tiny layers (2,000 leaves): the per-leaf overhead of a reducer."""
+
+    def __init__(self, n: int = 1000, width: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return x
+
+
+class Transformer(nn.Module):
+    """4 pre-norm transformer encoder blocks, d_model 256, 4 heads, sequence 64."""
+
+    def __init__(self, d: int = 256, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1000, d)
+        block = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)))
+
+
+def images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple]]] = {
+    "mlp": (MLP, lambda g: (torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g))),
+    "cnn": (CNN, lambda g: images(32, g)),
+    "tiny1000": (Tiny, lambda g: (torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g))),
+    "transformer": (Transformer, lambda g: (torch.randint(0, 1000, (8, 64), generator=g),
+                                            torch.randint(0, 1000, (8, 64), generator=g))),
+}
+
+
+def loss(name: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if name == "tiny1000":
+        return F.mse_loss(out, y)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))

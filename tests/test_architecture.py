@@ -1,0 +1,167 @@
+"""The rules that keep fdp carryable (docs/architecture.md), checked on the source itself.
+
+* No file in ``fdp/`` or ``kernels/`` over ~450 lines.
+* No import cycle between fdp's modules (module-level imports).
+* No module uses another module's private name: a leading underscore means "this file
+  only". Modules themselves may be private (``fdp._tree``); what one module shares with
+  another gets an underscore-free name. Tests and examples follow the same rule.
+* The top-level layout is the project's: pyproject.toml, fdp, kernels, tests, examples, docs.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MAX_LINES = 450
+
+
+def package_modules():
+    """{dotted module name: path} for fdp and fdp.kernels (kernels/ is installed as fdp.kernels)."""
+    mods = {}
+    for path in sorted((ROOT / "fdp").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if "kernels" in parts and parts[0] == "fdp" and path.is_symlink():
+            continue
+        mods[".".join(parts)] = path
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        name = "fdp.kernels" if path.stem == "__init__" else f"fdp.kernels.{path.stem}"
+        mods[name] = path
+    return mods
+
+
+MODULES = package_modules()
+
+
+def resolve(current: str, is_package: bool, module: str | None, level: int) -> str:
+    if level == 0:
+        return module or ""
+    base = current.split(".")
+    if not is_package:
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def imports_of(name: str, path: pathlib.Path, top_level_only: bool):
+    """(imported module, [names]) for each import statement of a file."""
+    tree = ast.parse(path.read_text())
+    is_package = path.stem == "__init__"
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            out.append((resolve(name, is_package, node.module, node.level), [a.name for a in node.names],
+                        {a.asname or a.name: a.name for a in node.names}, node.lineno))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                out.append((a.name, [], {a.asname or a.name.split(".")[0]: a.name}, node.lineno))
+    return out
+
+
+def test_no_file_in_the_library_is_over_the_size_limit():
+    too_long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+                if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not too_long, f"files over {MAX_LINES} lines (split them by concept): {too_long}"
+
+
+def test_there_is_no_import_cycle_between_modules():
+    graph = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for module, names, _, _ in imports_of(name, path, top_level_only=True):
+            if module in MODULES:
+                deps.add(module)
+            for n in names:  # "from . import hooks" imports a module
+                if f"{module}.{n}" in MODULES:
+                    deps.add(f"{module}.{n}")
+        graph[name] = deps - {name}
+
+    # A package importing its own submodules (to re-export them) is not a cycle.
+    def edges(m):
+        return {d for d in graph[m] if not d.startswith(m + ".")}
+
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "active"
+        stack.append(m)
+        for d in edges(m):
+            if state.get(d) == "active":
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+
+
+def private_uses(path: pathlib.Path, name: str | None):
+    """Uses of another fdp module's underscore name in one file: ``from m import _x`` and
+    ``m._x`` where ``m`` is bound to an fdp module (``_x`` not itself a submodule)."""
+    is_package = path.stem == "__init__"
+    found = []
+    aliases = {}  # local name -> fdp module it is bound to
+    for module, names, bound, line in imports_of(name or "", path, top_level_only=False):
+        for local, original in bound.items():
+            target = f"{module}.{original}" if names else original
+            if target in MODULES or (not names and original.startswith("fdp")):
+                aliases[local] = target if names else original.split(".")[0]
+            elif names and module in MODULES and original.startswith("_") and target not in MODULES:
+                found.append(f"line {line}: from {module} import {original}")
+    del is_package
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        chain, base = [node.attr], node.value
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name) or base.id not in aliases:
+            continue
+        dotted = aliases[base.id]
+        for part in reversed(chain[1:]):
+            dotted = f"{dotted}.{part}"
+        if dotted in MODULES and f"{dotted}.{node.attr}" not in MODULES and dotted != name:
+            found.append(f"line {node.lineno}: {dotted}.{node.attr}")
+    return found
+
+
+def files_to_check():
+    for name, path in MODULES.items():
+        yield str(path.relative_to(ROOT)), path, name
+    for folder in ("tests", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            yield str(path.relative_to(ROOT)), path, None
+
+
+@pytest.mark.parametrize("rel,path,name", list(files_to_check()), ids=lambda v: v if isinstance(v, str) else "")
+def test_no_module_uses_another_modules_private_name(rel, path, name):
+    if name is None and rel.startswith("tests/test_architecture"):
+        return
+    found = private_uses(path, name)
+    assert not found, f"{rel} reaches into private names of other modules: {found}"
+
+
+def test_the_rule_catches_a_private_name():
+    probe = ROOT / "tests" / "_probe_private_use.py"
+    probe.write_text("import fdp\nfrom fdp._bucket import _caps\nx = fdp._reducer._HOOK\ny = fdp._tree.flatten\n")
+    try:
+        found = private_uses(probe, None)
+    finally:
+        probe.unlink()
+    assert found == ["line 2: from fdp._bucket import _caps", "line 3: fdp._reducer._HOOK"], found
+
+
+def test_the_top_level_layout_is_the_projects():
+    for required in ("pyproject.toml", "fdp", "kernels", "tests", "examples", "docs"):
+        assert (ROOT / required).exists(), required
+    assert not (ROOT / "kernels" / "__init__.py").read_text().startswith("import fdp")
+    assert '"fdp.kernels" = "kernels"' in (ROOT / "pyproject.toml").read_text()

@@ -342,7 +342,7 @@ class BucketPlan:
             for b, f in zip(self.buckets, flats):
                 for i, off, n in zip(b.leaves, b.offsets, b.numels):
                     leaves[i] = f[off : off + n].view(self.slots[i].shape)
-        else:  # every view of a bucket from one C++ call (~1 us per leaf less than slicing here)
+        else:  # every view of a bucket from one C++ call (``python -m fdp.bench micro``, row "views")
             for b, f, shapes in zip(self.buckets, flats, self._shape_templates()):
                 for i, v in zip(b.leaves, kernels.views(f, shapes)):
                     leaves[i] = v

@@ -4,8 +4,8 @@ Checked on torch 2.4 and 2.13 (the versions CI and the package floor cover):
 
 * ``Tensor._backward_hooks``: a leaf's tensor hooks live in this dict, which the autograd
   engine calls with the leaf's gradient; assigning a one-entry dict to a fresh leaf is what
-  ``Tensor.register_hook`` does, without its Python bookkeeping (~0.4 us instead of ~3 us per
-  leaf: 5 ms a step for a model of 2,000 leaves).
+  ``Tensor.register_hook`` does, without its Python bookkeeping, which is most of the
+  per-leaf cost of a hook (``python -m fdp.bench micro``, row "hook"; docs/performance.md).
 
 * ``torch._C._functorch.is_functorch_wrapped_tensor`` / ``get_unwrapped``: inside
   ``torch.func.grad`` a tensor hook receives a functorch-wrapped gradient; unwrapping it

@@ -1,9 +1,10 @@
 """Multi-tensor flatten/unflatten with stock torch ops (every device; the CPU path).
 
-Why it is shaped like this (measured on a 2-core x86 VM; ``python -m fdp.bench kernels``):
+Why it is shaped like this (``python -m fdp.bench kernels`` and ``micro``; the figures are in
+docs/performance.md):
 
 * Every torch op costs microseconds of dispatch, and so does every tensor made from
-  Python (``t.view(-1)`` alone is ~1 us), so the work is organised to need few per-leaf
+  Python (``t.view(-1)`` alone: ``micro``'s row "view(-1)"), so the work is organised to need few per-leaf
   Python operations: a run of leaves goes to one ``torch._chunk_cat`` call, which flattens
   tensors of any shape in C++, and which leaves form which run is planned once per tuple of
   sizes and cached.
@@ -14,9 +15,9 @@ Why it is shaped like this (measured on a 2-core x86 VM; ``python -m fdp.bench k
   single call whatever the leaves.
 * A scale in the leaves' own dtype (fp32 -> fp32, fp64 -> fp64) is a gather and then one
   in-place multiply of the whole bucket: the second pass over the bytes costs less than an
-  op per leaf (measured 1.16-1.19x a copy against 1.37-1.40x for 100 leaves at one thread).
+  op per leaf (the "flatten+scale" row of ``python -m fdp.bench kernels``).
   Only when every leaf is contiguous: ``_chunk_cat`` copies a strided leaf into a temporary
-  before gathering it (all of them at once: +28 MiB of peak memory on the benchmark's MLP,
+  before gathering it (all of them at once, which raised the peak memory of the benchmark MLP,
   whose weight gradients are transposes), while a multiply per leaf reads it in place. For
   the same reason a plain copy with strided leaves goes through ``_foreach_copy_`` into the
   leaves' views of ``out``.
@@ -182,8 +183,8 @@ def _build_plan(sizes: Sequence[int], scalars: Sequence[int], lim: _Limits) -> _
 
 
 def _plan(srcs: Sequence[torch.Tensor], device: torch.device) -> _Plan:
-    # The key costs two C-level passes over the leaves (~0.1 us per leaf): at 2,000 leaves
-    # that is already a tenth of a copy of their bytes, so nothing more is looked at.
+    # The key costs two C-level passes over the leaves: at 2,000 small leaves that is already
+    # a noticeable fraction of a copy of their bytes, so nothing more is looked at.
     sizes = tuple(map(torch.Tensor.numel, srcs))
     dims = tuple(map(torch.Tensor.dim, srcs))
     scalars = tuple(k for k, d in enumerate(dims) if not d) if 0 in dims else ()

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from . import _functorch, _tree
-from . import hooks as _hooks
 from ._autodiff import local_grads, resolve_engine, select
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
@@ -34,6 +33,7 @@ from ._log import debug_mode, log
 from ._step import HOOK_MEAN_BYTES, Step, StepMachine
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
+from .hooks import CommHook, as_hook
 
 __all__ = ["Pending", "Reducer"]
 
@@ -106,7 +106,7 @@ class Reducer:
         first_bucket_cap_mb: float = 1,
         bucket_caps_mb: Sequence[float] | None = None,
         reduce_dtype: torch.dtype | None = None,
-        comm_hook: _hooks.CommHook | Callable | None = None,
+        comm_hook: CommHook | Callable | None = None,
         grad_views: bool = False,
         overlap: bool = True,
         debug: bool | None = None,
@@ -126,7 +126,7 @@ class Reducer:
                 first.setdefault(s.device, s.path)
             shown = ", ".join(f"{p} on {d}" for d, p in first.items())
             raise ValueError(f"fdp.Reducer: params must live on one device, found several: {shown}")
-        self.hook = _hooks.as_hook(comm_hook)
+        self.hook = as_hook(comm_hook)
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
             raise ValueError(f"fdp.Reducer: reduce_dtype must be a floating dtype, got {reduce_dtype}")
         if reduce_dtype is not None and self.hook.dtype is not None and reduce_dtype != self.hook.dtype:

@@ -1,0 +1,235 @@
+"""Generate docs/api.md from the docstrings: ``python docs/gen_api.py [--check]``.
+
+The API reference is the code's own text: each public name's signature and docstring, and
+for classes their public methods and properties, in the sections below. Hand-written prose
+(concepts, migration, performance) lives in the other pages. ``--check`` exits 1 when
+docs/api.md differs from what the code would generate (the test suite runs that check).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+
+INTRO = """\
+# API reference
+
+Generated from the docstrings by `python docs/gen_api.py` (the test suite checks it is
+current): edit the code's docstrings, not this page. For the ideas behind the names see
+[concepts.md](concepts.md); for a whole training loop, the [README](../README.md) and
+`examples/`; for the library's layout, [architecture.md](architecture.md).
+
+Conventions used throughout:
+
+* **Pytrees.** Params, buffers, gradients and optimizer states are pytrees of tensors: usually
+  the `dict[str, Tensor]` that `fdp.functionalize` returns, but any nesting of dicts, lists,
+  tuples and NamedTuples works. fdp keeps dicts in *insertion* order (the model's
+  registration order), and names a leaf by its path, e.g. `['fc.weight']` or
+  `.exp_avg['fc.bias']`.
+* **Collectives.** A function marked *collective* must be called by every rank of the group,
+  in the same order. `group=None` means the world (the torchrun job), or a world of one when
+  the script runs as plain `python` (every collective is then the identity).
+* **Errors.** fdp's own exceptions are subclasses of `RuntimeError`:
+  `fdp.ReplicaMismatchError`, `fdp.CollectiveError`, `fdp.CheckpointError`. Bad arguments raise
+  `ValueError` or `TypeError`. Messages name the leaf path, the ranks and what was expected.
+  [errors.md](errors.md) lists what fdp checks.
+* **Examples.** `>>>` examples are doctests: the test suite runs them with `fdp`, `torch`,
+  `nn` (`torch.nn`) and `F` (`torch.nn.functional`) imported.
+
+```python
+import torch
+import fdp
+```
+"""
+
+OUTRO = """\
+## Environment variables
+
+* `FDP_DEBUG=1`: debug mode for every Reducer (a fingerprint check before each bucket
+  collective; see [concepts.md](concepts.md#debug-mode)).
+* `FDP_LOG=INFO` (or `DEBUG`): fdp's log lines on stderr as `[fdp rank r] ...`, e.g. each
+  Reducer's bucket plan.
+* `FDP_KERNELS=torch|triton`: force the flatten/unflatten implementation (default: Triton for
+  CUDA tensors when it is installed, stock torch ops otherwise).
+"""
+
+# (section title, module, name patterns in order; a pattern ending in '*' takes the rest of
+# that module's public names). Every public name must land in exactly one section.
+SECTIONS: list[tuple[str, str, list[str]]] = [
+    ("Setup", "fdp", ["init", "Group"]),
+    ("Models as pure functions", "fdp", ["functionalize", "Apply"]),
+    ("Gradients", "fdp", ["Reducer", "Pending", "StepRecord", "Timeline", "BucketTimes", "BucketPlan", "Bucket"]),
+    ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
+                             "assert_replicas_equal", "ReplicaCheck"]),
+    ("Checkpoints", "fdp", ["save", "load", "rng_state", "set_rng_state"]),
+    ("Errors", "fdp", ["ReplicaMismatchError", "CollectiveError", "CheckpointError"]),
+    ("`fdp.hooks` — communication hooks", "fdp.hooks", ["*"]),
+    ("`fdp.optim` — functional optimizers", "fdp.optim", ["*"]),
+    ("`fdp.optim.schedules` — learning-rate schedules", "fdp.optim.schedules", ["*"]),
+    ("`fdp.testing` — simulated ranks", "fdp.testing", ["*"]),
+    ("`fdp.viz` — pictures", "fdp.viz", ["*"]),
+]
+
+
+def public_names(module: types.ModuleType) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [n for n in vars(module) if not n.startswith("_")
+                 and not isinstance(getattr(module, n), types.ModuleType)]
+    return [n for n in names if not isinstance(getattr(module, n), types.ModuleType)]
+
+
+def _signature(name: str, obj: object) -> str | None:
+    target = obj
+    if inspect.isclass(obj):
+        if issubclass(obj, BaseException):
+            return None
+        if issubclass(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple: its fields
+            return f"{name}({', '.join(obj._fields)})"
+        target = obj.__init__ if "__init__" in vars(obj) else obj
+    elif not callable(obj):
+        return None
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    params = [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
+    text = str(sig.replace(parameters=params))
+    text = re.sub(r"(: |-> )'([^'\n]*)'", r"\1\2", text)  # string annotations (postponed evaluation)
+    if inspect.isclass(obj):
+        text = re.sub(r" -> None$", "", text)
+    return f"{name}{text}"
+
+
+def _docstring(obj: object) -> str:
+    doc = inspect.getdoc(obj) or ""
+    if not doc and not callable(obj) and not inspect.isclass(obj):
+        return ""
+    return _markdown(doc)
+
+
+def _markdown(doc: str) -> str:
+    """Docstring text to Markdown: doctest runs as ```pycon, ``Example::`` blocks as code."""
+    out: list[str] = []
+    lines = doc.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        stripped = line.lstrip()
+        if stripped.startswith(">>>"):
+            indent = len(line) - len(stripped)
+            block = []
+            while i < len(lines) and lines[i].strip() and (len(lines[i]) - len(lines[i].lstrip())) >= indent:
+                block.append(lines[i][indent:])
+                i += 1
+            out += ["```pycon", *block, "```"]
+            continue
+        if stripped.endswith("::") and not stripped.startswith(".."):
+            out.append(line[:-1] if stripped != "::" else "")
+            i += 1
+            while i < len(lines) and not lines[i].strip():
+                i += 1
+            block = []
+            indent = None
+            while i < len(lines) and (not lines[i].strip() or indent is None
+                                      or len(lines[i]) - len(lines[i].lstrip()) >= indent):
+                if lines[i].strip() and indent is None:
+                    indent = len(lines[i]) - len(lines[i].lstrip())
+                block.append(lines[i])
+                i += 1
+            while block and not block[-1].strip():
+                block.pop()
+            out += ["```python skip", *textwrap.dedent("\n".join(block)).splitlines(), "```", ""]
+            continue
+        out.append(line)
+        i += 1
+    return "\n".join(out).strip()
+
+
+def _members(cls: type) -> list[tuple[str, object]]:
+    members = []
+    for name, value in vars(cls).items():
+        if name.startswith("_") or not (inspect.getdoc(value) if not isinstance(value, property) else value.__doc__):
+            continue
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if callable(value) or isinstance(value, property):
+            members.append((name, value))
+    return members
+
+
+def render_entry(qualname: str, obj: object) -> str:
+    parts = [f"### `{qualname}`", ""]
+    sig = _signature(qualname, obj)
+    if sig:
+        parts += ["```text", sig, "```", ""]
+    doc = _docstring(obj)
+    if doc:
+        parts += [doc, ""]
+    if inspect.isclass(obj) and not issubclass(obj, BaseException):
+        for name, member in _members(obj):
+            if isinstance(member, property):
+                parts += [f"#### `{qualname}.{name}` (property)", "", _markdown(inspect.cleandoc(member.__doc__)), ""]
+            else:
+                msig = _signature(f"{qualname}.{name}", member)
+                parts += [f"#### `{qualname}.{name}`", ""]
+                if msig:
+                    parts += ["```text", msig, "```", ""]
+                parts += [_markdown(inspect.getdoc(member) or ""), ""]
+    return "\n".join(parts)
+
+
+def render() -> str:
+    import importlib
+
+    placed: set[str] = set()
+    body = [INTRO]
+    for title, modname, patterns in SECTIONS:
+        module = importlib.import_module(modname)
+        names = public_names(module)
+        chosen: list[str] = []
+        for pat in patterns:
+            if pat == "*":
+                chosen += [n for n in names if n not in chosen]
+            else:
+                chosen.append(pat)
+        body.append(f"---\n\n## {title}\n")
+        for n in chosen:
+            qual = f"{modname}.{n}"
+            if modname == "fdp" and n not in names:
+                raise SystemExit(f"gen_api: section {title!r} names {qual}, which fdp does not export")
+            placed.add(qual)
+            body.append(render_entry(qual, getattr(module, n)))
+    import fdp
+
+    top = {f"fdp.{n}" for n in public_names(fdp)}
+    missing = sorted(top - placed)
+    if missing:
+        raise SystemExit(f"gen_api: public names in no section of docs/gen_api.py: {missing}")
+    body.append("---\n\n" + OUTRO)
+    text = "\n".join(body)
+    return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    path = DOCS / "api.md"
+    if "--check" in argv:
+        if path.read_text() != text:
+            print("docs/api.md is stale: run python docs/gen_api.py", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(text)
+    print(f"wrote {path} ({len(text.splitlines())} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(DOCS.parent))
+    sys.exit(main(sys.argv[1:]))

@@ -9,8 +9,10 @@ code runs under torchrun. Blocks whose info string is anything else (```bash, ``
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import re
+import traceback
 import types
 from pathlib import Path
 
@@ -82,7 +84,40 @@ def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     assert not dist.is_initialized(), "a previous test left torch.distributed initialised"
     monkeypatch.chdir(tmp_path)  # files the examples write land here
-    assert run_blocks(path) > 0, f"{path.name} has no ```python block: was a fence mistyped?"
+    assert in_fork(run_blocks, path) > 0, f"{path.name} has no ```python block: was a fence mistyped?"
+
+
+def in_fork(fn, *args, timeout: float = 300):
+    """``fn(*args)`` in a forked child, its exception re-raised here as an AssertionError.
+
+    A doc may compile (docs/compile.md does): compiling in the pytest process would start
+    autograd's worker threads, and on CUDA builds of torch every later fork-based test would
+    then fail (see tests/test_compile.py)."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("ok", fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            send.send(("err", f"{e}\n{traceback.format_exc()}"))
+        finally:
+            os._exit(0)
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            raise AssertionError(f"{fn.__name__}{args} did not finish within {timeout}s")
+        kind, value = recv.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    if kind == "err":
+        raise AssertionError(value)
+    return value
 
 
 def _blocks_on_rank(group, path: Path, folder: str) -> int:

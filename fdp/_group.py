@@ -89,7 +89,7 @@ class Group:
             timeout = _pg_timeout(pg, torch.device(device))
         group = cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
         if pg is dist.group.WORLD:
-            _remember_world(group)
+            _remember_world(group, replace=False)
         return group
 
     @classmethod
@@ -179,7 +179,9 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     store = dist.PrefixStore(f"fdp/attempt-{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _install_shutdown()
-    return Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
+    group = Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
+    _remember_world(group, replace=True)
+    return group
 
 
 _failed = False  # an uncaught exception is ending this process
@@ -227,11 +229,14 @@ _worlds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _worlds_lock = threading.Lock()
 
 
-def _remember_world(group: Group) -> None:
+def _remember_world(group: Group, *, replace: bool) -> None:
+    """The first Group made for the world is what ``group=None`` means; the one ``fdp.init``
+    makes when it creates the world replaces it (its timeout is the process group's)."""
     if torch.compiler.is_compiling():
         return
     with _worlds_lock:
-        _worlds[group.process_group] = group
+        if replace or group.process_group not in _worlds:
+            _worlds[group.process_group] = group
 
 
 def _world() -> Group:

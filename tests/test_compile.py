@@ -191,3 +191,33 @@ def test_compile_md_step_runs_on_two_gloo_ranks_with_the_default_group():
             torch.testing.assert_close(cb[k], eb[k], rtol=RTOL, atol=ATOL, msg=f"rank {rank}, buffer {k!r}")
     for k in res[0][0][0]:
         assert torch.equal(res[0][0][0][k], res[1][0][0][k]), f"replicas differ at param {k!r}"
+
+
+def _constants_compiled_vs_eager():
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 4)
+            self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+        def forward(self, x):
+            return self.head(self.frozen(x) * self.mask[0])
+
+    torch.manual_seed(0)
+    apply, params, buffers = fdp.functionalize(Masked(), frozen=["frozen"])
+    x = torch.randn(3, 4)
+
+    def loss(p, x):
+        return apply(p, buffers, x)[0].square().sum()
+
+    compiled = torch.compile(torch.func.grad(loss), fullgraph=True, backend="aot_eager")(params, x)
+    return compiled, torch.func.grad(loss)(params, x)
+
+
+@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
+def test_constants_are_passed_to_the_module_under_compile():
+    compiled, eager = _in_child(_constants_compiled_vs_eager)
+    assert set(compiled) == {"head.weight", "head.bias"}
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL, msg=k)

@@ -395,3 +395,17 @@ def test_params_with_other_keys_name_the_missing_and_extra_ones():
     renamed = {("head.bias" if k == "6.bias" else k): v for k, v in reversed(params.items())}
     with pytest.raises(ValueError, match=r"missing leaf \['6.bias'\]; unexpected extra leaf \['head.bias'\]"):
         reducer.all_reduce(renamed)
+
+
+def functorch_engine_reordered(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    reducer = fdp.Reducer(params, group)
+    reducer.engine = "functorch"
+    x, y = batch(group.rank)
+    return reducer.grad(ce_loss(apply), has_aux=True)(dict(reversed(params.items())), buffers, x, y)
+
+
+def test_functorch_engine_refuses_a_reordered_params_dict_instead_of_mixing_leaves(monkeypatch):
+    monkeypatch.setattr(fdp._reducer, "_HOOK_MEAN_BYTES", 16 * 1024)  # unhooked leaves too
+    with pytest.raises(ValueError, match="plan's keys in another order, inside a torch.func transform"):
+        fdp.testing.run(functorch_engine_reordered, 2)

@@ -182,7 +182,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
         ProcessLocalGroup.reset()
         turns = _Turns()
         # The two places a rank of torch's threaded group blocks for the others (checked on
-        # torch 2.4-2.13): a collective's rendezvous, and the store barrier that creates a
+        # torch 2.13): a collective's rendezvous, and the store barrier that creates a
         # group (DeviceMesh and new_group inside fn). Patched for this run only.
         patched = [(mtpg.Collective, "join"), (mtpg, "_store_based_barrier")]
         originals = [getattr(owner, name) for owner, name in patched]

@@ -184,7 +184,8 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
         # The two places a rank of torch's threaded group blocks for the others (checked on
         # torch 2.13): a collective's rendezvous, and the store barrier that creates a
         # group (DeviceMesh and new_group inside fn). Patched for this run only.
-        patched = [(mtpg.Collective, "join"), (mtpg, "_store_based_barrier")]
+        patched = [(owner, name) for owner, name in ((mtpg.Collective, "join"), (mtpg, "_store_based_barrier"))
+                   if hasattr(owner, name)]
         originals = [getattr(owner, name) for owner, name in patched]
         for (owner, name), orig in zip(patched, originals):
             setattr(owner, name, turns.waiting(orig))

@@ -21,6 +21,8 @@ from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
 from ._group import Group as Group
 from ._group import init as init
+from ._psum import pmean as pmean
+from ._psum import psum as psum
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
 from ._sync import ReplicaCheck as ReplicaCheck
@@ -58,6 +60,8 @@ __all__ = [
     "init",
     "load",
     "optim",
+    "pmean",
+    "psum",
     "rng_state",
     "save",
     "set_rng_state",

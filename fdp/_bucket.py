@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import _tree, kernels
+from . import _functorch, _tree, kernels
 
 MiB = 1024 * 1024
 
@@ -217,19 +217,37 @@ class BucketPlan:
 
     # ------------------------------------------------------------------ checking
     def leaves_of(self, tree: Any, what: str = "tree") -> list[torch.Tensor]:
-        """The leaves of ``tree`` after checking it against the plan (structure, shapes, dtypes).
+        """The leaves of ``tree``, in the plan's order, after checking them against the plan.
 
-        Raises ``ValueError`` naming the first differing leaf path.
+        Dicts are matched by key: a dict with the plan's keys in another insertion order
+        (``{**decay, **no_decay}``) gives its leaves in the plan's order, so whatever is built
+        from them (a Reducer's gradients) follows the plan's order, not the caller's. The
+        common case, the plan's own order, costs one structure comparison.
+
+        Raises ``ValueError`` naming the missing and unexpected leaf paths, or the first leaf
+        whose shape or dtype differs.
         """
         leaves, treedef = _tree.flatten(tree)
         # (Under torch.compile the structure comparison is skipped: dynamo cannot trace
         # PyTreeSpec's C comparison, and it guards on the input structure itself; the count,
-        # shape and dtype checks below still run at trace time.)
-        if len(leaves) != len(self.slots) or (not _tree.compiling() and treedef != self.treedef):
-            raise ValueError(
-                f"fdp: {what} does not match the bucket plan's structure: "
-                f"{_tree.first_difference(self.treedef, treedef)}"
-            )
+        # shape and dtype checks below still run at trace time. Dicts are then taken in the
+        # order given.)
+        if not _tree.compiling() and treedef != self.treedef:
+            leaves = _tree.in_order_of(self.treedef, treedef, leaves,
+                                       f"fdp: {what} does not match the bucket plan's structure")
+            if _functorch.in_transform():
+                # Inside torch.func.grad (the Reducer's engine="functorch"), the gradients the
+                # transform returns follow the caller's order, which the caller of this
+                # method may take as the plan's: refuse rather than pair leaves wrongly.
+                raise ValueError(
+                    f"fdp: {what} holds the plan's keys in another order, inside a torch.func "
+                    "transform (Reducer engine='functorch'), where they must come in the plan's "
+                    f"order: {_tree.first_difference(self.treedef, treedef)}. Pass the dict in "
+                    "the order of the one the Reducer was built from."
+                )
+        if len(leaves) != len(self.slots):
+            raise ValueError(f"fdp: {what} does not match the bucket plan's structure: "
+                             f"{_tree.first_difference(self.treedef, treedef)}")
         try:
             if _tree.compiling():  # dynamo cannot call attrgetter objects
                 same = [t.shape for t in leaves] == self._shapes and [t.dtype for t in leaves] == self._dtypes

@@ -20,12 +20,17 @@ class Apply:
 
     * Never mutates ``params`` or ``buffers``. Buffers the forward updates in place
       (BatchNorm's running statistics, ``num_batches_tracked``) are updated in fresh copies,
-      which are returned as ``new_buffers``; frozen parameters pass through unchanged.
+      which are returned as ``new_buffers``.
+    * The model's **constants** (frozen parameters and non-persistent buffers, such as a
+      causal mask) are in neither tree: ``apply`` holds them (``apply.constants``) and passes
+      them to every call. They are not differentiated, synced or checkpointed with the state;
+      ``apply.state_dict(params, buffers)`` gives the module's full state dict back.
     * Train/eval is part of the function, not hidden module state: ``apply`` runs in the mode
       the module was in when it was functionalized (``nn.Module`` starts in training mode);
       ``apply.eval()`` and ``apply.train()`` return the same function in the other mode.
     * ``params`` and ``buffers`` must have exactly the keys and shapes that
-      ``functionalize`` returned; anything else raises ``ValueError`` naming the key.
+      ``functionalize`` returned (in any order); anything else raises ``ValueError`` naming
+      the key.
     * Safe under ``torch.func.grad``, ``vmap`` and ``fdp.Reducer.grad``: pass the buffers as
       an argument of the transformed function, never capture them.
     """
@@ -35,33 +40,84 @@ class Apply:
         module: nn.Module,
         param_shapes: dict[str, torch.Size],
         buffer_shapes: dict[str, torch.Size],
-        mutable: frozenset[str],
+        constants: Tree,
         training: bool,
     ) -> None:
         self.module = module
         self.training = training
         self._param_shapes = param_shapes
         self._buffer_shapes = buffer_shapes
-        self._mutable = mutable
-        self._slots = _slots(module)
+        self._constants = constants
+        self._slots, self._first = _slots(module)
 
     def train(self, mode: bool = True) -> Apply:
         """The same function in training (``mode=True``) or evaluation mode."""
-        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._mutable, bool(mode))
+        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, bool(mode))
 
     def eval(self) -> Apply:
         """The same function in evaluation mode (BatchNorm uses its running statistics)."""
         return self.train(False)
 
+    @property
+    def constants(self) -> Tree:
+        """The model's constants, by first name: frozen parameters, then non-persistent buffers.
+
+        A new dict each time (the tensors are shared with the module, not copied).
+        """
+        return dict(self._constants)
+
+    def with_constants(self, constants: Tree) -> Apply:
+        """The same function with other values for its constants (same keys and shapes).
+
+        Constants are not sent with ``params`` and ``buffers``. When ranks may have built
+        different frozen weights (a random init without a common seed), make them agree once,
+        as DDP's constructor does for every parameter:
+
+        Example:
+          >>> apply = apply.with_constants(fdp.broadcast(apply.constants, src=0))
+        """
+        _check("constants", constants, {k: v.shape for k, v in self._constants.items()})
+        return Apply(self.module, self._param_shapes, self._buffer_shapes,
+                     {k: constants[k] for k in self._constants}, self.training)
+
+    def state_dict(self, params: Tree, buffers: Tree) -> dict[str, torch.Tensor]:
+        """The module's ``state_dict`` for these params and buffers (and the constants).
+
+        Every key ``module.state_dict()`` has, in its order: tied parameters under each of
+        their names, frozen parameters, persistent buffers (non-persistent ones are not part
+        of a module's state dict). So ``model.load_state_dict(apply.state_dict(params,
+        buffers))`` loads the trained state into a module of the same class, strictly. The
+        tensors are shared, not copied.
+
+        Args:
+          params: the trained parameters (the keys ``functionalize`` returned, any order).
+          buffers: the buffers (likewise).
+
+        Returns:
+          ``dict[str, Tensor]`` keyed like ``module.state_dict()``.
+
+        Example:
+          >>> model.load_state_dict(apply.state_dict(params, buffers))
+        """
+        _check("params", params, self._param_shapes)
+        _check("buffers", buffers, self._buffer_shapes)
+        values = {**self._constants, **params, **buffers}
+        out = {}
+        for key, v in self.module.state_dict(keep_vars=True).items():
+            first = self._first.get(key)
+            out[key] = values[first] if first in values else v  # extra state: the module's own
+        return out
+
     def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
-        new_buffers = {k: (v.clone() if k in self._mutable else v) for k, v in buffers.items()}
+        new_buffers = {k: v.clone() for k, v in buffers.items()}
         if self.module.training != self.training:
             self.module.train(self.training)
         if torch.compiler.is_compiling():  # dynamo knows functional_call; keep to it there
             out = functional_call(
-                self.module, (params, new_buffers), args, kwargs, tie_weights=True, strict=False
+                self.module, (params, new_buffers, self._constants), args, kwargs,
+                tie_weights=True, strict=False,
             )
             return out, new_buffers
         # The same swap functional_call does, minus its per-call bookkeeping: each tensor is
@@ -70,7 +126,7 @@ class Apply:
         # functional_call costs ~10 ms.
         saved = []
         try:
-            for tree in (params, new_buffers):
+            for tree in (params, new_buffers, self._constants):
                 for name, t in tree.items():
                     for owner, key in self._slots[name]:
                         saved.append((owner, key, owner[key]))
@@ -86,19 +142,21 @@ class Apply:
         return f"fdp.Apply({type(self.module).__name__}, {mode}, {len(self._param_shapes)} params)"
 
 
-def _slots(module: nn.Module) -> dict[str, list[tuple[dict, str]]]:
+def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[str, str]]:
     """For each parameter/buffer (first name), every (owner dict, key) that holds it: a tied
-    tensor is held under several names, and all of them must see the replacement."""
+    tensor is held under several names, and all of them must see the replacement. Also every
+    name's first name (the key it has in params, buffers or the constants)."""
     slots: dict[int, list[tuple[dict, str]]] = {}
     first: dict[int, str] = {}
+    alias: dict[str, str] = {}
     for kind in ("_parameters", "_buffers"):
         named = (module.named_parameters(remove_duplicate=False) if kind == "_parameters"
                  else module.named_buffers(remove_duplicate=False))
         for name, t in named:
             owner, _, key = name.rpartition(".")
-            first.setdefault(id(t), name)
+            alias[name] = first.setdefault(id(t), name)
             slots.setdefault(id(t), []).append((getattr(module.get_submodule(owner), kind), key))
-    return {first[i]: s for i, s in slots.items()}
+    return {first[i]: s for i, s in slots.items()}, alias
 
 
 def _check(what: str, tree: Any, shapes: dict[str, torch.Size]) -> None:
@@ -135,6 +193,13 @@ def _matches(name: str, patterns: Iterable[str]) -> str | None:
     return None
 
 
+def _non_persistent(module: nn.Module) -> set[str]:
+    """Full names of the buffers registered with ``persistent=False`` (not in a state dict)."""
+    return {f"{prefix}.{b}" if prefix else b
+            for prefix, m in module.named_modules(remove_duplicate=False)
+            for b in m._non_persistent_buffers_set}
+
+
 def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[Apply, Tree, Tree]:
     """Split a module into a pure function and its state.
 
@@ -142,17 +207,25 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
       module: the model. It becomes a stateless template: fdp never reads its parameters
         again, and ``params`` initially share storage with them (no copy).
       frozen: parameter names (or module prefixes such as ``"encoder"``) that are not
-        trained. They are moved out of ``params`` into ``buffers``, the non-trainable state:
-        they are not differentiated, bucketed or all-reduced, but they are checkpointed and
-        broadcast with the buffers. Parameters with ``requires_grad=False`` are frozen too
-        (DDP likewise leaves them out of the reduction).
+        trained. They become **constants** of ``apply`` (``apply.constants``): not
+        differentiated, bucketed, all-reduced or synced, and not in ``buffers``. Parameters
+        with ``requires_grad=False`` are frozen too (DDP likewise leaves them out of the
+        reduction). A tied parameter is one tensor: any of its names freezes it (``"head"``
+        freezes ``wte.weight`` when ``head.weight`` is ``wte.weight``).
 
     Returns:
       ``(apply, params, buffers)``: ``params`` is a ``dict[str, Tensor]`` of trainable
       parameters in registration order; tied (shared) parameters appear once, under their
-      first name, and stay tied. ``buffers`` holds the frozen parameters, then the module's
-      buffers, in registration order. ``apply(params, buffers, *args, **kwargs)`` returns
-      ``(out, new_buffers)``; see ``fdp.Apply``.
+      first name, and stay tied. ``buffers`` holds the module's persistent buffers (the
+      state its forward may update, such as BatchNorm statistics), in registration order.
+      Frozen parameters and non-persistent buffers (``register_buffer(...,
+      persistent=False)``, e.g. a causal mask) are constants the model reads but never
+      changes: ``apply`` holds them, so they cost nothing per step and are not saved with
+      ``params``/``buffers``; they come back with the module (they are its own tensors) or
+      from ``apply.state_dict(params, buffers)``. If ranks may have built different frozen
+      weights, make them agree once: ``apply = apply.with_constants(fdp.broadcast(apply.constants))``.
+      ``apply(params, buffers, *args, **kwargs)`` returns ``(out, new_buffers)``; see
+      ``fdp.Apply``.
 
     Raises:
       ValueError: the module has uninitialised (lazy) parameters, no trainable parameters,
@@ -172,33 +245,40 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
                 f"fdp.functionalize: parameter {name!r} of {type(module).__name__} is "
                 "uninitialised (a lazy module); run one forward pass on example input first"
             )
-    used = set()
-    params: Tree = {}
-    frozen_params: Tree = {}
-    for name, p in named:
+    # Match `frozen` against every name of a parameter, tied aliases included.
+    first_of: dict[int, str] = {}
+    used, frozen_ids = set(), set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        first_of.setdefault(id(p), name)
         hit = _matches(name, frozen)
         if hit is not None:
             used.add(hit)
-        if hit is not None or not p.requires_grad:
-            frozen_params[name] = p.detach()
-        else:
-            params[name] = p.detach()
+            frozen_ids.add(id(p))
     unused = [f for f in frozen if f not in used]
     if unused:
         raise ValueError(
             f"fdp.functionalize: frozen name {unused[0]!r} matches no parameter of "
             f"{type(module).__name__} (parameters: {[n for n, _ in named][:8]}...)"
         )
+    params: Tree = {}
+    constants: Tree = {}
+    for name, p in named:
+        if id(p) in frozen_ids or not p.requires_grad:
+            constants[name] = p.detach()
+        else:
+            params[name] = p.detach()
     if not params:
         what = "no parameters" if not named else "no trainable parameters (all are frozen)"
         raise ValueError(f"fdp.functionalize: {type(module).__name__} has {what}; there is nothing to train")
-    module_buffers = {name: b.detach() for name, b in module.named_buffers()}
-    buffers: Tree = {**frozen_params, **module_buffers}
+    skip = _non_persistent(module)
+    buffers: Tree = {}
+    for name, b in module.named_buffers():
+        (constants if name in skip else buffers)[name] = b.detach()
     apply = Apply(
         module,
         {k: v.shape for k, v in params.items()},
         {k: v.shape for k, v in buffers.items()},
-        frozenset(module_buffers),
+        constants,
         module.training,
     )
     return apply, params, buffers

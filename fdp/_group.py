@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -85,7 +87,10 @@ class Group:
                 device = torch.device("cpu")
         if timeout is None:
             timeout = _pg_timeout(pg, torch.device(device))
-        return cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
+        group = cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
+        if pg is dist.group.WORLD:
+            _remember_world(group, replace=False)
+        return group
 
     @classmethod
     def from_mesh(cls, mesh: Any, dim: int | str | None = None) -> Group:
@@ -112,7 +117,14 @@ class Group:
 
 
 def _pg_timeout(pg: Any, device: torch.device) -> timedelta:
-    """The timeout the process group was created with (gloo and NCCL backends expose it)."""
+    """The timeout the process group was created with (gloo and NCCL backends expose it).
+
+    Not while torch.compile traces: dynamo cannot read a backend's options (torch 2.13:
+    ``UnsafeScriptObjectError`` on the ``OpaqueObject``), and the traced collectives
+    (``torch.distributed._functional_collectives``) take no timeout anyway.
+    """
+    if torch.compiler.is_compiling():
+        return DEFAULT_TIMEOUT
     try:
         t = pg._get_backend(device).options._timeout
     except Exception:  # noqa: BLE001 - backends without options (threaded test PG)
@@ -167,7 +179,9 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     store = dist.PrefixStore(f"fdp/attempt-{attempt}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _install_shutdown()
-    return Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
+    group = Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
+    _remember_world(group, replace=True)
+    return group
 
 
 _failed = False  # an uncaught exception is ending this process
@@ -206,13 +220,41 @@ def _shutdown() -> None:
         pass
 
 
+# The world's Group, made once per process group (per thread with simulated ranks, where
+# every thread has its own world): `group=None` is the common argument of every fdp call,
+# and making a Group queries the backend (rank, size, name, timeout). Resolving it once,
+# eagerly (by fdp.init, or the first call), also keeps that query out of code that
+# torch.compile traces, where reading the backend's options fails (see _pg_timeout).
+_worlds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_worlds_lock = threading.Lock()
+
+
+def _remember_world(group: Group, *, replace: bool) -> None:
+    """The first Group made for the world is what ``group=None`` means; the one ``fdp.init``
+    makes when it creates the world replaces it (its timeout is the process group's)."""
+    if torch.compiler.is_compiling():
+        return
+    with _worlds_lock:
+        if replace or group.process_group not in _worlds:
+            _worlds[group.process_group] = group
+
+
+def _world() -> Group:
+    pg = dist.group.WORLD
+    if not torch.compiler.is_compiling():
+        known = _worlds.get(pg)
+        if known is not None:
+            return known
+    return Group.from_process_group(pg)
+
+
 def resolve(group: Group | Any | None) -> Group:
     """The ``Group`` an fdp call talks over: ``None`` means the world (or a world of one)."""
     if isinstance(group, Group):
         return group
     if group is None:
         if dist.is_available() and dist.is_initialized():
-            return Group.from_process_group(dist.group.WORLD)
+            return _world()
         return Group.single()
     if hasattr(group, "get_group") and hasattr(group, "mesh"):
         return Group.from_mesh(group)

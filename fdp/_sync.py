@@ -75,7 +75,7 @@ def verify_layout(meta: Sequence[Meta], group: Group, what: str, extra: str = ""
 _agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _verify_once(meta: Sequence[Meta], group: Group, what: str, extra: str) -> None:
+def verify_once(meta: Sequence[Meta], group: Group, what: str, extra: str) -> None:
     key = (tuple(meta), extra)
     seen = _agreed.setdefault(group.process_group, set())
     if key in seen and not debug_mode():
@@ -308,7 +308,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     meta, leaves = _tensor_leaves(buffers, "sync_buffers")
     if g.process_group is None or not leaves:
         return buffers
-    _verify_once(meta, g, "sync_buffers", mode)
+    verify_once(meta, g, "sync_buffers", mode)
     if mode == "broadcast":
         return _coalesced_broadcast(buffers, src, g, "sync_buffers")
     paths, _, treedef = _tree.flatten_with_paths(buffers)

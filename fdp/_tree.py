@@ -8,6 +8,7 @@ order and with it the bucket order). Leaf paths are formatted like JAX's ``keyst
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,6 +111,75 @@ def first_difference(expected: TreeDef, got: TreeDef) -> str:
             return f"missing leaf {exp_paths[n]} (expected {len(exp_paths)} leaves, found {len(got_paths)})"
         return f"unexpected extra leaf {got_paths[n]} (expected {len(exp_paths)} leaves, found {len(got_paths)})"
     return f"same leaf paths but different containers: expected {expected}, found {got}"
+
+
+# Dicts are matched by key: a tree whose dicts hold the same keys in another insertion order
+# (``{**decay, **no_decay}`` rebuilt from a params dict) is the same tree to fdp. Sorting
+# every dict's keys (optree's default namespace does) gives both trees one canonical order;
+# the permutation between them is cached per pair of structures, so a caller who passes the
+# same reordered dict every step pays one lookup and one C-level gather.
+_ORDERS: dict[tuple[TreeDef, TreeDef], tuple[int, ...] | None] = {}
+_ORDERS_MAX = 64
+_ORDERS_LOCK = threading.Lock()
+
+
+def _sorted_order(treedef: TreeDef) -> tuple[list[int], TreeDef]:
+    """Leaf indices of ``treedef`` in sorted-key order, and the sorted-key structure."""
+    numbered = optree.tree_unflatten(treedef, list(range(treedef.num_leaves)))
+    order, spec = optree.tree_flatten(numbered)  # default namespace: dict keys sorted
+    return order, spec
+
+
+def _permutation(expected: TreeDef, got: TreeDef) -> tuple[int, ...] | None:
+    key = (expected, got)
+    if key in _ORDERS:
+        return _ORDERS[key]
+    perm = None
+    if expected.num_leaves == got.num_leaves:
+        exp_order, exp_spec = _sorted_order(expected)
+        got_order, got_spec = _sorted_order(got)
+        if exp_spec == got_spec:
+            p = [0] * len(exp_order)
+            for e, g in zip(exp_order, got_order):
+                p[e] = g
+            perm = tuple(p)
+    with _ORDERS_LOCK:  # simulated ranks are threads
+        if len(_ORDERS) >= _ORDERS_MAX:
+            _ORDERS.pop(next(iter(_ORDERS)))
+        _ORDERS[key] = perm
+    return perm
+
+
+def in_order_of(expected: TreeDef, got: TreeDef, leaves: Sequence[Any], what: str) -> list[Any]:
+    """``leaves`` (of a tree shaped ``got``) in the leaf order of ``expected``.
+
+    The two structures may differ only in the insertion order of their dicts' keys; dicts
+    are matched by key. Otherwise raises ``ValueError`` starting with ``what``, naming the
+    missing and unexpected leaf paths (or the first differing container).
+    """
+    perm = _permutation(expected, got)
+    if perm is None:
+        raise ValueError(f"{what}: {describe_difference(expected, got)}")
+    if len(perm) < 2:
+        return list(leaves)
+    return list(operator.itemgetter(*perm)(leaves))
+
+
+def describe_difference(expected: TreeDef, got: TreeDef) -> str:
+    """Which leaf paths one structure has and the other lacks (dicts compared by key)."""
+    exp_paths, got_paths = paths(expected), paths(got)
+    exp_set, got_set = set(exp_paths), set(got_paths)
+    missing = [p for p in exp_paths if p not in got_set]
+    extra = [p for p in got_paths if p not in exp_set]
+    if not missing and not extra:
+        return f"same leaf paths but different containers: expected {expected}, found {got}"
+    counts = f"(expected {len(exp_paths)} leaves, found {len(got_paths)})"
+    parts = []
+    for word, found in (("missing leaf", missing), ("unexpected extra leaf", extra)):
+        if found:
+            more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+            parts.append(f"{word} {found[0]}{more}" + (f" ({', '.join(found[:6])})" if len(found) > 1 else ""))
+    return "; ".join(parts) + f" {counts}"
 
 
 def compiling() -> bool:

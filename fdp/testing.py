@@ -11,12 +11,19 @@ Two backends:
 
 ``"threads"`` (default): every rank is a thread of this process, over torch's threaded
   process group (``torch.testing._internal.distributed.multi_threaded_pg``). Starts in
-  milliseconds. Two things differ from real processes:
-  * its "async" collectives block until every rank has joined them, so no communication
-    ever overlaps compute (and ranks that issue collectives in different orders deadlock
-    until the timeout);
-  * the global RNG and all other process state are shared by the ranks: seed per-rank
-    ``torch.Generator`` objects, or build models before calling ``run``.
+  milliseconds. The ranks take turns: one runs at a time, and a rank hands over only where
+  it waits for the others (in a collective, or while a process group is created). At each
+  hand-over the global CPU RNG state is saved for the rank that stops and restored for the
+  one that resumes, so **each rank has its own torch RNG stream**, starting, as a gloo
+  child's does, from the caller's state when ``run`` was called: ``torch.manual_seed(0);
+  Model()`` inside ``fn`` gives the same model on every rank and every run, and unseeded
+  draws are as reproducible as the caller's seed. What still differs from real processes:
+  * ranks never run at the same time, and the threaded group's "async" collectives block
+    until every rank has joined them, so no communication ever overlaps compute (and ranks
+    that issue collectives in different orders deadlock until the timeout);
+  * other process state (globals, CUDA RNG, ``torch.set_num_threads``) is shared, and a
+    rank that blocks on anything but a collective (a sleep, a lock another rank holds)
+    stalls the others.
   Its SUM all-reduce adds the ranks' tensors in rank order.
 
 ``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over
@@ -110,7 +117,56 @@ def _tag(exc: BaseException, rank: int, remote_tb: str | None = None) -> BaseExc
 # --------------------------------------------------------------------------------- threads
 
 
+class _Turns:
+    """One rank runs at a time; each keeps its own global-RNG state across its turns.
+
+    Threads share torch's one CPU generator, so ranks running concurrently draw from a single
+    stream in whatever order the OS schedules them: a seeded test is then flaky. Instead a rank
+    runs only while it holds the turn and gives it up exactly where it has to wait for other
+    ranks (a collective, a process group's creation barrier); the RNG state travels with the
+    turn.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._holder: int | None = None
+        self.start = torch.get_rng_state()
+        self._states: dict[int, torch.Tensor] = {}
+        self._local = threading.local()
+
+    def take(self, rank: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._holder is None)
+            self._holder = rank
+        torch.set_rng_state(self._states.get(rank, self.start))
+        self._local.rank = rank
+
+    def give(self) -> int | None:
+        """Give up the turn (if this thread holds it); returns the rank to ``take`` it back."""
+        rank = getattr(self._local, "rank", None)
+        if rank is None:
+            return None
+        self._local.rank = None
+        self._states[rank] = torch.get_rng_state()
+        with self._cond:
+            self._holder = None
+            self._cond.notify_all()
+        return rank
+
+    def waiting(self, wait: Callable) -> Callable:
+        """``wait`` (a blocking call of torch's threaded group) run without the turn."""
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            rank = self.give()
+            try:
+                return wait(*a, **kw)
+            finally:
+                if rank is not None:
+                    self.take(rank)
+        return wrapped
+
+
 def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup,
         _install_threaded_pg,
@@ -124,6 +180,15 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
                 "torch.distributed default group"
             )
         ProcessLocalGroup.reset()
+        turns = _Turns()
+        # The two places a rank of torch's threaded group blocks for the others (checked on
+        # torch 2.13): a collective's rendezvous, and the store barrier that creates a
+        # group (DeviceMesh and new_group inside fn). Patched for this run only.
+        patched = [(owner, name) for owner, name in ((mtpg.Collective, "join"), (mtpg, "_store_based_barrier"))
+                   if hasattr(owner, name)]
+        originals = [getattr(owner, name) for owner, name in patched]
+        for (owner, name), orig in zip(patched, originals):
+            setattr(owner, name, turns.waiting(orig))
         world = _install_threaded_pg()
         torch._C._distributed_c10d._set_thread_isolation_mode(True)
         store = dist.HashStore()
@@ -143,12 +208,14 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
                 group = Group.from_process_group(
                     dist.group.WORLD, device="cpu", timeout=pg_timeout
                 )
+                turns.take(rank)
                 results[rank] = fn(group, *args)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 errors[rank] = e
                 first_error.set()
                 ProcessLocalGroup.exception_handle(e)  # wake ranks blocked in a collective
             finally:
+                turns.give()
                 finished[rank] = True
                 if initialised and dist.distributed_c10d._world is world:
                     try:
@@ -172,6 +239,9 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
                 for t in threads:
                     t.join(1.0)
         finally:
+            for (owner, name), orig in zip(patched, originals):
+                setattr(owner, name, orig)
+            torch.set_rng_state(turns.start)  # the caller's stream is not consumed (as with gloo)
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
             _uninstall_threaded_pg()
             ProcessLocalGroup.reset()

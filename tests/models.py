@@ -1,5 +1,5 @@
-"""Small models and per-rank synthetic data for the tests (deterministic without global RNG,
-because simulated ranks on threads share the global generator)."""
+"""Small models and per-rank synthetic data for the tests, from explicit generators (so a
+test's data does not depend on what else drew from the global RNG before it)."""
 
 import torch
 import torch.nn.functional as F

@@ -156,3 +156,68 @@ def test_untraceable_options_fail_loudly_under_compile():
     if keeps and _TRACES_FDP:
         assert "not traceable" in hook_error, hook_error
         assert "schedule" in schedule_error, schedule_error
+
+
+def _doc_step_on_rank(group):
+    """docs/compile.md's first block, run on this rank, then its ``train_step`` compiled
+    (with the ``aot_eager`` backend: the same dynamo trace as Inductor's, in seconds) and
+    called once, beside the eager step from the same state."""
+    from pathlib import Path
+
+    from test_docs import code_blocks
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "compile.md"
+    block = next(code for info, _, code in code_blocks(doc.read_text()) if info == "python")
+    ns: dict = {"__name__": "doc:compile.md"}
+    exec(compile(block, str(doc), "exec"), ns)
+    x, y = batch(group.rank, 0, n=8, shape=(8,))
+    state = (ns["params"], ns["buffers"], ns["opt_state"])
+    compiled = torch.compile(ns["train_step"], fullgraph=True, backend="aot_eager")(*state, x, y)
+    eager = ns["train_step"](*state, x, y)
+    return compiled[:2], eager[:2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
+def test_compile_md_step_runs_on_two_gloo_ranks_with_the_default_group():
+    # fdp.sync_buffers(buffers) with group=None inside the compiled step used to read the
+    # process group's timeout from its backend at trace time, which dynamo cannot do
+    # (UnsafeScriptObjectError on an OpaqueObject): the doc's example crashed on 2 ranks.
+    res = fdp.testing.run(_doc_step_on_rank, 2, backend="gloo", timeout=250)
+    for rank, ((cp, cb), (ep, eb)) in enumerate(res):
+        for k in ep:
+            torch.testing.assert_close(cp[k], ep[k], rtol=RTOL, atol=ATOL, msg=f"rank {rank}, param {k!r}")
+        for k in eb:
+            torch.testing.assert_close(cb[k], eb[k], rtol=RTOL, atol=ATOL, msg=f"rank {rank}, buffer {k!r}")
+    for k in res[0][0][0]:
+        assert torch.equal(res[0][0][0][k], res[1][0][0][k]), f"replicas differ at param {k!r}"
+
+
+def _constants_compiled_vs_eager():
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = torch.nn.Linear(4, 4)
+            self.head = torch.nn.Linear(4, 4)
+            self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+        def forward(self, x):
+            return self.head(self.frozen(x) * self.mask[0])
+
+    torch.manual_seed(0)
+    apply, params, buffers = fdp.functionalize(Masked(), frozen=["frozen"])
+    x = torch.randn(3, 4)
+
+    def loss(p, x):
+        return apply(p, buffers, x)[0].square().sum()
+
+    compiled = torch.compile(torch.func.grad(loss), fullgraph=True, backend="aot_eager")(params, x)
+    return compiled, torch.func.grad(loss)(params, x)
+
+
+@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
+def test_constants_are_passed_to_the_module_under_compile():
+    compiled, eager = _in_child(_constants_compiled_vs_eager)
+    assert set(compiled) == {"head.weight", "head.bias"}
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL, msg=k)

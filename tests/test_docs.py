@@ -1,13 +1,18 @@
 """The documentation is code: its Python blocks run, and docs/api.md covers every public name.
 
-Each Markdown file's ```python blocks run in order in one shared namespace, in a world of one
-(no torchrun environment), from a temporary folder. Blocks whose info string is anything
-else (```bash, ```text, ```python skip, ...) are shown but not run.
+Each Markdown file's ```python blocks run in order in one shared namespace, from a temporary
+folder: once in a world of one (no torchrun environment), and once on 2 gloo ranks
+(``fdp.testing.run``, where ``fdp.init()`` returns the 2-rank world), as the docs say the same
+code runs under torchrun. Blocks whose info string is anything else (```bash, ```text,
+```python skip, ...) are shown but not run. docs/api.md is reference, not run on 2 ranks.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import re
+import traceback
 import types
 from pathlib import Path
 
@@ -53,14 +58,8 @@ def test_code_block_parser_splits_blocks_and_keeps_line_numbers():
     assert code_blocks(text) == [("python", 3, "a = 1\n"), ("bash", 6, "ls\n"), ("python skip", 9, "b = 2\n")]
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
-def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
-    """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
-    assert path.exists(), f"{path} is missing"
-    for var in TORCHRUN_ENV:
-        monkeypatch.delenv(var, raising=False)
-    assert not dist.is_initialized(), "a previous test left torch.distributed initialised"
-    monkeypatch.chdir(tmp_path)  # files the examples write land here
+def run_blocks(path: Path) -> int:
+    """Run the file's ```python blocks in order, in one namespace; return how many ran."""
     namespace: dict = {"__name__": f"doc:{path.name}"}
     ran = 0
     for info, line, code in code_blocks(path.read_text()):
@@ -74,7 +73,67 @@ def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
             raise AssertionError(f"{path.relative_to(ROOT)}: the python block starting on line {line} "
                                  f"raised {type(e).__name__}: {e}") from e
         ran += 1
-    assert ran > 0, f"{path.name} has no ```python block: was a fence mistyped?"
+    return ran
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
+    """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
+    assert path.exists(), f"{path} is missing"
+    for var in TORCHRUN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized(), "a previous test left torch.distributed initialised"
+    monkeypatch.chdir(tmp_path)  # files the examples write land here
+    assert in_fork(run_blocks, path) > 0, f"{path.name} has no ```python block: was a fence mistyped?"
+
+
+def in_fork(fn, *args, timeout: float = 300):
+    """``fn(*args)`` in a forked child, its exception re-raised here as an AssertionError.
+
+    A doc may compile (docs/compile.md does): compiling in the pytest process would start
+    autograd's worker threads, and on CUDA builds of torch every later fork-based test would
+    then fail (see tests/test_compile.py)."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        try:
+            send.send(("ok", fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            send.send(("err", f"{e}\n{traceback.format_exc()}"))
+        finally:
+            os._exit(0)
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            raise AssertionError(f"{fn.__name__}{args} did not finish within {timeout}s")
+        kind, value = recv.recv()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    if kind == "err":
+        raise AssertionError(value)
+    return value
+
+
+def _blocks_on_rank(group, path: Path, folder: str) -> int:
+    os.chdir(folder)  # one folder for both ranks, as a shared file system (fdp.save/load)
+    return run_blocks(path)
+
+
+ON_TWO_RANKS = [p for p in MARKDOWN if p.name != "api.md"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ON_TWO_RANKS, ids=[p.name for p in ON_TWO_RANKS])
+def test_python_blocks_run_on_two_gloo_ranks(path, tmp_path):
+    """The same blocks, on 2 gloo ranks: what a user gets from the docs under torchrun."""
+    ran = fdp.testing.run(_blocks_on_rank, 2, backend="gloo", timeout=240, args=(path, str(tmp_path)))
+    assert ran[0] == ran[1] > 0
 
 
 def public_names() -> list[str]:

@@ -110,19 +110,83 @@ def test_registration_order_and_frozen_names():
     apply, params, buffers = fdp.functionalize(model, frozen=["conv1", "fc.bias"])
     names = [n for n, _ in model.named_parameters()]
     assert list(params) == [n for n in names if not n.startswith("conv1.") and n != "fc.bias"]
-    assert list(buffers)[:3] == ["conv1.weight", "conv1.bias", "fc.bias"]
-    assert "bn1.running_mean" in buffers
-    out, nb = apply(params, buffers, torch.randn(2, 3, 4, 4))
-    assert nb["conv1.weight"] is buffers["conv1.weight"]  # frozen params pass through, uncopied
-    g = torch.func.grad(lambda p: apply(p, buffers, torch.randn(2, 3, 4, 4))[0].sum())(params)
+    assert list(apply.constants) == ["conv1.weight", "conv1.bias", "fc.bias"]
+    assert list(buffers) == [n for n, _ in model.named_buffers()]  # only the module's state
+    x = torch.randn(2, 3, 4, 4)
+    out, nb = apply(params, buffers, x)
+    assert torch.equal(out, copy.deepcopy(model)(x))  # the constants are used
+    g = torch.func.grad(lambda p: apply(p, buffers, x)[0].sum())(params)
     assert set(g) == set(params)
 
 
 def test_requires_grad_false_is_frozen():
     model = mlp()
     model[0].weight.requires_grad_(False)
-    _, params, buffers = fdp.functionalize(model)
-    assert "0.weight" not in params and "0.weight" in buffers
+    apply, params, buffers = fdp.functionalize(model)
+    assert "0.weight" not in params and "0.weight" not in buffers and "0.weight" in apply.constants
+
+
+class Causal(nn.Module):
+    """A causal mask registered persistent=False, as nanoGPT's attention does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(5)
+        self.register_buffer("mask", torch.tril(torch.ones(5, 5)), persistent=False)
+
+    def forward(self, x):  # x: (batch, 5, 4)
+        scores = (self.proj(x) @ x.transpose(1, 2)).masked_fill(self.mask == 0, -1e9)
+        return self.norm(scores.softmax(-1) @ x)
+
+
+def test_non_persistent_buffers_are_constants_and_state_dict_loads_back():
+    model = Causal()
+    ref = copy.deepcopy(model)
+    apply, params, buffers = fdp.functionalize(model)
+    assert "mask" not in buffers and "mask" in apply.constants
+    x = torch.randn(3, 5, 4)
+    out, buffers = apply(params, buffers, x)
+    assert torch.equal(out, ref(x))  # the mask is applied
+    params = {k: v * 2 for k, v in params.items()}  # "trained"
+    fresh = Causal()
+    fresh.load_state_dict(apply.state_dict(params, buffers))  # strict: exactly the module's keys
+    assert torch.equal(fresh.proj.weight, params["proj.weight"])
+    assert torch.equal(fresh.norm.running_mean, buffers["norm.running_mean"])
+
+
+def test_state_dict_names_tied_and_frozen_parameters_as_the_module_does():
+    model = Tied()
+    apply, params, buffers = fdp.functionalize(model, frozen=["mid"])
+    sd = apply.state_dict(params, buffers)
+    assert list(sd) == list(model.state_dict())  # out.weight too, and the frozen mid.*
+    assert sd["out.weight"] is params["emb.weight"] and sd["mid.bias"] is apply.constants["mid.bias"]
+    Tied().load_state_dict(sd)
+
+
+def test_freezing_a_tied_alias_freezes_the_shared_tensor():
+    model = Tied()
+    apply, params, buffers = fdp.functionalize(model, frozen=["out"])  # out.weight is emb.weight
+    assert "emb.weight" not in params and list(apply.constants) == ["emb.weight"]
+    assert list(params) == ["mid.weight", "mid.bias"]
+
+
+def constants_on_ranks(group):
+    torch.manual_seed(group.rank)  # ranks initialise differently
+    apply, params, buffers = fdp.functionalize(CNN(), frozen=["conv1"])
+    before = apply.constants
+    apply = apply.with_constants(fdp.broadcast(apply.constants, src=0, group=group))
+    buffers = fdp.sync_buffers(apply(params, buffers, torch.randn(2, 3, 4, 4))[1], group=group)
+    return list(buffers), before, apply.constants
+
+
+def test_frozen_parameters_are_not_synced_and_are_broadcast_once_on_request():
+    res = fdp.testing.run(constants_on_ranks, 2)
+    for keys, _, _ in res:
+        assert not any(k.startswith("conv1.") for k in keys), "frozen weights are synced every step"
+    assert not torch.equal(res[0][1]["conv1.weight"], res[1][1]["conv1.weight"])
+    for k, v in res[0][2].items():
+        assert torch.equal(v, res[1][2][k]), f"constant {k!r} differs after the broadcast"
 
 
 def test_train_eval_is_explicit():

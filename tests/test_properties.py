@@ -162,3 +162,45 @@ def test_flatten_then_unflatten_is_the_identity(spec, cap_bytes, views):
     for a, b in zip(_tree.leaves(tree), _tree.leaves(back)):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     assert math.isclose(sum(f.numel() for f in flats), sum(t.numel() for t in _tree.leaves(tree)))
+
+
+
+def shuffled(tree, data):
+    """The same tree with every dict's keys in a drawn insertion order."""
+    if isinstance(tree, dict):
+        keys = data.draw(st.permutations(list(tree)))
+        return {k: shuffled(tree[k], data) for k in keys}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(shuffled(v, data) for v in tree)
+    return tree
+
+
+def in_key_order_of(template, tree):
+    """``tree`` with every dict's keys in ``template``'s insertion order."""
+    if isinstance(tree, dict):
+        return {k: in_key_order_of(template[k], tree[k]) for k in template}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(in_key_order_of(a, b) for a, b in zip(template, tree))
+    return tree
+
+
+@SETTINGS
+@given(tree_specs, caps, st.integers(1, 3), st.data())
+def test_dicts_match_by_key_whatever_their_order(spec, cap_bytes, world_size, data):
+    # A dict with the plan's keys in any insertion order packs and reduces exactly as the
+    # plan's own order, and the result comes back in the plan's order.
+    tree = normal_tree(spec, 0)
+    order = shuffled(tree, data)
+    plan = fdp.BucketPlan.build(tree, bucket_caps_mb=[c / MiB for c in cap_bytes])
+    for a, b in zip(plan.flatten(tree), plan.flatten(order)):
+        assert torch.equal(a, b)
+
+    def body(group):
+        mine = normal_tree(spec, group.rank)
+        reducer = fdp.Reducer(mine, group, bucket_caps_mb=[c / MiB for c in cap_bytes])
+        return reducer.all_reduce(mine), reducer.all_reduce(in_key_order_of(order, mine))
+
+    for rank, (ordered, reordered) in enumerate(fdp.testing.run(body, world_size, timeout=60)):
+        assert _tree.structure(reordered) == _tree.structure(tree), f"rank {rank}: not in the plan's order"
+        for a, b in zip(_tree.leaves(ordered), _tree.leaves(reordered)):
+            assert torch.equal(a, b), f"rank {rank}"

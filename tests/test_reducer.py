@@ -355,3 +355,50 @@ def test_trailing_buckets_of_tiny_leaves_are_reduced_after_the_backward_exactly(
         assert tl.buckets[-1].launch >= tl.backward_end, "the tiny layers' bucket waits for the end"
         for k in grads:
             assert torch.equal(grads[k], res[0][1][k] * 0.5 + res[1][1][k] * 0.5), f"rank {rank}, leaf {k!r}"
+
+
+def decay_groups_in_another_order(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    decay = {k: v for k, v in params.items() if k.endswith("weight")}
+    no_decay = {k: v for k, v in params.items() if not k.endswith("weight")}
+    x, y = batch(group.rank)
+    grad_fn = reducer.grad(ce_loss(apply), has_aux=True)
+    ordered, _ = grad_fn(params, buffers, x, y)
+    reordered, _ = grad_fn({**decay, **no_decay}, buffers, x, y)
+    acc, _ = grad_fn(params, buffers, x, y)
+    acc_reordered = dict(reversed(acc.items()))
+    accumulated, _ = reducer.grad(ce_loss(apply), has_aux=True, accumulate=acc_reordered)(
+        {**decay, **no_decay}, buffers, x, y)
+    return list(params), ordered, reordered, accumulated, acc
+
+
+def test_params_dict_in_another_key_order_is_matched_by_key():
+    for rank, (keys, ordered, reordered, accumulated, acc) in enumerate(
+            fdp.testing.run(decay_groups_in_another_order, 2)):
+        assert list(reordered) == keys and list(accumulated) == keys, "grads come back in the plan's order"
+        for k in keys:
+            assert torch.equal(ordered[k], reordered[k]), f"rank {rank}, leaf {k!r}"
+            torch.testing.assert_close(accumulated[k], ordered[k] + acc[k], msg=f"rank {rank}, leaf {k!r}")
+
+
+def test_params_with_other_keys_name_the_missing_and_extra_ones():
+    apply, params, buffers = fdp.functionalize(mlp(seed=7))
+    reducer = fdp.Reducer(params)
+    renamed = {("head.bias" if k == "6.bias" else k): v for k, v in reversed(params.items())}
+    with pytest.raises(ValueError, match=r"missing leaf \['6.bias'\]; unexpected extra leaf \['head.bias'\]"):
+        reducer.all_reduce(renamed)
+
+
+def functorch_engine_reordered(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    reducer = fdp.Reducer(params, group)
+    reducer.engine = "functorch"
+    x, y = batch(group.rank)
+    return reducer.grad(ce_loss(apply), has_aux=True)(dict(reversed(params.items())), buffers, x, y)
+
+
+def test_functorch_engine_refuses_a_reordered_params_dict_instead_of_mixing_leaves(monkeypatch):
+    monkeypatch.setattr(fdp._reducer, "_HOOK_MEAN_BYTES", 16 * 1024)  # unhooked leaves too
+    with pytest.raises(ValueError, match="plan's keys in another order, inside a torch.func transform"):
+        fdp.testing.run(functorch_engine_reordered, 2)

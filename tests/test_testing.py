@@ -98,3 +98,37 @@ def test_autograd_fork_error_says_what_to_do():
     with pytest.raises(RuntimeError, match="Autograd-and-Fork") as info:
         fdp.testing.run(_autograd_fork_error, 1, backend="gloo", timeout=30)
     assert any("inside fn, on the ranks" in note for note in info.value.__notes__)
+
+
+def seeded_init_across_a_collective(group):
+    # Seed, wait for the other ranks, then draw: ranks sharing one generator would each take
+    # a different slice of one stream here.
+    torch.manual_seed(0)
+    dist.barrier(group=group.process_group)
+    model = torch.nn.Linear(16, 16)
+    dist.barrier(group=group.process_group)
+    unseeded = torch.randn(4)  # the rank's own stream, continued
+    return {k: v.detach() for k, v in model.state_dict().items()}, unseeded
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_init_inside_fn_is_the_same_on_every_rank_and_run(backend):
+    runs = [fdp.testing.run(seeded_init_across_a_collective, 4, backend=backend) for _ in range(3)]
+    torch.manual_seed(0)
+    want = torch.nn.Linear(16, 16).state_dict()
+    want_next = torch.randn(4)
+    for run, results in enumerate(runs):
+        for rank, (state, unseeded) in enumerate(results):
+            for k in want:
+                assert torch.equal(state[k], want[k]), f"run {run}, rank {rank}: {k} differs from a seeded init"
+            assert torch.equal(unseeded, want_next), f"run {run}, rank {rank}: its RNG stream was not its own"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_rank_starts_from_the_callers_rng_state_and_leaves_it_alone(backend):
+    torch.manual_seed(123)
+    expected = torch.randn(3)
+    torch.manual_seed(123)
+    out = fdp.testing.run(lambda g: torch.randn(3), 3, backend=backend)
+    assert all(torch.equal(o, expected) for o in out)
+    assert torch.equal(torch.randn(3), expected), "run() consumed the caller's random stream"

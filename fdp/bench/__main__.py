@@ -1,35 +1,23 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|gpu] ...``: benchmarks that run fdp beside its peer in one run.
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|gpu] ...``: benchmarks that run fdp
+beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+SUBCOMMANDS = {"kernels": "kernels", "replicas": "replicas", "soak": "soak", "micro": "micro",
+               "compile": "compile", "gpu": "gpu"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "kernels":
-        from . import kernels
-
-        return kernels.main(argv[1:])
-    if argv and argv[0] == "replicas":
-        from . import replicas
-
-        return replicas.main(argv[1:])
-    if argv and argv[0] == "soak":
-        from . import soak
-
-        return soak.main(argv[1:])
-    if argv and argv[0] == "micro":
-        from . import micro
-
-        return micro.main(argv[1:])
-    if argv and argv[0] == "gpu":
-        from . import gpu
-
-        return gpu.main(argv[1:])
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]]}")
+        return module.main(argv[1:])
     from . import models
 
     return models.main(argv)

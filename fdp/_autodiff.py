@@ -77,6 +77,9 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
     hooks, unused leaves get zeros, as ``torch.func.grad`` returns.
     """
     if engine == "functorch":
+        # The differentiated tree is handed over in the plan's order (a dict given in another
+        # key order is matched by key), so the gradients come back in it too.
+        args = replace(args, argnums, _tree.unflatten(treedef, leaves))
         instrumented = _instrument(fn, argnums, has_aux, treedef, hooks, on_backward_start)
         grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
         return _tree.leaves(grads), value

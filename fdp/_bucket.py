@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import _functorch, _tree, kernels
+from . import _tree, kernels
 
 MiB = 1024 * 1024
 
@@ -235,16 +235,6 @@ class BucketPlan:
         if not _tree.compiling() and treedef != self.treedef:
             leaves = _tree.in_order_of(self.treedef, treedef, leaves,
                                        f"fdp: {what} does not match the bucket plan's structure")
-            if _functorch.in_transform():
-                # Inside torch.func.grad (the Reducer's engine="functorch"), the gradients the
-                # transform returns follow the caller's order, which the caller of this
-                # method may take as the plan's: refuse rather than pair leaves wrongly.
-                raise ValueError(
-                    f"fdp: {what} holds the plan's keys in another order, inside a torch.func "
-                    "transform (Reducer engine='functorch'), where they must come in the plan's "
-                    f"order: {_tree.first_difference(self.treedef, treedef)}. Pass the dict in "
-                    "the order of the one the Reducer was built from."
-                )
         if len(leaves) != len(self.slots):
             raise ValueError(f"fdp: {what} does not match the bucket plan's structure: "
                              f"{_tree.first_difference(self.treedef, treedef)}")

@@ -390,15 +390,19 @@ def test_params_with_other_keys_name_the_missing_and_extra_ones():
         reducer.all_reduce(renamed)
 
 
-def functorch_engine_reordered(group):
+def functorch_engine_reordered(group, hook_bytes):
     apply, params, buffers = fdp.functionalize(mlp(seed=4))
-    reducer = fdp.Reducer(params, group)
-    reducer.engine = "functorch"
+    reducer = fdp.Reducer(params, group, engine="functorch", hook_threshold_bytes=hook_bytes)
     x, y = batch(group.rank)
-    return reducer.grad(ce_loss(apply), has_aux=True)(dict(reversed(params.items())), buffers, x, y)
+    grads, _ = reducer.grad(ce_loss(apply), has_aux=True)(dict(reversed(params.items())), buffers, x, y)
+    local, _ = torch.func.grad(ce_loss(apply), has_aux=True)(params, buffers, x, y)
+    return grads, local
 
 
-def test_functorch_engine_refuses_a_reordered_params_dict_instead_of_mixing_leaves(monkeypatch):
-    monkeypatch.setattr(fdp._reducer, "_HOOK_MEAN_BYTES", 16 * 1024)  # unhooked leaves too
-    with pytest.raises(ValueError, match="plan's keys in another order, inside a torch.func transform"):
-        fdp.testing.run(functorch_engine_reordered, 2)
+@pytest.mark.parametrize("hook_bytes", [0, 16 * 1024], ids=["hooked", "unhooked"])
+def test_functorch_engine_pairs_a_reordered_params_dict_by_key(hook_bytes):
+    res = fdp.testing.run(functorch_engine_reordered, 2, args=(hook_bytes,))
+    for rank, (grads, _) in enumerate(res):
+        assert list(grads) == list(res[0][1]), "gradients come back in the plan's order"
+        for k in grads:
+            assert torch.equal(grads[k], res[0][1][k] * 0.5 + res[1][1][k] * 0.5), f"rank {rank}, leaf {k!r}"

@@ -9,7 +9,6 @@ adds the checks DDP runs internally as user-callable functions (``assert_same_sh
 from __future__ import annotations
 
 import hashlib
-import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,6 @@ from . import _comm, _tree, kernels
 from ._bucket import BucketPlan, MiB
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
-from ._log import debug_mode
 
 BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
 
@@ -58,30 +56,43 @@ def verify_layout(meta: Sequence[Meta], group: Group, what: str, extra: str = ""
     One tiny all-gather of (leaf count, digest) when they agree; when they do not, a second
     gather of the full metadata so the error can name the first differing leaf and ranks.
     """
+    _verify_digest(_digest(meta, extra), lambda: (list(meta), extra), group, what)
+
+
+def _verify_digest(mine: torch.Tensor, report: Any, group: Group, what: str) -> None:
     if group.process_group is None:
         return
-    rows = _comm.all_gather(_digest(meta, extra).to(group.device), group, f"{what} (layout check)").cpu()
+    rows = _comm.all_gather(mine.to(group.device), group, f"{what} (layout check)").cpu()
     if bool((rows == rows[0]).all()):
         return
-    everyone = _comm.all_gather_object((list(meta), extra), group, f"{what} (layout report)")
+    everyone = _comm.all_gather_object(report(), group, f"{what} (layout report)")
     raise ReplicaMismatchError(f"fdp: {what}: " + _describe(everyone) + f" (reported on rank {group.rank})")
 
 
-# Layouts all ranks have agreed on, per process group. sync_buffers runs every step on
-# buffers whose layout never changes (apply checks their keys and shapes), so after the
-# first call the check is skipped, as DDP checks its buffers once, at construction; that
-# saves a collective per step (~1 ms on gloo). A layout seen for the first time is checked
-# again, and FDP_DEBUG=1 checks every call.
-_agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# sync_buffers checks the layout, mode and src on every call: skipping the check once ranks
+# had agreed let a float tree on one rank and an int tree on another (both seen before)
+# exchange reinterpreted bytes, and different modes hang until the timeout (issue 15, item 3).
+# The check is one all-gather of three int64s; the digest is cached per (structure, shapes,
+# dtypes, mode, src), so the host work per call is one dict lookup.
+_DIGESTS: dict[tuple, tuple[torch.Tensor, list[Meta]]] = {}
+_DIGESTS_MAX = 64
 
 
-def _verify_once(meta: Sequence[Meta], group: Group, what: str, extra: str) -> None:
-    key = (tuple(meta), extra)
-    seen = _agreed.setdefault(group.process_group, set())
-    if key in seen and not debug_mode():
-        return
-    verify_layout(meta, group, what, extra)
-    seen.add(key)
+def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> tuple[torch.Tensor, list[Meta]]:
+    try:
+        key = (treedef, tuple(t.shape for t in leaves), tuple(t.dtype for t in leaves), extra)
+        hit = _DIGESTS.get(key)
+    except (AttributeError, TypeError):  # a leaf that is not a tensor: named below
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    meta, _ = _tensor_leaves(buffers, "sync_buffers")
+    hit = (_digest(meta, extra), meta)
+    if key is not None:
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.pop(next(iter(_DIGESTS)))
+        _DIGESTS[key] = hit
+    return hit
 
 
 def _describe(everyone: list[tuple[list[Meta], str]]) -> str:
@@ -306,13 +317,17 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     _check_src(src, g, "sync_buffers")
     if _tree.compiling():
         return _sync_buffers_traced(buffers, mode, src, g)
-    meta, leaves = _tensor_leaves(buffers, "sync_buffers")
-    if g.process_group is None or not leaves:
+    leaves, treedef = _tree.flatten(buffers)
+    if g.process_group is None:
+        _tensor_leaves(buffers, "sync_buffers")
         return buffers
-    _verify_once(meta, g, "sync_buffers", mode)
+    extra = f"mode={mode} src={src}"
+    digest, meta = _sync_layout(buffers, leaves, treedef, extra)
+    _verify_digest(digest, lambda: (meta, extra), g, "sync_buffers")
+    if not leaves:
+        return buffers
     if mode == "broadcast":
         return _coalesced_broadcast(buffers, src, g, "sync_buffers")
-    paths, _, treedef = _tree.flatten_with_paths(buffers)
     floating = [i for i, t in enumerate(leaves) if t.is_floating_point()]
     others = [i for i, t in enumerate(leaves) if not t.is_floating_point()]
     out: list[Any] = [None] * len(leaves)

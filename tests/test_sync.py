@@ -233,23 +233,6 @@ def test_active_false_matches_ddp_join_and_loops_end_together():
         assert torch.equal(res[0][0][k], res[1][0][k]), "replicas must stay identical"
 
 
-def test_sync_buffers_checks_a_layout_once_and_again_when_it_changes():
-    def body(group):
-        calls = []
-        real = fdp._sync.verify_layout
-        fdp._sync.verify_layout = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-        try:
-            b = {"m": torch.zeros(3)}
-            for _ in range(3):
-                fdp.sync_buffers(b, group=group)
-            fdp.sync_buffers({"m": torch.zeros(4)}, group=group)  # a new layout: checked
-            return len(calls)
-        finally:
-            fdp._sync.verify_layout = real
-
-    assert fdp.testing.run(body, 2, backend="gloo") == [2, 2]
-
-
 def test_asynchronous_replica_check_reports_drift_when_waited():
     def body(group):
         state = {"w": torch.ones(4), "b": torch.zeros(2)}
@@ -273,3 +256,49 @@ def test_replica_check_of_different_layouts_names_the_leaf():
 
     with pytest.raises(fdp.ReplicaMismatchError, match=r"leaf \['w'\] has shape \(3,\) float32 on rank 0 but \(4,\)"):
         fdp.testing.run(body, 2)
+
+
+# ------------------------------------------------------ sync_buffers checks every call
+
+
+def _mixed_calls(group, second):
+    """Both trees (and both modes) are seen on every rank first; then the ranks differ."""
+    floats, ints = {"m": torch.ones(4)}, {"m": torch.ones(4, dtype=torch.int32)}
+    fdp.sync_buffers(floats, group=group)
+    fdp.sync_buffers(ints, group=group)
+    fdp.sync_buffers(floats, mode="mean", group=group)
+    try:
+        second(group, floats, ints)
+    except fdp.ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_buffers_of_a_float_tree_and_an_int_tree_seen_before_is_an_error(backend):
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats if group.rank == 0 else ints, group=group)
+
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend=backend, timeout=20, args=(second,))):
+        assert msg is not None, f"rank {rank}: a float32 tree was synced with an int32 tree silently"
+        assert "leaf ['m'] has shape (4,) float32 on rank 0 but (4,) int32 on rank 1" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_buffers_with_different_modes_seen_before_is_an_error_not_a_hang(backend):
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats, mode="mean" if group.rank == 1 else "broadcast", group=group)
+
+    t0 = time.monotonic()
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend=backend, timeout=20, args=(second,))):
+        assert msg is not None and "rank 0 uses mode=broadcast src=0 but rank 1 uses mode=mean" in msg, (rank, msg)
+    assert time.monotonic() - t0 < 15, "the mismatch was found only at the timeout"
+
+
+def test_sync_buffers_with_different_src_is_an_error():
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats, src=group.rank, group=group)
+
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend="gloo", timeout=20, args=(second,))):
+        assert msg is not None and "rank 0 uses mode=broadcast src=0 but rank 1 uses mode=broadcast src=1" in msg, (
+            rank, msg)

@@ -24,9 +24,9 @@ from ._group import init as init
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
 from ._reducer import Timeline as Timeline
-from ._sync import ReplicaCheck as ReplicaCheck
+from ._replicas import ReplicaCheck as ReplicaCheck
+from ._replicas import assert_replicas_equal as assert_replicas_equal
 from ._sync import any_rank as any_rank
-from ._sync import assert_replicas_equal as assert_replicas_equal
 from ._sync import assert_same_shapes as assert_same_shapes
 from ._sync import broadcast as broadcast
 from ._sync import sync_buffers as sync_buffers

@@ -99,6 +99,19 @@ def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
     return out.view(group.size, *t.shape)
 
 
+def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, torch.Tensor]:
+    """Launch an all-gather of ``t``; returns ``(work, out)``: ``out`` is ``[group.size, *t.shape]``
+    and holds every rank's ``t`` once ``wait(work, group, what)`` returns."""
+    if group.process_group is None:
+        return DONE, t.unsqueeze(0).clone()
+    out = t.new_empty(group.size * t.numel())
+    try:
+        work = _all_gather_single(out, t.contiguous().view(-1), group=group.process_group, async_op=True)
+    except Exception as e:
+        raise _fail(group, what, e) from e
+    return work, out.view(group.size, *t.shape)
+
+
 def all_gather_object(obj: Any, group: Group, what: str) -> list[Any]:
     """Gather a picklable object from every rank (two tensor collectives, with timeouts).
 

@@ -1,9 +1,10 @@
-"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank checks.
+"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank layout checks.
 
 DDP keeps replicas identical with a broadcast at construction and a hidden buffer broadcast
 before every forward. fdp makes both explicit calls (``broadcast``, ``sync_buffers``), and
-adds the checks DDP runs internally as user-callable functions (``assert_same_shapes``,
-``assert_replicas_equal``). Every function here is a collective: all ranks must call it.
+adds the checks DDP runs internally as user-callable functions (``assert_same_shapes`` here,
+``assert_replicas_equal`` in ``_replicas.py``). Every function here is a collective: all
+ranks must call it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ Meta = tuple[str, tuple[int, ...], str]  # (path, shape, dtype)
 # ---------------------------------------------------------------------------- layout checks
 
 
-def _meta(tree: Any) -> tuple[list[Meta], list[Any]]:
+def tree_meta(tree: Any) -> tuple[list[Meta], list[Any]]:
     paths, leaves, _ = _tree.flatten_with_paths(tree)
     meta = []
     for p, t in zip(paths, leaves):
@@ -66,7 +67,7 @@ def _verify_digest(mine: torch.Tensor, report: Any, group: Group, what: str) -> 
     if bool((rows == rows[0]).all()):
         return
     everyone = _comm.all_gather_object(report(), group, f"{what} (layout report)")
-    raise ReplicaMismatchError(f"fdp: {what}: " + _describe(everyone) + f" (reported on rank {group.rank})")
+    raise ReplicaMismatchError(f"fdp: {what}: " + describe_layouts(everyone) + f" (reported on rank {group.rank})")
 
 
 # sync_buffers checks the layout, mode and src on every call: skipping the check once ranks
@@ -95,7 +96,7 @@ def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> t
     return hit
 
 
-def _describe(everyone: list[tuple[list[Meta], str]]) -> str:
+def describe_layouts(everyone: list[tuple[list[Meta], str]]) -> str:
     ref, ref_extra = everyone[0]
     problems = []
     for r, (meta, extra) in enumerate(everyone[1:], start=1):
@@ -129,117 +130,15 @@ def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
         and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
         (4, 9) float32 on rank 1``), or the leaf counts.
     """
-    meta, _ = _meta(tree)
+    meta, _ = tree_meta(tree)
     verify_layout(meta, resolve(group), "assert_same_shapes")
-
-
-# ---------------------------------------------------------------------------- replica check
-
-
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Exact checksum of a tensor's bytes: the wrapping sum of its words, as int64.
-
-    The widest word that divides the bytes is used, summed in its own width (vectorised;
-    widening int32 words into an int64 sum is ~10x slower), so any single changed word
-    changes the sum.
-    """
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    t = t.contiguous().view(-1)
-    size = t.element_size()
-    nbytes, offset = t.numel() * size, t.storage_offset() * size
-    for width, word in _WORDS:
-        if nbytes % width == 0 and offset % width == 0 and (width <= size or t.dim() == 1):
-            return t.view(word).sum(dtype=word).to(torch.int64)
-    raise AssertionError("unreachable: bytes are always divisible into uint8 words")
-
-
-class ReplicaCheck:
-    """An ``assert_replicas_equal(..., wait=False)`` in flight: ``wait()`` raises on drift."""
-
-    def __init__(self, tree: Any, treedef: Any, sums: torch.Tensor, work: Any, rows: torch.Tensor, g: Group):
-        self._tree, self._treedef, self._sums, self._work, self._rows, self._g = tree, treedef, sums, work, rows, g
-
-    def wait(self) -> None:
-        """Wait for the comparison; raise ``ReplicaMismatchError`` if the ranks differed."""
-        if self._work is None:
-            return
-        work, self._work = self._work, None
-        _comm.wait(work, self._g, "assert_replicas_equal")
-        rows = self._rows.cpu()
-        if not bool((rows == rows[0]).all()):
-            _report_drift(self._tree, self._sums, rows, self._g)
-
-
-def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = True) -> ReplicaCheck | None:
-    """Check, cheaply, that every rank holds bit-identical values in ``tree``.
-
-    Each rank computes an exact checksum of every leaf's bytes (one pass over the data) and
-    a digest of the tree's layout and of those checksums; one all-gather of five numbers
-    compares them. Only when ranks differ do further gathers find which leaves and ranks.
-
-    Args:
-      wait: ``False`` launches the comparison and returns at once with a ``ReplicaCheck``;
-        call its ``wait()`` later (e.g. next step) to raise if the ranks differed. The step
-        then pays only for the checksums: the collective overlaps the next step's compute.
-
-    Raises:
-      ReplicaMismatchError: on every rank, naming the leaves whose values differ from rank
-        0's and the ranks that hold the different values (or, if the trees' layouts differ,
-        the first differing leaf, as ``assert_same_shapes``).
-    """
-    g = resolve(group)
-    leaves, treedef = _tree.flatten(tree)
-    for i, t in enumerate(leaves):
-        if not isinstance(t, torch.Tensor):
-            path = _tree.paths(treedef)[i]
-            raise TypeError(f"fdp.assert_replicas_equal: leaf {path} is a {type(t).__name__}, expected a Tensor")
-    if g.process_group is None:
-        return None if wait else ReplicaCheck(tree, treedef, torch.zeros(0), None, torch.zeros(0), g)
-    with torch.no_grad():
-        sums = torch.stack([_checksum(t).cpu() for t in leaves]) if leaves else torch.zeros(0, dtype=torch.int64)
-    h = hashlib.sha256(repr(treedef).encode())
-    for t in leaves:
-        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-    layout = h.digest()
-    values = hashlib.sha256(sums.numpy().tobytes()).digest()
-    mine = torch.tensor([len(leaves), *(int.from_bytes(d[:7], "little") for d in (layout, layout[7:], values, values[7:]))],
-                        dtype=torch.int64, device=g.device)
-    rows = mine.new_empty(g.size * mine.numel())
-    work = _comm._all_gather_single(rows, mine, group=g.process_group, async_op=True)
-    check = ReplicaCheck(tree, treedef, sums, work, rows.view(g.size, -1), g)
-    if not wait:
-        return check
-    check.wait()
-    return None
-
-
-def _report_drift(tree: Any, sums: torch.Tensor, rows: torch.Tensor, g: Group) -> None:
-    meta, _ = _meta(tree)
-    if not bool((rows[:, :3] == rows[0, :3]).all()):  # the layouts differ
-        everyone = _comm.all_gather_object((list(meta), ""), g, "assert_replicas_equal (layout report)")
-        raise ReplicaMismatchError("fdp: assert_replicas_equal: " + _describe(everyone)
-                                   + f" (reported on rank {g.rank})")
-    per_leaf = _comm.all_gather(sums.to(g.device), g, "assert_replicas_equal (leaf report)").cpu()
-    by_leaf: dict[int, list[int]] = {}
-    for r, i in (per_leaf != per_leaf[0]).nonzero().tolist():
-        by_leaf.setdefault(i, []).append(r)
-    shown = "; ".join(f"leaf {meta[i][0]} differs on rank(s) {ranks}" for i, ranks in list(by_leaf.items())[:10])
-    more = f" (and {len(by_leaf) - 10} more)" if len(by_leaf) > 10 else ""
-    raise ReplicaMismatchError(
-        f"fdp: replicas have drifted: {len(by_leaf)} of {len(meta)} leaves differ from rank 0: "
-        f"{shown}{more} (reported on rank {g.rank})"
-    )
 
 
 # ---------------------------------------------------------------------------- broadcast
 
 
 def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]]:
-    meta, leaves = _meta(tree)
+    meta, leaves = tree_meta(tree)
     for m, t in zip(meta, leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fdp.{what}: leaf {m[0]} is a {type(t).__name__}, expected a Tensor")

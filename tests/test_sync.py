@@ -302,3 +302,68 @@ def test_sync_buffers_with_different_src_is_an_error():
     for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend="gloo", timeout=20, args=(second,))):
         assert msg is not None and "rank 0 uses mode=broadcast src=0 but rank 1 uses mode=broadcast src=1" in msg, (
             rank, msg)
+
+
+# ------------------------------------------- replica check: position-sensitive, no cancelling
+
+
+def _swap_rows(w):
+    return w[[1, 0, 2, 3]]
+
+
+def _flip_two_signs(w):
+    w = w.clone()
+    # two sign bits that a wrapping word sum cannot see: each adds 2**63 to one int64 word
+    w[0, 3], w[1, 3] = -w[0, 3], -w[1, 3]
+    return w
+
+
+def _negate_half(w):
+    return torch.cat([w[:2], -w[2:]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change", [_swap_rows, _flip_two_signs, _negate_half])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_replicas_that_differ_by_reordered_or_cancelling_changes_are_found(backend, change, dtype):
+    def body(group):
+        w = (torch.arange(16, dtype=torch.float64).view(4, 4) + 1).to(dtype)
+        state = {"b": torch.zeros(2), "w": change(w) if group.rank == 1 else w}
+        try:
+            fdp.assert_replicas_equal(state, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for rank, msg in enumerate(fdp.testing.run(body, 2, backend=backend, timeout=20)):
+        assert msg is not None, f"rank {rank}: {change.__name__} of a {dtype} leaf went unnoticed"
+        assert "1 of 2 leaves differ" in msg and "leaf ['w'] differs on rank(s) [1]" in msg, (rank, msg)
+
+
+def test_replica_check_does_not_depend_on_memory_layout_or_offset():
+    def body(group):
+        base = torch.arange(13, dtype=torch.float16)
+        # rank 1 holds the same values as a view at an odd offset of a bigger storage, and
+        # a transposed (non-contiguous) copy of the matrix
+        x = base[1:] if group.rank == 0 else torch.cat([torch.zeros(1, dtype=torch.float16), base])[2:]
+        m = torch.arange(12.0).view(3, 4)
+        m = m if group.rank == 0 else m.t().contiguous().t()
+        fdp.assert_replicas_equal({"x": x, "m": m, "flag": torch.tensor([True, False, True])}, group)
+        return True
+
+    assert fdp.testing.run(body, 2) == [True, True]
+
+
+def test_replica_check_finds_a_swap_between_far_apart_blocks_of_a_big_leaf():
+    n = 2 * 256 * 4096 + 5  # more than one pass of the hash, and a partial last row
+
+    def body(group):
+        w = torch.arange(n, dtype=torch.float32)
+        if group.rank == 1:
+            w[[5, n - 2]] = w[[n - 2, 5]]
+        try:
+            fdp.assert_replicas_equal({"w": w}, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for rank, msg in enumerate(fdp.testing.run(body, 2)):
+        assert msg is not None and "leaf ['w'] differs on rank(s) [1]" in msg, (rank, msg)

@@ -142,7 +142,15 @@ def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]
     for m, t in zip(meta, leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fdp.{what}: leaf {m[0]} is a {type(t).__name__}, expected a Tensor")
+        if t.is_quantized:  # its bytes alone are not its value (scale and zero point are not sent)
+            raise TypeError(f"fdp.{what}: leaf {m[0]} is a quantized tensor ({t.dtype}); "
+                            "dequantize it first (quantized tensors cannot be sent as bytes)")
     return meta, leaves
+
+
+# SUM needs an arithmetic type on the wire; float8 and float4 formats have none on gloo
+# (and not on every NCCL), so they are averaged in float32 and rounded once back.
+_SUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
@@ -155,7 +163,10 @@ def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
         flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         if g.rank == src:
             kernels.flatten([leaves[i] for i in b.leaves], flat)
-        wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        # A broadcast copies bytes, so every bucket travels as uint8: backends carry no
+        # float8, uint16/32/64 or complex (gloo raises "Invalid scalar type" at the wait,
+        # torch 2.13), but every backend carries bytes.
+        wire = flat.view(torch.uint8)
         pending.append(_comm.broadcast(wire, src, g, f"{what}: broadcast of bucket {b.index}", async_op=True))
         flats.append(flat)
         if len(pending) >= 2:  # as c10d's broadcast_coalesced: at most two buckets in flight
@@ -231,7 +242,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     others = [i for i, t in enumerate(leaves) if not t.is_floating_point()]
     out: list[Any] = [None] * len(leaves)
     if floating:
-        ftree = [leaves[i] for i in floating]
+        ftree = [leaves[i] if leaves[i].dtype in _SUM_DTYPES else leaves[i].float() for i in floating]
         plan = BucketPlan._build(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
         flats = plan.flatten(ftree, scale=1.0 / g.size)
         works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
@@ -239,7 +250,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         for w in works:
             _comm.wait(w, g, "sync_buffers(mean)")
         for i, t in zip(floating, plan.views(flats)):
-            out[i] = t
+            out[i] = t if t.dtype == leaves[i].dtype else t.to(leaves[i].dtype)
     if others:
         synced = _coalesced_broadcast([leaves[i] for i in others], src, g, "sync_buffers")
         for i, t in zip(others, synced):
@@ -275,13 +286,23 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
 
 # ---------------------------------------------------------------------------- debug mode
 
-_DTYPE_NAMES: dict[int, str] = {}
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# Every dtype this torch knows, by code: a peer's code is named even if this process never
+# used that dtype (the table used to hold only the dtypes seen locally, so a gloo peer's
+# bfloat16 printed as a raw number).
+_DTYPE_NAMES: dict[int, str] = {
+    zlib.crc32(_dtype_name(d).encode()): _dtype_name(d)
+    for d in (getattr(torch, n, None) for n in dir(torch)) if isinstance(d, torch.dtype)
+}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    name = str(dtype).replace("torch.", "")
+    name = _dtype_name(dtype)
     code = zlib.crc32(name.encode())  # the same number in every process
-    _DTYPE_NAMES[code] = name
+    _DTYPE_NAMES.setdefault(code, name)
     return code
 
 

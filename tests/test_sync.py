@@ -367,3 +367,64 @@ def test_replica_check_finds_a_swap_between_far_apart_blocks_of_a_big_leaf():
 
     for rank, msg in enumerate(fdp.testing.run(body, 2)):
         assert msg is not None and "leaf ['w'] differs on rank(s) [1]" in msg, (rank, msg)
+
+
+def test_debug_fingerprint_mismatch_names_a_dtype_only_the_peer_used():
+    def body(group):
+        dtype = torch.float32 if group.rank == 0 else torch.float8_e5m2  # never used on rank 0
+        fdp._sync.check_collective(group, 3, 0, 16, dtype, "bucket 0")
+
+    with pytest.raises(fdp.ReplicaMismatchError,
+                       match=r"rank 0: \(step=3, bucket=0, numel=16, dtype=float32\); "
+                             r"rank 1: \(step=3, bucket=0, numel=16, dtype=float8_e5m2\)"):
+        fdp.testing.run(body, 2, backend="gloo", timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtypes_a_backend_cannot_carry_are_broadcast_as_bytes_and_float8_averaged_in_float32(backend):
+    def tree(rank):
+        return {"f8": torch.tensor([0.5, -2.0, 448.0]).mul(rank + 1).clamp(max=448).to(torch.float8_e4m3fn),
+                "u16": torch.tensor([1, 2, 65535 - rank], dtype=torch.uint16),
+                "c": torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1),
+                "w": torch.full((2,), float(rank))}
+
+    def body(group):  # checked in the rank: torch cannot pickle uint16 tensors back (2.13)
+        got = fdp.broadcast(tree(group.rank), src=1, group=group)
+        mean = fdp.sync_buffers(tree(group.rank), mode="mean", group=group)
+        want, bad = tree(1), []
+        for k in want:
+            if got[k].dtype != want[k].dtype or not torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)):
+                bad.append(f"broadcast of leaf {k!r}")
+        expected_f8 = ((tree(0)["f8"].float() + tree(1)["f8"].float()) / 2).to(torch.float8_e4m3fn)
+        if mean["f8"].dtype != torch.float8_e4m3fn or not torch.equal(mean["f8"].float(), expected_f8.float()):
+            bad.append("mean of leaf 'f8'")
+        if not torch.equal(mean["w"], torch.full((2,), 0.5)) or not torch.equal(mean["u16"], tree(0)["u16"]):
+            bad.append("mean of leaves 'w', 'u16'")
+        return bad
+
+    for rank, bad in enumerate(fdp.testing.run(body, 2, backend=backend, timeout=20)):
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("debug", ["1", "0"])
+def test_a_collective_error_suggests_fdp_debug_only_when_it_is_off(monkeypatch, debug):
+    import dataclasses
+    from datetime import timedelta
+
+    monkeypatch.setenv("FDP_DEBUG", debug)
+
+    def body(group):
+        if group.rank == 1:
+            time.sleep(1.5)  # never joins the broadcast below
+            return None
+        try:
+            fdp.broadcast({"x": torch.ones(2)}, group=dataclasses.replace(group, timeout=timedelta(seconds=0.5)))
+        except fdp.CollectiveError as e:
+            return str(e)
+
+    msg = fdp.testing.run(body, 2, backend="gloo", timeout=20)[0]
+    assert msg is not None and "failed on rank 0 of 2 (timeout 0.5s)" in msg, msg
+    if debug == "1":
+        assert "set FDP_DEBUG=1" not in msg and "FDP_DEBUG is on" in msg, msg
+    else:
+        assert "set FDP_DEBUG=1 to check collective fingerprints" in msg, msg

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ._errors import CollectiveError
-from ._group import Group
+from ._group import Group, keep_until_exit, mark_failed
+from ._log import debug_mode
 
 
 class Done:
@@ -35,13 +36,26 @@ DONE = Done()
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _fail(group: Group, what: str, exc: BaseException) -> CollectiveError:
+def collective_error(group: Group, what: str, exc: BaseException) -> CollectiveError:
+    """The error for a collective ``what`` that raised ``exc``: names the rank and timeout.
+
+    Also marks the process group as failed, so that the exit hook of ``fdp.init`` does not
+    meet the other ranks in a barrier over connections that may be broken.
+    """
+    mark_failed()
+    if debug_mode():  # the advice to set it would be noise; say what it already ruled out
+        hint = ("FDP_DEBUG is on, so a Reducer bucket issued differently by another rank would "
+                "have been named before it launched: look first for a rank that died or stalled")
+    else:
+        hint = "set FDP_DEBUG=1 to check collective fingerprints"
     return CollectiveError(
         f"fdp: {what} failed on rank {group.rank} of {group.size} "
         f"(timeout {group.timeout.total_seconds():g}s): {exc}. "
-        "Another rank probably died, skipped this collective, or issued a different one "
-        "(set FDP_DEBUG=1 to check collective fingerprints)."
+        f"Another rank probably died, skipped this collective, or issued a different one ({hint})."
     )
+
+
+_fail = collective_error  # the name _reducer.py still imports (its owner moves it to the public one)
 
 
 def wait(work: Any, group: Group, what: str) -> None:
@@ -52,7 +66,8 @@ def wait(work: Any, group: Group, what: str) -> None:
         else:
             work.wait(group.timeout)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        keep_until_exit(work)
+        raise collective_error(group, what, e) from e
 
 
 def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False) -> Any:
@@ -62,7 +77,7 @@ def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = Fal
     try:
         work = dist.all_reduce(t, group=group.process_group, async_op=True)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     if async_op:
         return work
     wait(work, group, what)
@@ -77,7 +92,7 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         gsrc = dist.get_global_rank(group.process_group, src)
         work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     if async_op:
         return work
     wait(work, group, what)
@@ -94,7 +109,7 @@ def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
             out, t.contiguous().view(-1), group=group.process_group, async_op=True
         )
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     wait(work, group, what)
     return out.view(group.size, *t.shape)
 
@@ -108,7 +123,7 @@ def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, tor
     try:
         work = _all_gather_single(out, t.contiguous().view(-1), group=group.process_group, async_op=True)
     except Exception as e:
-        raise _fail(group, what, e) from e
+        raise collective_error(group, what, e) from e
     return work, out.view(group.size, *t.shape)
 
 

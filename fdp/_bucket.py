@@ -359,3 +359,9 @@ class BucketPlan:
         if self._templates is None:
             self._templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in self.buckets]
         return self._templates
+
+
+def plan_with_caps(tree: Any, caps: tuple[int, ...], *, floating_only: bool) -> BucketPlan:
+    """``BucketPlan.build`` with caps in bytes; ``floating_only=False`` also takes integer and
+    bool leaves (fdp's coalesced broadcasts use it: they move any dtype as bytes)."""
+    return BucketPlan._build(tree, caps, floating_only=floating_only)

@@ -5,9 +5,11 @@ of those hashes with one all-gather of five int64s; only when they differ do two
 gathers name the leaves and ranks.
 
 The per-leaf hash is a position-weighted sum over the raw bits, modulo 2**64:
-``sum_i V[i // B] * W[i % B] * word_i`` with odd pseudo-random weights (splitmix64 values,
-identical in every process) and the leaf's bytes read as sign-extended int32 words (int16 or
-uint8 when the byte count is not a multiple of 4). A plain wrapping sum of the words (what
+``sum_i C[i // S] * T[i % S] * word_i`` with odd pseudo-random weights (splitmix64 values,
+identical in every process; T is a table of S = 2**18 weights per device, C is computed per
+span of S words) and the leaf's bytes read as sign-extended int32 words (int16 or uint8
+when the byte count is not a multiple of 4). A leaf of up to S words costs three tensor
+operations (widen into a reused buffer, multiply, sum). A plain wrapping sum of the words (what
 this check used before) is blind to two swapped elements and to changes that cancel: two
 sign-bit flips add 2 * 2**31 to an int32 sum, which wraps to 0 (issue 15, item 4). Here a
 swap of words a, b at positions p, q changes the hash by ``(b - a) * (w_p - w_q)``, and a
@@ -30,9 +32,8 @@ from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
 from ._sync import describe_layouts, tree_meta
 
-_BLOCK = 1 << 12  # positions per row: the column weights W
-_ROWS = 256  # rows hashed per pass: bounds the int64 temporary at 8 MiB per leaf
-_SEED_COLUMNS, _SEED_ROWS = 0x5F3759DF, 0x2545F491
+_SPAN = 1 << 18  # positions per weight table (2 MiB of int64 per device)
+_SEED_TABLE, _SEED_SPANS = 0x5F3759DF, 0x2545F491
 
 
 def _signed(c: int) -> int:
@@ -58,7 +59,16 @@ def _weights(start: int, n: int, seed: int, device: torch.device) -> torch.Tenso
     return (z ^ _shift_right(z, 31)) | 1
 
 
-_columns: dict[torch.device, torch.Tensor] = {}
+def _span_weight(k: int) -> int:
+    """The odd splitmix64 value of span ``k`` as a signed int64 (Python ints: no tensor op)."""
+    mask = (1 << 64) - 1
+    z = ((k + _SEED_SPANS) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return _signed((z ^ (z >> 31)) | 1)
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -84,32 +94,25 @@ def leaf_hash(t: torch.Tensor, scratch: dict[torch.device, torch.Tensor] | None 
 
     Equal values (bit for bit, same dtype and shape) give equal hashes on every rank and
     device; see the module docstring for what a different tensor's hash can collide with.
-    ``scratch`` lends one reusable int64 buffer per device to a series of calls (allocating
-    a fresh one per block costs more than the hashing).
+    ``scratch`` lends one reusable int64 buffer per device to a series of calls.
     """
     scratch = {} if scratch is None else scratch
     with torch.no_grad():
         words = _words(t)
-        device = words.device
-        cols = _columns.get(device)
-        if cols is None:
-            cols = _columns[device] = _weights(0, _BLOCK, _SEED_COLUMNS, device)
-        n = words.numel()
-        full = n // _BLOCK
-        acc = torch.zeros((), dtype=torch.int64, device=device)
-        for r0 in range(0, full, _ROWS):
-            rows = min(_ROWS, full - r0)
+        device, n = words.device, words.numel()
+        table = _tables.get(device)
+        if table is None:
+            table = _tables[device] = _weights(0, _SPAN, _SEED_TABLE, device)
+        if n == 0:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        acc: Any = None
+        for k, start in enumerate(range(0, n, _SPAN)):
+            m = min(_SPAN, n - start)
             buf = scratch.get(device)
-            if buf is None or buf.numel() < rows * _BLOCK:
-                buf = scratch[device] = torch.empty(min(full, _ROWS) * _BLOCK, dtype=torch.int64, device=device)
-            block = buf[: rows * _BLOCK].view(rows, _BLOCK)
-            block.copy_(words[r0 * _BLOCK:(r0 + rows) * _BLOCK].view(rows, _BLOCK))  # widen to int64
-            per_row = block.mul_(cols).sum(1)
-            acc += per_row.mul_(_weights(r0, rows, _SEED_ROWS, device)).sum()
-        tail = n - full * _BLOCK
-        if tail:
-            part = (words[full * _BLOCK:].to(torch.int64) * cols[:tail]).sum()
-            acc += part * _weights(full, 1, _SEED_ROWS, device)[0]
+            if buf is None or buf.numel() < m:
+                buf = scratch[device] = torch.empty(m, dtype=torch.int64, device=device)
+            part = buf[:m].copy_(words[start:start + m]).mul_(table[:m]).sum()  # widen, weigh, sum
+            acc = part if k == 0 else acc + part * _span_weight(k)
         return acc
 
 

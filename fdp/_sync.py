@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import _comm, _tree, kernels
-from ._bucket import BucketPlan, MiB
+from ._bucket import MiB, plan_with_caps
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
 
@@ -155,7 +155,7 @@ _SUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
     """Broadcast every leaf from ``src`` in <= 250 MiB flat buckets; fresh tensors back."""
-    plan = BucketPlan._build(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
+    plan = plan_with_caps(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
     leaves = _tree.leaves(tree)
     flats = []
     pending: list[Any] = []
@@ -185,11 +185,19 @@ def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
     """Return ``tree`` with every leaf replaced by rank ``src``'s value (DDP's init broadcast).
 
     Coalesced: leaves are packed into flat buckets of at most 250 MiB per (device, dtype)
-    and sent with one broadcast each (two in flight at a time). Any floating, integer or
-    bool dtype. The layout is checked first, so ranks holding different trees get a
+    and sent as bytes with one broadcast each (two in flight at a time), so any dtype works,
+    also those a backend has no type for (float8, uint16, complex). The layout is checked
+    first, so ranks holding different trees get a
     ``ReplicaMismatchError`` naming the leaf instead of a hang. Never writes in place: the
     result holds fresh tensors (on every rank, ``src`` included) and the input is untouched
     even if a collective fails halfway.
+
+    Raises:
+      ReplicaMismatchError: on every rank, if the ranks' trees differ (names the first
+        differing leaf and the ranks).
+      TypeError: a leaf that is not a tensor, or a quantized tensor (named by its path).
+      ValueError: a ``src`` outside the group.
+      CollectiveError: a rank did not join within the group's timeout.
 
     Example:
       >>> params, buffers = fdp.broadcast((params, buffers), src=0)
@@ -216,10 +224,23 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         ``"mean"``: floating buffers are averaged over ranks (flax's ``sync_batch_stats``),
         statistics from all ranks' data; integer buffers (``num_batches_tracked``) take
         ``src``'s value.
+        Float8 buffers are averaged in float32 and rounded once back.
       src: the authoritative rank.
+      group: the ranks (default: the world, or a world of one).
+
+    Every call first checks, with one all-gather of three numbers, that all ranks pass the
+    same layout (leaf paths, shapes, dtypes), ``mode`` and ``src``: a tree or mode that
+    differs on one rank is an error on every rank, never reinterpreted bytes or a hang.
 
     Returns:
       New buffers (fresh tensors); the input is not modified.
+
+    Raises:
+      ReplicaMismatchError: on every rank, if the ranks' layouts, modes or sources differ
+        (names the first differing leaf, or both modes and sources, and the ranks).
+      TypeError: a leaf that is not a tensor, or a quantized tensor (named by its path).
+      ValueError: an unknown ``mode`` or a ``src`` outside the group.
+      CollectiveError: a rank did not join within the group's timeout.
     """
     if mode not in ("broadcast", "mean"):
         raise ValueError(f"fdp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
@@ -243,7 +264,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     out: list[Any] = [None] * len(leaves)
     if floating:
         ftree = [leaves[i] if leaves[i].dtype in _SUM_DTYPES else leaves[i].float() for i in floating]
-        plan = BucketPlan._build(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
+        plan = plan_with_caps(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
         flats = plan.flatten(ftree, scale=1.0 / g.size)
         works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
                  for b, f in zip(plan.buckets, flats)]

@@ -135,8 +135,7 @@ def test_a_rank_that_caught_a_timeout_exits_with_the_status_it_chose():
         procs = [subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                                PYTHONPATH=str(ROOT)))
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
                  for r in range(2)]
         outs = [p.communicate(timeout=60)[0] for p in procs]
         codes = [p.returncode for p in procs]

@@ -66,7 +66,8 @@ def wait(work: Any, group: Group, what: str) -> None:
         else:
             work.wait(group.timeout)
     except Exception as e:
-        keep_until_exit(work)
+        if group.backend != "threaded":  # threads share this process: nothing outlives it
+            keep_until_exit(work, group)
         raise collective_error(group, what, e) from e
 
 

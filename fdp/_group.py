@@ -172,7 +172,7 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
 
 _failed = False  # an uncaught exception is ending this process
 _collective_failed = False  # a collective raised or timed out (see mark_failed)
-_kept: list[Any] = []  # work handles of collectives that failed (see keep_until_exit)
+_kept: list[tuple[Any, timedelta]] = []  # work handles of failed collectives (see keep_until_exit)
 
 
 def mark_failed() -> None:
@@ -181,7 +181,7 @@ def mark_failed() -> None:
     _collective_failed = True
 
 
-def keep_until_exit(work: Any) -> None:
+def keep_until_exit(work: Any, group: Group) -> None:
     """Hold the work handle of a collective whose wait failed until this process exits.
 
     A wait that times out returns while the backend still runs the collective. When gloo's
@@ -191,19 +191,21 @@ def keep_until_exit(work: Any) -> None:
     active exception" (SIGABRT) after the program chose its exit status. gdb shows the stack
     ``ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject ->
     take_gil -> pthread_exit -> std::terminate`` (torch 2.13). So the handle is held here and,
-    at exit, waited for (the backend's own timeout bounds the wait): the last reference is
-    then this module's, released by the main thread.
+    at exit, waited for once more, for at most the process group's own timeout (by then the
+    backend has ended the operation), so that the last reference is this module's, released
+    by the main thread.
     """
     mark_failed()
     if not _kept:
         atexit.register(_drain)  # registered after _shutdown, so it runs before it
-    _kept.append(work)
+    limit = max(group.timeout, _pg_timeout(group.process_group, group.device))
+    _kept.append((work, limit))
 
 
 def _drain() -> None:
-    for work in _kept:
+    for work, timeout in _kept:
         try:
-            work.wait()
+            work.wait(timeout)
         except Exception:  # noqa: BLE001 - it failed already; only its end matters
             pass
 

@@ -19,9 +19,9 @@ its default load planner reads non-tensor values with ``torch.load(weights_only=
 
 Format version 2 adds a CRC32 of every leaf (a tensor's bytes, a plain value's repr), checked
 at load: ``torch.load`` does not check the zip records' own CRCs, so a flipped bit in a
-tensor record loaded silently (issue 15, item 5). CRC32 is the zip format's own check and
-detects every burst error of up to 32 bits (Koopman, "32-bit cyclic redundancy codes for
-Internet applications", DSN 2002). Version 2 also records which leaves are per-rank state
+tensor record loaded silently (issue 15, item 5). CRC32 is the zip format's own check; like
+every CRC of degree n it detects each burst error of up to n bits (Peterson and Brown,
+"Cyclic codes for error detection", Proc. IRE, 1961). Version 2 also records which leaves are per-rank state
 (``fdp.rng_state`` trees), so that only those tie a checkpoint to its world size. Version 1
 files still load, without the content check (they hold no checksums).
 """

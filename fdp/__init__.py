@@ -11,9 +11,7 @@ from . import testing as testing
 from ._bucket import Bucket as Bucket
 from ._bucket import BucketPlan as BucketPlan
 from ._checkpoint import load as load
-from ._checkpoint import rng_state as rng_state
 from ._checkpoint import save as save
-from ._checkpoint import set_rng_state as set_rng_state
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
@@ -25,9 +23,11 @@ from ._psum import pmean as pmean
 from ._psum import psum as psum
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
-from ._sync import ReplicaCheck as ReplicaCheck
+from ._replicas import ReplicaCheck as ReplicaCheck
+from ._replicas import assert_replicas_equal as assert_replicas_equal
+from ._rng import rng_state as rng_state
+from ._rng import set_rng_state as set_rng_state
 from ._sync import any_rank as any_rank
-from ._sync import assert_replicas_equal as assert_replicas_equal
 from ._sync import assert_same_shapes as assert_same_shapes
 from ._sync import broadcast as broadcast
 from ._sync import sync_buffers as sync_buffers

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ import torch
 from . import _tree, kernels
 
 MiB = 1024 * 1024
+# The cap of ``bucket_cap_mb=float("inf")``: no bucket ever reaches it, so each (device, dtype)
+# group gets one bucket after its first (``int(inf * MiB)`` would raise OverflowError).
+NO_CAP = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,9 @@ def _caps(bucket_cap_mb: float, first_bucket_cap_mb: float, bucket_caps_mb: Sequ
     else:
         caps_mb = [first_bucket_cap_mb, bucket_cap_mb]
     for c in caps_mb:
-        if not (isinstance(c, (int, float)) and c > 0):
-            raise ValueError(f"fdp.BucketPlan: bucket caps must be > 0 MiB, got {c!r}")
-    return tuple(max(1, int(c * MiB)) for c in caps_mb)
+        if not (isinstance(c, (int, float)) and c > 0):  # NaN fails too
+            raise ValueError(f"fdp.BucketPlan: bucket caps must be > 0 MiB (or inf for no cap), got {c!r}")
+    return tuple(NO_CAP if math.isinf(c) else max(1, min(NO_CAP, int(c * MiB))) for c in caps_mb)
 
 
 class BucketPlan:
@@ -123,14 +127,16 @@ class BucketPlan:
 
         Args:
           tree: any pytree (dicts keep insertion order) whose leaves are tensors.
-          bucket_cap_mb: cap of every bucket after the first, in MiB (DDP's default, 25).
+          bucket_cap_mb: cap of every bucket after the first, in MiB (DDP's default, 25);
+            ``float("inf")`` means no cap: one more bucket per (device, dtype) group.
           first_bucket_cap_mb: cap of each (device, dtype) group's first bucket, in MiB
-            (DDP's default, 1: the first gradients to arrive start communicating early).
+            (DDP's default, 1: the first gradients to arrive start communicating early);
+            with both caps ``inf``, each (device, dtype) group is one bucket.
           bucket_caps_mb: an explicit list of caps in MiB (first bucket, second, ...; the
             last repeats). Overrides the two above.
 
         Raises:
-          ValueError: a cap <= 0. TypeError: a leaf that is not a floating-point tensor
+          ValueError: a cap <= 0 or NaN. TypeError: a leaf that is not a floating-point tensor
             (the message names its path).
         """
         return cls.from_caps(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
@@ -361,3 +367,4 @@ class BucketPlan:
         if self._templates is None:
             self._templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in self.buckets]
         return self._templates
+

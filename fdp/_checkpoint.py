@@ -1,4 +1,4 @@
-"""Checkpoints of a whole train state: ``save``, ``load``, ``rng_state``, ``set_rng_state``.
+"""Checkpoints of a whole train state: ``save`` and ``load`` (RNG states: ``_rng.py``).
 
 A train state is any pytree: params, buffers, optimizer-state NamedTuples, the step, RNG
 states, user metadata. ``save`` writes it as one file holding a flat mapping
@@ -16,14 +16,23 @@ shards and a metadata file into a directory, which is not replaced in one atomic
 its default load planner reads non-tensor values with ``torch.load(weights_only=False)``
 (torch 2.13, ``default_planner.py``), which would unpickle arbitrary objects. For sharded
 (FSDP/TP) state, DCP is the right tool; fdp's state is not sharded.
+
+Format version 2 adds a CRC32 of every leaf (a tensor's bytes, a plain value's repr), checked
+at load: ``torch.load`` does not check the zip records' own CRCs, so a flipped bit in a
+tensor record loaded silently (issue 15, item 5). CRC32 is the zip format's own check; like
+every CRC of degree n it detects each burst error of up to n bits (Peterson and Brown,
+"Cyclic codes for error detection", Proc. IRE, 1961). Version 2 also records which leaves are per-rank state
+(``fdp.rng_state`` trees), so that only those tie a checkpoint to its world size. Version 1
+files still load, without the content check (they hold no checksums).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import uuid
-from collections.abc import Mapping
+import zlib
 from typing import Any
 
 import torch
@@ -31,11 +40,13 @@ import torch
 from . import _comm, _tree
 from ._errors import CheckpointError
 from ._group import Group, resolve
+from ._rng import is_per_rank, mark_per_rank, rng_state, set_rng_state
 
 __all__ = ["load", "rng_state", "save", "set_rng_state"]
 
 FORMAT = "fdp.checkpoint"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # version 1: no checksums, no per-rank record
 # Plain values a checkpoint may hold besides tensors: all load under weights_only=True.
 # (None is not a leaf: optree treats it as an empty subtree, so it round-trips as structure.)
 _PLAIN = (bool, int, float, str)
@@ -51,7 +62,10 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
     folder is fsynced so the rename survives a power loss. The other ranks wait for it in a
     barrier that carries the group's timeout, and every rank returns only once the file is
     in place. If the write fails, the previous file at ``path`` is untouched, the temporary
-    file is removed, and every rank raises.
+    file is removed, and every rank raises. Temporary files that an earlier writer left
+    behind when it was killed (``.<name>.<12 hex digits>.tmp`` beside ``path``) are removed
+    first, so two jobs must not write the same ``path`` at the same time. Each leaf's CRC32
+    is stored with it and checked by ``load``.
 
     Args:
       path: the checkpoint file; its folder must exist and, for ``load`` on every rank, be
@@ -62,7 +76,8 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
 
     Raises:
       CheckpointError: on every rank if rank 0 could not write the file (a leaf of another
-        type, a missing folder, a full disk...); rank 0's error names the cause.
+        type, a missing folder, a full disk or file-size limit...); rank 0's error names the
+        cause (for a full disk: the space needed and the space left).
       CollectiveError: a rank did not reach the barrier within the group's timeout.
 
     Example:
@@ -84,31 +99,38 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
 
 
 def load(
-    path: PathLike, like: Any, group: Group | Any | None = None, *, strict_world_size: bool = True
+    path: PathLike, like: Any, group: Group | Any | None = None, *, strict_world_size: bool | None = None
 ) -> Any:
     """Read a checkpoint written by ``save`` into a tree shaped like ``like``.
 
     Every rank reads the file itself (no communication). The file is read with
-    ``torch.load(weights_only=True)``, so it cannot run code. Its leaf paths must be those of
-    ``like``, and each leaf must match: a tensor with the same shape and dtype (it is placed
-    on the device of ``like``'s tensor), or a plain value of the same type.
+    ``torch.load(weights_only=True)``, so it cannot run code. Every leaf's CRC32 is checked
+    against the one ``save`` stored (files of format version 1, written before checksums,
+    load without this check). Its leaf paths must be those of ``like``, and each leaf must
+    match: a tensor with the same shape and dtype (it is placed on the device of ``like``'s
+    tensor), or a plain value of the same type.
 
     Args:
       path: a file written by ``save``.
       like: a train state with the structure to rebuild (NamedTuples included), e.g. the
         freshly initialised one; its values are not used.
       group: the ranks that will use the state (default: the world, or a world of one).
-      strict_world_size: require the checkpoint to come from a world of ``group.size``
-        ranks (per-rank state such as RNG states does not carry over to another size).
+      strict_world_size: whether the checkpoint must come from a world of ``group.size``
+        ranks. ``None`` (default): only if it holds per-rank state (``fdp.rng_state``
+        trees, one row per rank, which do not carry over to another size) or is a version-1
+        file (which does not record it); params, buffers and optimizer state load into any
+        world. ``True``: always (e.g. for per-rank values of your own). ``False``: never.
 
     Returns:
       A tree with ``like``'s structure and the checkpoint's values (plain tensors).
 
     Raises:
       CheckpointError: the file is missing, truncated, corrupt or not an fdp checkpoint
-        (the message names the file); it was written by a different world size (names both
-        sizes); or it does not match ``like`` (names the first differing leaf path and both
-        values).
+        (the message names the file); a leaf's bytes do not match their checksum (names the
+        leaf); the file asks to unpickle a Python object (names the refused global); it was
+        written by a different world size and holds per-rank state (names both sizes and
+        the leaf); or it does not match ``like`` (names the first differing leaf path and
+        both values).
 
     Example:
       >>> like = {"w": torch.zeros(2), "step": 0, "rng": fdp.rng_state()}
@@ -120,12 +142,17 @@ def load(
     group = resolve(group)
     path = os.fspath(path)
     saved = _read(path)
-    if strict_world_size and saved["world_size"] != group.size:
-        raise CheckpointError(
-            f"fdp.load: {path} was written by a world of {saved['world_size']} ranks, but this "
-            f"world has {group.size} (pass strict_world_size=False to load it anyway; per-rank "
-            "state such as RNG states will not fit)"
-        )
+    per_rank = saved.get("per_rank")  # None in version 1: unknown
+    if saved["world_size"] != group.size and strict_world_size is not False:
+        if strict_world_size or per_rank is None or per_rank:
+            held = (f"it holds per-rank state ({', '.join(per_rank[:3])})" if per_rank else
+                    "its format (version 1) does not record whether it holds per-rank state"
+                    if per_rank is None else "strict_world_size=True")
+            raise CheckpointError(
+                f"fdp.load: {path} was written by a world of {saved['world_size']} ranks, but this "
+                f"world has {group.size}, and {held} (pass strict_world_size=False to load it "
+                "anyway; per-rank state such as RNG states will not fit)"
+            )
     values = saved["leaves"]
     paths, leaves, treedef = _tree.flatten_with_paths(like)
     for p in paths:
@@ -136,90 +163,10 @@ def load(
         if p not in known:
             raise CheckpointError(f"fdp.load: {path} has a leaf {p}, which the train state lacks")
     out = [_match(path, p, values[p], want) for p, want in zip(paths, leaves)]
+    for p, value in zip(paths, out):
+        if per_rank and p in per_rank:
+            mark_per_rank(value)  # saved again, it stays per-rank
     return _tree.unflatten(treedef, out)
-
-
-def rng_state(group: Group | Any | None = None) -> dict[str, torch.Tensor]:
-    """Every rank's random-number-generator states, gathered; a collective over ``group``.
-
-    Returns the same tree on every rank, ready to save: ``{"cpu": uint8[world, n]}`` with
-    each rank's ``torch.get_rng_state()``, plus ``"cuda": uint8[world, devices, m]`` with
-    each rank's ``torch.cuda.get_rng_state_all()`` when CUDA is initialised. Restore with
-    ``set_rng_state``, which picks this rank's row.
-
-    Args:
-      group: the ranks (default: the world, or a world of one).
-
-    Returns:
-      ``{"cpu": Tensor[, "cuda": Tensor]}`` of CPU tensors, indexed by rank on dim 0.
-
-    Raises:
-      CheckpointError: the ranks disagree on whether CUDA is initialised or on the shape of
-        their RNG states.
-      CollectiveError: a rank did not join within the group's timeout.
-
-    Example:
-      >>> fdp.rng_state()["cpu"].shape  # a world of one
-      torch.Size([1, 5056])
-    """
-    group = resolve(group)
-    what = "fdp.rng_state"
-    cpu = torch.get_rng_state()
-    cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = torch.stack(torch.cuda.get_rng_state_all())
-    # Ranks must agree on what they gather (all_gather needs equal shapes everywhere).
-    header = [cpu.numel(), *(cuda.shape if cuda is not None else (0, 0))]
-    headers = _comm.all_gather(torch.tensor(header, device=group.device), group, what).tolist()
-    if any(h != headers[0] for h in headers):
-        raise CheckpointError(
-            f"fdp.rng_state: ranks disagree on their RNG states (per rank [cpu bytes, cuda "
-            f"devices, cuda bytes]: {headers}); initialise CUDA on every rank or on none"
-        )
-    out = {"cpu": _comm.all_gather(cpu.to(group.device), group, what).cpu()}
-    if cuda is not None:
-        out["cuda"] = _comm.all_gather(cuda.to(group.device), group, what).cpu()
-    return out
-
-
-def set_rng_state(state: Mapping[str, torch.Tensor], group: Group | Any | None = None) -> None:
-    """Restore this rank's RNG states from ``rng_state``'s tree (no communication).
-
-    Args:
-      state: the tree ``rng_state`` returned (typically loaded from a checkpoint).
-      group: the ranks (default: the world, or a world of one); this rank's row is restored.
-
-    Raises:
-      CheckpointError: the state was gathered in a world of another size, it holds CUDA
-        states but this process cannot restore them (no CUDA, another device count), or it
-        is not a tree ``rng_state`` made.
-
-    Example:
-      >>> saved = fdp.rng_state()
-      >>> a = torch.rand(2)
-      >>> fdp.set_rng_state(saved)
-      >>> torch.equal(torch.rand(2), a)
-      True
-    """
-    group = resolve(group)
-    cpu = state.get("cpu") if isinstance(state, Mapping) else None
-    if not isinstance(cpu, torch.Tensor) or cpu.dim() != 2 or cpu.dtype != torch.uint8:
-        raise CheckpointError("fdp.set_rng_state: expected the dict fdp.rng_state() returns")
-    if cpu.shape[0] != group.size:
-        raise CheckpointError(
-            f"fdp.set_rng_state: the RNG states are from a world of {cpu.shape[0]} ranks, "
-            f"but this world has {group.size}"
-        )
-    cuda = state.get("cuda")
-    if cuda is not None:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != cuda.shape[1]:
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise CheckpointError(
-                f"fdp.set_rng_state: the state holds RNG states of {cuda.shape[1]} CUDA "
-                f"devices, but this process has {have}"
-            )
-        torch.cuda.set_rng_state_all(list(cuda[group.rank].cpu()))
-    torch.set_rng_state(cpu[group.rank].cpu().clone())
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -241,7 +188,18 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
                 "and bool/int/float/str values only (so it loads with weights_only=True)"
             )
     return {"format": FORMAT, "version": VERSION, "world_size": world_size,
-            "torch": str(torch.__version__), "leaves": out}
+            "torch": str(torch.__version__), "leaves": out,
+            "crc32": {p: _crc32(v) for p, v in out.items()},
+            "per_rank": [p for p, leaf in zip(paths, leaves) if is_per_rank(leaf)]}
+
+
+def _crc32(value: Any) -> int:
+    """CRC32 of a tensor's bytes (row-major), or of a plain value's type and repr."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().reshape(-1)
+        data = data.view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        return zlib.crc32(memoryview(data.contiguous().numpy()))
+    return zlib.crc32(f"{type(value).__name__}:{value!r}".encode())
 
 
 def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -254,24 +212,94 @@ def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _Sink:
+    """The file torch.save writes to, remembering the first OSError of a write.
+
+    torch.save's zip writer turns a failed write into "enforce fail at inline_container.cc
+    ... unexpected pos" (torch 2.13), which hides a full disk; the OSError kept here names it.
+    """
+
+    def __init__(self, f: Any):
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+# What torch.save's writer cannot say: the file system refused the bytes.
+_SPACE = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+          errno.EFBIG: "the file-size limit is reached (ulimit -f, or the file system's)"}
+
+
 def _write_atomically(path: str, payload: dict[str, Any]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    name = os.path.basename(path)
+    _remove_orphans(folder, name)
+    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+    sink = None
     try:
         # os.open honours the umask (tempfile.mkstemp would force mode 0600).
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
+            sink = _Sink(f)
+            torch.save(payload, sink)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        cause = _os_error(e, sink)
+        if cause is not None and cause.errno in _SPACE:
+            need = sum(v.numel() * v.element_size() for v in payload["leaves"].values()
+                       if isinstance(v, torch.Tensor))
+            raise OSError(cause.errno, f"{_SPACE[cause.errno]}: {os.strerror(cause.errno)} while writing "
+                          f"{tmp}; the checkpoint needs about {_mib(need)} and {_free(folder)} "
+                          "(the previous checkpoint, if any, is untouched)") from e
         raise
     _fsync_folder(folder)
+
+
+def _os_error(e: BaseException, sink: _Sink | None) -> OSError | None:
+    """The OSError behind a failed write: torch.save's context chain or the sink's record."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return sink.error if sink is not None else None
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _free(folder: str) -> str:
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):  # no statvfs on Windows
+        return "the free space is unknown"
+    return f"{_mib(st.f_bavail * st.f_frsize)} is free there"
+
+
+def _remove_orphans(folder: str, name: str) -> None:
+    """Remove temporary files of earlier writes of ``name`` whose writer was killed."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.tmp")
+    for entry in os.listdir(folder):
+        if pattern.fullmatch(entry):
+            try:
+                os.unlink(os.path.join(folder, entry))
+            except FileNotFoundError:  # another cleaner got there first
+                pass
 
 
 def _fsync_folder(folder: str) -> None:
@@ -299,19 +327,40 @@ def _read(path: str) -> dict[str, Any]:
         ) from e
     if not (isinstance(saved, dict) and saved.get("format") == FORMAT):
         raise CheckpointError(f"fdp.load: {path} is not a checkpoint written by fdp.save")
-    if saved.get("version") != VERSION:
+    version = saved.get("version")
+    if version not in READS:
         raise CheckpointError(
-            f"fdp.load: {path} has format version {saved.get('version')}; this fdp reads "
-            f"version {VERSION}"
+            f"fdp.load: {path} has format version {version}; this fdp reads versions "
+            f"{', '.join(map(str, READS))}"
         )
-    if not isinstance(saved.get("leaves"), dict) or not isinstance(saved.get("world_size"), int):
+    leaves = saved.get("leaves")
+    if not isinstance(leaves, dict) or not isinstance(saved.get("world_size"), int):
         raise CheckpointError(f"fdp.load: {path} is damaged (no leaves or world size)")
+    if version >= 2:
+        sums, per_rank = saved.get("crc32"), saved.get("per_rank")
+        if not isinstance(sums, dict) or sums.keys() != leaves.keys() or not isinstance(per_rank, list):
+            raise CheckpointError(f"fdp.load: {path} is damaged (its checksums do not list its leaves)")
+        for p, value in leaves.items():
+            got = _crc32(value)
+            if got != sums[p]:
+                raise CheckpointError(
+                    f"fdp.load: {path}: leaf {p} is corrupt: its bytes have CRC32 {got:08x}, but "
+                    f"fdp.save recorded {sums[p]:08x} (the file changed after it was written)"
+                )
     return saved
 
 
 def _reason(e: Exception) -> str:
     """The useful line of torch.load's error (its weights_only advice does not apply here)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # torch 2.13 words a refused global "Trying to load unsupported GLOBAL posix.system whose
+    # module posix is blocked." or "Unsupported global: GLOBAL __main__.Foo was not an allowed
+    # global by default..." (older: after "WeightsUnpickler error:").
+    for ln in lines:
+        found = re.search(r"GLOBAL\s+([\w.]+)", ln)
+        if found:
+            return (f"{type(e).__name__}: it asks to unpickle the Python global {found.group(1)}, "
+                    f"which weights_only loading refuses (fdp.save never writes one): {ln}")
     marker = "WeightsUnpickler error:"
     for i, ln in enumerate(lines):
         if marker in ln:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from ._errors import CollectiveError, ReplicaMismatchError
-from ._group import Group
+from ._group import Group, keep_until_exit, mark_failed
+from ._log import debug_mode
 
 
 class Done:
@@ -51,11 +52,21 @@ def is_completed(handle: Any) -> bool:
 
 
 def collective_error(group: Group, what: str, exc: BaseException) -> CollectiveError:
+    """The error for a collective ``what`` that raised ``exc``: names the rank and timeout.
+
+    Also marks the process group as failed, so that the exit hook of ``fdp.init`` does not
+    meet the other ranks in a barrier over connections that may be broken.
+    """
+    mark_failed()
+    if debug_mode():  # the advice to set it would be noise; say what it already ruled out
+        hint = ("FDP_DEBUG is on, so a Reducer bucket issued differently by another rank would "
+                "have been named before it launched: look first for a rank that died or stalled")
+    else:
+        hint = "set FDP_DEBUG=1 to check collective fingerprints"
     return CollectiveError(
         f"fdp: {what} failed on rank {group.rank} of {group.size} "
         f"(timeout {group.timeout.total_seconds():g}s): {exc}. "
-        "Another rank probably died, skipped this collective, or issued a different one "
-        "(set FDP_DEBUG=1 to check collective fingerprints)."
+        f"Another rank probably died, skipped this collective, or issued a different one ({hint})."
     )
 
 
@@ -67,6 +78,8 @@ def wait(work: Any, group: Group, what: str) -> None:
         else:
             work.wait(group.timeout)
     except Exception as e:
+        if group.backend != "threaded":  # threads share this process: nothing outlives it
+            keep_until_exit(work, group)
         raise collective_error(group, what, e) from e
 
 
@@ -99,26 +112,24 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
     return None
 
 
-def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[torch.Tensor, Any]:
-    """Start gathering equal-shaped tensors: ``(out, work)``; after ``wait(work, ...)``,
-    ``out.view(group.size, *t.shape)`` holds every rank's ``t``."""
-    if group.process_group is None:
-        return t.reshape(-1).clone(), DONE
-    out = t.new_empty(group.size * t.numel())
-    try:
-        work = _all_gather_single(
-            out, t.contiguous().view(-1), group=group.process_group, async_op=True
-        )
-    except Exception as e:
-        raise collective_error(group, what, e) from e
-    return out, work
-
-
 def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
     """Gather equal-shaped tensors: returns ``[group.size, *t.shape]``."""
-    out, work = all_gather_start(t, group, what)
+    work, out = all_gather_start(t, group, what)
     wait(work, group, what)
-    return out.view(group.size, *t.shape)
+    return out
+
+
+def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, torch.Tensor]:
+    """Launch an all-gather of ``t``; returns ``(work, out)``: ``out`` is ``[group.size, *t.shape]``
+    and holds every rank's ``t`` once ``wait(work, group, what)`` returns."""
+    if group.process_group is None:
+        return DONE, t.unsqueeze(0).clone()
+    out = t.new_empty(group.size * t.numel())
+    try:
+        work = _all_gather_single(out, t.contiguous().view(-1), group=group.process_group, async_op=True)
+    except Exception as e:
+        raise collective_error(group, what, e) from e
+    return work, out.view(group.size, *t.shape)
 
 
 def all_gather_object(obj: Any, group: Group, what: str) -> list[Any]:

@@ -185,6 +185,43 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
 
 
 _failed = False  # an uncaught exception is ending this process
+_collective_failed = False  # a collective raised or timed out (see mark_failed)
+_kept: list[tuple[Any, timedelta]] = []  # work handles of failed collectives (see keep_until_exit)
+
+
+def mark_failed() -> None:
+    """Record that a collective failed: the exit hook then skips its barrier (see below)."""
+    global _collective_failed
+    _collective_failed = True
+
+
+def keep_until_exit(work: Any, group: Group) -> None:
+    """Hold the work handle of a collective whose wait failed until this process exits.
+
+    A wait that times out returns while the backend still runs the collective. When gloo's
+    worker thread later finishes it and drops the last reference to the work, the work's
+    tensors release their Python objects from that thread; during interpreter teardown that
+    thread cannot take the GIL, and the process dies with "terminate called without an
+    active exception" (SIGABRT) after the program chose its exit status. gdb shows the stack
+    ``ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject ->
+    take_gil -> pthread_exit -> std::terminate`` (torch 2.13). So the handle is held here and,
+    at exit, waited for once more, for at most the process group's own timeout (by then the
+    backend has ended the operation), so that the last reference is this module's, released
+    by the main thread.
+    """
+    mark_failed()
+    if not _kept:
+        atexit.register(_drain)  # registered after _shutdown, so it runs before it
+    limit = max(group.timeout, _pg_timeout(group.process_group, group.device))
+    _kept.append((work, limit))
+
+
+def _drain() -> None:
+    for work, timeout in _kept:
+        try:
+            work.wait(timeout)
+        except Exception:  # noqa: BLE001 - it failed already; only its end matters
+            pass
 
 
 def _install_shutdown() -> None:
@@ -197,6 +234,12 @@ def _install_shutdown() -> None:
     normal exit every rank meets the others in a barrier, then destroys the group. After an
     uncaught exception the barrier is skipped: the others may be stuck in a collective, and
     this rank should exit now so torchrun can restart or stop the job.
+
+    The group is destroyed in every case, also when the barrier fails or is skipped: after
+    a collective timed out, gloo's connections are broken and the barrier raises at once;
+    skipping the destroy then left the group's threads to the interpreter's teardown, and a
+    rank that had caught the timeout and finished died with SIGABRT instead of the exit
+    status it chose (issue 15). After a failed collective the barrier is skipped too.
     """
     previous = sys.excepthook
 
@@ -212,11 +255,14 @@ def _install_shutdown() -> None:
 def _shutdown() -> None:
     if not dist.is_initialized():
         return
-    try:
-        if not _failed:
+    if not (_failed or _collective_failed):
+        try:
             dist.barrier()
+        except Exception:  # noqa: BLE001 - exiting anyway; a dead peer must not block the exit
+            pass
+    try:
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - exiting anyway; a dead peer must not block the exit
+    except Exception:  # noqa: BLE001 - as above
         pass
 
 

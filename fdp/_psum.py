@@ -16,7 +16,7 @@ import torch
 
 from . import _comm, _tree, kernels
 from ._group import Group, resolve
-from ._sync import verify_once
+from ._sync import verify_layout
 
 _NUMBER_DTYPES = {bool: torch.int64, int: torch.int64, float: torch.float64}
 
@@ -96,7 +96,9 @@ def _reduce(tree: Any, g: Group, *, mean: bool, what: str) -> Any:
         return tree
     meta = [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
     if g.process_group is not None:
-        verify_once(meta, g, what, "")
+        # Every call: a layout agreed on earlier says nothing about this call's (the
+        # sync_buffers lesson of issue 15, item 3); one tiny all-gather.
+        verify_layout(meta, g, what)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         dtype = torch.int64 if t.dtype == torch.bool else t.dtype  # bools are counted

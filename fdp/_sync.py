@@ -1,15 +1,15 @@
-"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank checks.
+"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank layout checks.
 
 DDP keeps replicas identical with a broadcast at construction and a hidden buffer broadcast
 before every forward. fdp makes both explicit calls (``broadcast``, ``sync_buffers``), and
-adds the checks DDP runs internally as user-callable functions (``assert_same_shapes``,
-``assert_replicas_equal``). Every function here is a collective: all ranks must call it.
+adds the checks DDP runs internally as user-callable functions (``assert_same_shapes`` here,
+``assert_replicas_equal`` in ``_replicas.py``). Every function here is a collective: all
+ranks must call it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import weakref
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +20,6 @@ from . import _comm, _tree, kernels
 from ._bucket import BucketPlan, MiB
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
-from ._log import debug_mode
 
 BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
 
@@ -30,7 +29,7 @@ Meta = tuple[str, tuple[int, ...], str]  # (path, shape, dtype)
 # ---------------------------------------------------------------------------- layout checks
 
 
-def _meta(tree: Any) -> tuple[list[Meta], list[Any]]:
+def tree_meta(tree: Any) -> tuple[list[Meta], list[Any]]:
     paths, leaves, _ = _tree.flatten_with_paths(tree)
     meta = []
     for p, t in zip(paths, leaves):
@@ -58,33 +57,46 @@ def verify_layout(meta: Sequence[Meta], group: Group, what: str, extra: str = ""
     One tiny all-gather of (leaf count, digest) when they agree; when they do not, a second
     gather of the full metadata so the error can name the first differing leaf and ranks.
     """
+    _verify_digest(_digest(meta, extra), lambda: (list(meta), extra), group, what)
+
+
+def _verify_digest(mine: torch.Tensor, report: Any, group: Group, what: str) -> None:
     if group.process_group is None:
         return
-    rows = _comm.all_gather(_digest(meta, extra).to(group.device), group, f"{what} (layout check)").cpu()
+    rows = _comm.all_gather(mine.to(group.device), group, f"{what} (layout check)").cpu()
     if bool((rows == rows[0]).all()):
         return
-    everyone = _comm.all_gather_object((list(meta), extra), group, f"{what} (layout report)")
-    raise ReplicaMismatchError(f"fdp: {what}: " + _describe(everyone) + f" (reported on rank {group.rank})")
+    everyone = _comm.all_gather_object(report(), group, f"{what} (layout report)")
+    raise ReplicaMismatchError(f"fdp: {what}: " + describe_layouts(everyone) + f" (reported on rank {group.rank})")
 
 
-# Layouts all ranks have agreed on, per process group. sync_buffers runs every step on
-# buffers whose layout never changes (apply checks their keys and shapes), so after the
-# first call the check is skipped, as DDP checks its buffers once, at construction; that
-# saves a collective per step (~1 ms on gloo). A layout seen for the first time is checked
-# again, and FDP_DEBUG=1 checks every call.
-_agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# sync_buffers checks the layout, mode and src on every call: skipping the check once ranks
+# had agreed let a float tree on one rank and an int tree on another (both seen before)
+# exchange reinterpreted bytes, and different modes hang until the timeout (issue 15, item 3).
+# The check is one all-gather of three int64s; the digest is cached per (structure, shapes,
+# dtypes, mode, src), so the host work per call is one dict lookup.
+_DIGESTS: dict[tuple, tuple[torch.Tensor, list[Meta]]] = {}
+_DIGESTS_MAX = 64
 
 
-def verify_once(meta: Sequence[Meta], group: Group, what: str, extra: str) -> None:
-    key = (tuple(meta), extra)
-    seen = _agreed.setdefault(group.process_group, set())
-    if key in seen and not debug_mode():
-        return
-    verify_layout(meta, group, what, extra)
-    seen.add(key)
+def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> tuple[torch.Tensor, list[Meta]]:
+    try:
+        key = (treedef, tuple(t.shape for t in leaves), tuple(t.dtype for t in leaves), extra)
+        hit = _DIGESTS.get(key)
+    except (AttributeError, TypeError):  # a leaf that is not a tensor: named below
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    meta, _ = _tensor_leaves(buffers, "sync_buffers")
+    hit = (_digest(meta, extra), meta)
+    if key is not None:
+        if len(_DIGESTS) >= _DIGESTS_MAX:
+            _DIGESTS.pop(next(iter(_DIGESTS)))
+        _DIGESTS[key] = hit
+    return hit
 
 
-def _describe(everyone: list[tuple[list[Meta], str]]) -> str:
+def describe_layouts(everyone: list[tuple[list[Meta], str]]) -> str:
     ref, ref_extra = everyone[0]
     problems = []
     for r, (meta, extra) in enumerate(everyone[1:], start=1):
@@ -118,120 +130,27 @@ def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
         and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
         (4, 9) float32 on rank 1``), or the leaf counts.
     """
-    meta, _ = _meta(tree)
+    meta, _ = tree_meta(tree)
     verify_layout(meta, resolve(group), "assert_same_shapes")
-
-
-# ---------------------------------------------------------------------------- replica check
-
-
-_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
-
-
-def _checksum(t: torch.Tensor) -> torch.Tensor:
-    """Exact checksum of a tensor's bytes: the wrapping sum of its words, as int64.
-
-    The widest word that divides the bytes is used, summed in its own width (vectorised;
-    widening int32 words into an int64 sum is ~10x slower), so any single changed word
-    changes the sum.
-    """
-    if t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    t = t.contiguous().view(-1)
-    size = t.element_size()
-    nbytes, offset = t.numel() * size, t.storage_offset() * size
-    for width, word in _WORDS:
-        if nbytes % width == 0 and offset % width == 0 and (width <= size or t.dim() == 1):
-            return t.view(word).sum(dtype=word).to(torch.int64)
-    raise AssertionError("unreachable: bytes are always divisible into uint8 words")
-
-
-class ReplicaCheck:
-    """An ``assert_replicas_equal(..., wait=False)`` in flight: ``wait()`` raises on drift."""
-
-    def __init__(self, tree: Any, treedef: Any, sums: torch.Tensor, work: Any, rows: torch.Tensor, g: Group):
-        self._tree, self._treedef, self._sums, self._work, self._rows, self._g = tree, treedef, sums, work, rows, g
-
-    def wait(self) -> None:
-        """Wait for the comparison; raise ``ReplicaMismatchError`` if the ranks differed."""
-        if self._work is None:
-            return
-        work, self._work = self._work, None
-        _comm.wait(work, self._g, "assert_replicas_equal")
-        rows = self._rows.cpu()
-        if not bool((rows == rows[0]).all()):
-            _report_drift(self._tree, self._sums, rows, self._g)
-
-
-def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = True) -> ReplicaCheck | None:
-    """Check, cheaply, that every rank holds bit-identical values in ``tree``.
-
-    Each rank computes an exact checksum of every leaf's bytes (one pass over the data) and
-    a digest of the tree's layout and of those checksums; one all-gather of five numbers
-    compares them. Only when ranks differ do further gathers find which leaves and ranks.
-
-    Args:
-      wait: ``False`` launches the comparison and returns at once with a ``ReplicaCheck``;
-        call its ``wait()`` later (e.g. next step) to raise if the ranks differed. The step
-        then pays only for the checksums: the collective overlaps the next step's compute.
-
-    Raises:
-      ReplicaMismatchError: on every rank, naming the leaves whose values differ from rank
-        0's and the ranks that hold the different values (or, if the trees' layouts differ,
-        the first differing leaf, as ``assert_same_shapes``).
-    """
-    g = resolve(group)
-    leaves, treedef = _tree.flatten(tree)
-    for i, t in enumerate(leaves):
-        if not isinstance(t, torch.Tensor):
-            path = _tree.paths(treedef)[i]
-            raise TypeError(f"fdp.assert_replicas_equal: leaf {path} is a {type(t).__name__}, expected a Tensor")
-    if g.process_group is None:
-        return None if wait else ReplicaCheck(tree, treedef, torch.zeros(0), None, torch.zeros(0), g)
-    with torch.no_grad():
-        sums = torch.stack([_checksum(t).cpu() for t in leaves]) if leaves else torch.zeros(0, dtype=torch.int64)
-    h = hashlib.sha256(repr(treedef).encode())
-    for t in leaves:
-        h.update(f"{tuple(t.shape)}{t.dtype}".encode())
-    layout = h.digest()
-    values = hashlib.sha256(sums.numpy().tobytes()).digest()
-    mine = torch.tensor([len(leaves), *(int.from_bytes(d[:7], "little") for d in (layout, layout[7:], values, values[7:]))],
-                        dtype=torch.int64, device=g.device)
-    rows, work = _comm.all_gather_start(mine, g, "fdp.assert_replicas_equal")
-    check = ReplicaCheck(tree, treedef, sums, work, rows.view(g.size, -1), g)
-    if not wait:
-        return check
-    check.wait()
-    return None
-
-
-def _report_drift(tree: Any, sums: torch.Tensor, rows: torch.Tensor, g: Group) -> None:
-    meta, _ = _meta(tree)
-    if not bool((rows[:, :3] == rows[0, :3]).all()):  # the layouts differ
-        everyone = _comm.all_gather_object((list(meta), ""), g, "assert_replicas_equal (layout report)")
-        raise ReplicaMismatchError("fdp: assert_replicas_equal: " + _describe(everyone)
-                                   + f" (reported on rank {g.rank})")
-    per_leaf = _comm.all_gather(sums.to(g.device), g, "assert_replicas_equal (leaf report)").cpu()
-    by_leaf: dict[int, list[int]] = {}
-    for r, i in (per_leaf != per_leaf[0]).nonzero().tolist():
-        by_leaf.setdefault(i, []).append(r)
-    shown = "; ".join(f"leaf {meta[i][0]} differs on rank(s) {ranks}" for i, ranks in list(by_leaf.items())[:10])
-    more = f" (and {len(by_leaf) - 10} more)" if len(by_leaf) > 10 else ""
-    raise ReplicaMismatchError(
-        f"fdp: replicas have drifted: {len(by_leaf)} of {len(meta)} leaves differ from rank 0: "
-        f"{shown}{more} (reported on rank {g.rank})"
-    )
 
 
 # ---------------------------------------------------------------------------- broadcast
 
 
 def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]]:
-    meta, leaves = _meta(tree)
+    meta, leaves = tree_meta(tree)
     for m, t in zip(meta, leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"fdp.{what}: leaf {m[0]} is a {type(t).__name__}, expected a Tensor")
+        if t.is_quantized:  # its bytes alone are not its value (scale and zero point are not sent)
+            raise TypeError(f"fdp.{what}: leaf {m[0]} is a quantized tensor ({t.dtype}); "
+                            "dequantize it first (quantized tensors cannot be sent as bytes)")
     return meta, leaves
+
+
+# SUM needs an arithmetic type on the wire; float8 and float4 formats have none on gloo
+# (and not on every NCCL), so they are averaged in float32 and rounded once back.
+_SUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
@@ -244,7 +163,10 @@ def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
         flat = torch.empty(b.numel, dtype=b.dtype, device=b.device)
         if g.rank == src:
             kernels.flatten([leaves[i] for i in b.leaves], flat)
-        wire = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        # A broadcast copies bytes, so every bucket travels as uint8: backends carry no
+        # float8, uint16/32/64 or complex (gloo raises "Invalid scalar type" at the wait,
+        # torch 2.13), but every backend carries bytes.
+        wire = flat.view(torch.uint8)
         pending.append(_comm.broadcast(wire, src, g, f"{what}: broadcast of bucket {b.index}", async_op=True))
         flats.append(flat)
         if len(pending) >= 2:  # as c10d's broadcast_coalesced: at most two buckets in flight
@@ -263,11 +185,19 @@ def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
     """Return ``tree`` with every leaf replaced by rank ``src``'s value (DDP's init broadcast).
 
     Coalesced: leaves are packed into flat buckets of at most 250 MiB per (device, dtype)
-    and sent with one broadcast each (two in flight at a time). Any floating, integer or
-    bool dtype. The layout is checked first, so ranks holding different trees get a
+    and sent as bytes with one broadcast each (two in flight at a time), so any dtype works,
+    also those a backend has no type for (float8, uint16, complex). The layout is checked
+    first, so ranks holding different trees get a
     ``ReplicaMismatchError`` naming the leaf instead of a hang. Never writes in place: the
     result holds fresh tensors (on every rank, ``src`` included) and the input is untouched
     even if a collective fails halfway.
+
+    Raises:
+      ReplicaMismatchError: on every rank, if the ranks' trees differ (names the first
+        differing leaf and the ranks).
+      TypeError: a leaf that is not a tensor, or a quantized tensor (named by its path).
+      ValueError: a ``src`` outside the group.
+      CollectiveError: a rank did not join within the group's timeout.
 
     Example:
       >>> params, buffers = fdp.broadcast((params, buffers), src=0)
@@ -294,10 +224,23 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         ``"mean"``: floating buffers are averaged over ranks (flax's ``sync_batch_stats``),
         statistics from all ranks' data; integer buffers (``num_batches_tracked``) take
         ``src``'s value.
+        Float8 buffers are averaged in float32 and rounded once back.
       src: the authoritative rank.
+      group: the ranks (default: the world, or a world of one).
+
+    Every call first checks, with one all-gather of three numbers, that all ranks pass the
+    same layout (leaf paths, shapes, dtypes), ``mode`` and ``src``: a tree or mode that
+    differs on one rank is an error on every rank, never reinterpreted bytes or a hang.
 
     Returns:
       New buffers (fresh tensors); the input is not modified.
+
+    Raises:
+      ReplicaMismatchError: on every rank, if the ranks' layouts, modes or sources differ
+        (names the first differing leaf, or both modes and sources, and the ranks).
+      TypeError: a leaf that is not a tensor, or a quantized tensor (named by its path).
+      ValueError: an unknown ``mode`` or a ``src`` outside the group.
+      CollectiveError: a rank did not join within the group's timeout.
     """
     if mode not in ("broadcast", "mean"):
         raise ValueError(f"fdp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
@@ -305,18 +248,22 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     _check_src(src, g, "sync_buffers")
     if _tree.compiling():
         return _sync_buffers_traced(buffers, mode, src, g)
-    meta, leaves = _tensor_leaves(buffers, "sync_buffers")
-    if g.process_group is None or not leaves:
+    leaves, treedef = _tree.flatten(buffers)
+    if g.process_group is None:
+        _tensor_leaves(buffers, "sync_buffers")
         return buffers
-    verify_once(meta, g, "sync_buffers", mode)
+    extra = f"mode={mode} src={src}"
+    digest, meta = _sync_layout(buffers, leaves, treedef, extra)
+    _verify_digest(digest, lambda: (meta, extra), g, "sync_buffers")
+    if not leaves:
+        return buffers
     if mode == "broadcast":
         return _coalesced_broadcast(buffers, src, g, "sync_buffers")
-    paths, _, treedef = _tree.flatten_with_paths(buffers)
     floating = [i for i, t in enumerate(leaves) if t.is_floating_point()]
     others = [i for i, t in enumerate(leaves) if not t.is_floating_point()]
     out: list[Any] = [None] * len(leaves)
     if floating:
-        ftree = [leaves[i] for i in floating]
+        ftree = [leaves[i] if leaves[i].dtype in _SUM_DTYPES else leaves[i].float() for i in floating]
         plan = BucketPlan.from_caps(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
         flats = plan.flatten(ftree, scale=1.0 / g.size)
         works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
@@ -324,7 +271,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         for w in works:
             _comm.wait(w, g, "sync_buffers(mean)")
         for i, t in zip(floating, plan.views(flats)):
-            out[i] = t
+            out[i] = t if t.dtype == leaves[i].dtype else t.to(leaves[i].dtype)
     if others:
         synced = _coalesced_broadcast([leaves[i] for i in others], src, g, "sync_buffers")
         for i, t in zip(others, synced):
@@ -338,8 +285,6 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
     The cross-rank layout check reads values on the host, so it is not traced: check once
     eagerly (``fdp.assert_same_shapes(buffers)``) before compiling the step.
     """
-    import torch.distributed._functional_collectives as funcol
-
     leaves, treedef = _tree.flatten(buffers)
     if g.process_group is None or not leaves:
         return buffers
@@ -350,9 +295,9 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
     for dtype, idx in by_dtype.items():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
         if mode == "mean" and dtype.is_floating_point:
-            flat = funcol.wait_tensor(funcol.all_reduce(flat * (1.0 / g.size), "sum", g.process_group))
+            flat = _comm.traced_all_reduce(flat * (1.0 / g.size), g)
         else:
-            flat = funcol.wait_tensor(funcol.broadcast(flat, src, g.process_group))
+            flat = _comm.traced_broadcast(flat, src, g)
         for i, part in zip(idx, torch.split(flat, [leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(treedef, out)
@@ -360,13 +305,23 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
 
 # ---------------------------------------------------------------------------- debug mode
 
-_DTYPE_NAMES: dict[int, str] = {}
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# Every dtype this torch knows, by code: a peer's code is named even if this process never
+# used that dtype (the table used to hold only the dtypes seen locally, so a gloo peer's
+# bfloat16 printed as a raw number).
+_DTYPE_NAMES: dict[int, str] = {
+    zlib.crc32(_dtype_name(d).encode()): _dtype_name(d)
+    for d in (getattr(torch, n, None) for n in dir(torch)) if isinstance(d, torch.dtype)
+}
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
-    name = str(dtype).replace("torch.", "")
+    name = _dtype_name(dtype)
     code = zlib.crc32(name.encode())  # the same number in every process
-    _DTYPE_NAMES[code] = name
+    _DTYPE_NAMES.setdefault(code, name)
     return code
 
 

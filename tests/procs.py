@@ -7,14 +7,19 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without torchrun's variables, with one thread per rank."""
+    """This environment without torchrun's variables, with one thread per rank, importing
+    fdp from this checkout (a script run from another folder would otherwise import the
+    installed fdp, which in a git worktree is the main checkout's)."""
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

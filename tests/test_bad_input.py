@@ -164,11 +164,12 @@ def test_corrupt_and_truncated_checkpoints_name_the_file(tmp_path):
             fdp.load(tmp_path / name, like=state)
 
 
-def test_checkpoint_from_another_world_size_names_both_sizes(tmp_path):
+def test_checkpoint_with_per_rank_state_from_another_world_size_names_both_sizes(tmp_path):
     path = tmp_path / "two.pt"
-    fdp.testing.run(lambda g: fdp.save(path, {"w": torch.ones(2)}, g), 2)
-    with pytest.raises(fdp.CheckpointError, match="world of 2 ranks, but this world has 1"):
-        fdp.load(path, like={"w": torch.zeros(2)})
+    fdp.testing.run(lambda g: fdp.save(path, {"w": torch.ones(2), "rng": fdp.rng_state(g)}, g), 2)
+    with pytest.raises(fdp.CheckpointError, match=r"world of 2 ranks, but this world has 1, and it holds "
+                                                  r"per-rank state \(\['rng'\]\['cpu'\]\)"):
+        fdp.load(path, like={"w": torch.zeros(2), "rng": fdp.rng_state()})
 
 
 def test_checkpoint_that_does_not_match_names_the_leaf(tmp_path):

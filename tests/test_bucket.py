@@ -180,6 +180,17 @@ def test_cap_must_be_positive():
             fdp.BucketPlan.build({"a": torch.zeros(2)}, **kw)
 
 
+def test_an_infinite_cap_means_no_cap_and_nan_is_refused():
+    tree = {f"w{i}": torch.zeros(64, 1024) for i in range(8)}  # 8 leaves of 256 KiB
+    assert [len(b.leaves) for b in fdp.BucketPlan.build(tree, bucket_cap_mb=float("inf")).buckets] == [4, 4]
+    plan = fdp.BucketPlan.build(tree, bucket_cap_mb=float("inf"), first_bucket_cap_mb=float("inf"))
+    assert [len(b.leaves) for b in plan.buckets] == [8]
+    reducer = fdp.Reducer(tree, bucket_cap_mb=float("inf"))
+    assert torch.equal(reducer.all_reduce(tree)["w3"], tree["w3"])
+    with pytest.raises(ValueError, match=r"caps must be > 0 MiB \(or inf for no cap\), got nan"):
+        fdp.BucketPlan.build(tree, bucket_cap_mb=float("nan"))
+
+
 def test_non_tensor_and_integer_leaves_are_rejected_by_path():
     with pytest.raises(TypeError, match=r"leaf \['b'\]\[1\] is a float"):
         fdp.BucketPlan.build({"a": torch.zeros(2), "b": [torch.zeros(1), 3.0]})

@@ -292,3 +292,139 @@ def test_a_checkpoint_from_another_world_size_is_refused(tmp_path):
     loaded = load(path, like, strict_world_size=False)
     with pytest.raises(fdp.CheckpointError, match="world of 2 ranks, but this world has 1"):
         set_rng_state(loaded["rng"])
+
+
+# ------------------------------------------------------------------ content checksums
+
+
+def _flip_a_bit_in_the_largest_record(path):
+    """Flip one bit in the middle of the biggest tensor record of torch.save's zip file."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little")
+    extra_len = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_a_tensor_record_is_refused_naming_the_leaf(tmp_path):
+    path = tmp_path / "c.pt"
+    state = {"params": {"w": torch.randn(64, 64), "b": torch.randn(3)}, "step": 7}
+    save(path, state)
+    _flip_a_bit_in_the_largest_record(path)
+    with pytest.raises(fdp.CheckpointError, match=r"leaf \['params'\]\['w'\].*corrupt"):
+        load(path, like=state)
+
+
+def test_a_version_1_checkpoint_without_checksums_still_loads(tmp_path):
+    path = tmp_path / "v1.pt"
+    torch.save({"format": "fdp.checkpoint", "version": 1, "world_size": 1, "torch": "2.13",
+                "leaves": {"['w']": torch.ones(3), "['step']": 4}}, path)
+    out = load(path, {"w": torch.zeros(3), "step": 0})
+    assert torch.equal(out["w"], torch.ones(3)) and out["step"] == 4
+
+
+# ------------------------------------------------------------------ world size
+
+
+def test_a_checkpoint_without_per_rank_state_loads_into_another_world_size(tmp_path):
+    path = str(tmp_path / "c.pt")
+    state = {"params": {"w": torch.arange(3.0)}, "opt": fdp.optim.sgd(0.1).init({"w": torch.zeros(3)}), "step": 2}
+    fdp.testing.run(lambda g: save(path, state, g), 2)
+    out = load(path, state)  # a world of one: no strict_world_size=False needed
+    assert torch.equal(out["params"]["w"], torch.arange(3.0)) and out["step"] == 2
+    with pytest.raises(fdp.CheckpointError, match="world of 2 ranks, but this world has 1, and strict_world_size=True"):
+        load(path, state, strict_world_size=True)
+
+
+def test_a_loaded_rng_state_stays_per_rank_when_saved_again(tmp_path):
+    first, second = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+
+    def resave(group):
+        save(first, {"rng": rng_state(group)}, group)
+        save(second, load(first, {"rng": rng_state(group)}, group), group)
+
+    fdp.testing.run(resave, 2)
+    with pytest.raises(fdp.CheckpointError, match=r"per-rank state \(\['rng'\]\['cpu'\]\)"):
+        load(second, {"rng": {"cpu": torch.empty(2, rng_state()["cpu"].shape[1], dtype=torch.uint8)}})
+
+
+# ------------------------------------------------------------------ file-system faults
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_save(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.pt"
+    (tmp_path / ".other.pt.0123456789ab.tmp").write_bytes(b"not ours")
+    # A writer killed (SIGKILL) after writing its temporary file, before the rename.
+    child = ("import os, signal, sys, torch, fdp\n"
+             "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
+             "fdp.save(sys.argv[1], {'w': torch.ones(1000)})\n")
+    res = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
+    assert res.returncode == -9, res.stderr[-2000:]
+    orphans = [n for n in os.listdir(tmp_path) if n.startswith(".c.pt.")]
+    assert len(orphans) == 1, os.listdir(tmp_path)
+    save(path, {"w": torch.zeros(2)})
+    assert sorted(os.listdir(tmp_path)) == [".other.pt.0123456789ab.tmp", "c.pt"]
+
+
+FILL = """
+import os, resource, signal, sys, torch, fdp
+if sys.argv[2] == "fsize":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+try:
+    fdp.save(os.path.join(sys.argv[1], "c.pt"), {"w": torch.zeros(1_000_000)})
+except fdp.CheckpointError as e:
+    print(e)
+print(sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def _fill(folder, how, prefix=()):
+    import subprocess
+    import sys
+
+    return subprocess.run([*prefix, sys.executable, "-c", FILL, str(folder), how], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
+
+
+def test_a_file_size_limit_is_named_not_reported_as_an_unexpected_pos(tmp_path):
+    res = _fill(tmp_path, "fsize")
+    assert "the file-size limit is reached" in res.stdout and "needs about 3.8 MiB" in res.stdout, (
+        res.stdout, res.stderr[-2000:])
+    assert "unexpected pos" not in res.stdout and res.stdout.strip().endswith("[]"), res.stdout
+
+
+def test_a_full_disk_is_named_with_the_space_needed_and_left(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
+        pytest.skip("needs `unshare -rm` (user namespaces) to mount a tiny tmpfs")
+    script = tmp_path / "fill.sh"
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    script.write_text('mount -t tmpfs -o size=256k tmpfs "$1" && shift && exec "$@"\n')
+    res = _fill(mount, "disk", prefix=("unshare", "-rm", "sh", str(script), str(mount)))
+    assert "the disk is full: No space left on device" in res.stdout, (res.stdout, res.stderr[-2000:])
+    assert "needs about 3.8 MiB" in res.stdout and "is free there" in res.stdout, res.stdout
+    assert res.stdout.strip().endswith("[]"), "the temporary file was left behind"
+
+
+def test_a_pickled_object_is_refused_naming_the_global(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"format": "fdp.checkpoint", "version": 2, "world_size": 1, "leaves": {"['x']": Payload()}}, path)
+    with pytest.raises(fdp.CheckpointError, match=r"unpickle the Python global (posix|nt)\.system"):
+        load(path, {"x": 1})

@@ -100,3 +100,44 @@ def test_without_the_option_the_check_costs_nothing_and_verdict_stays_true():
     reducer = fdp.Reducer(params)
     reducer.all_reduce(params)
     assert reducer.finite and reducer.nonfinite_steps == 0
+
+
+CATCHES_A_TIMEOUT = """
+import dataclasses, sys, time
+from datetime import timedelta
+import torch, fdp
+group = fdp.init(timeout=2)
+fdp.broadcast({"x": torch.ones(2)}, group=group)  # a healthy collective first
+if group.rank == 1:
+    time.sleep(1)  # skips the collective below, then finishes normally
+    sys.exit(0)
+try:  # waits 0.5 s; gloo's own operation runs on until its 2 s timeout
+    fdp.broadcast({"x": torch.ones(3)}, group=dataclasses.replace(group, timeout=timedelta(seconds=0.5)))
+except fdp.CollectiveError:
+    print("caught", flush=True)
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_caught_a_timeout_exits_with_the_status_it_chose():
+    """Before the fix, gloo's worker thread could free the timed-out collective during
+    interpreter teardown and kill the rank with SIGABRT ("terminate called without an active
+    exception"), in about half of the runs: two runs make a pass by luck unlikely."""
+    import socket
+    import subprocess
+    import sys
+
+    for attempt in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                 for r in range(2)]
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        codes = [p.returncode for p in procs]
+        assert codes == [3, 0], f"attempt {attempt}: exit codes {codes}\n{outs[0][-2000:]}"
+        assert "caught" in outs[0] and "terminate called" not in outs[0], outs[0][-2000:]

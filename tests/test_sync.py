@@ -238,23 +238,6 @@ def test_active_false_matches_ddp_join_and_loops_end_together():
         assert torch.equal(res[0][0][k], res[1][0][k]), "replicas must stay identical"
 
 
-def test_sync_buffers_checks_a_layout_once_and_again_when_it_changes():
-    def body(group):
-        calls = []
-        real = fdp._sync.verify_layout
-        fdp._sync.verify_layout = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
-        try:
-            b = {"m": torch.zeros(3)}
-            for _ in range(3):
-                fdp.sync_buffers(b, group=group)
-            fdp.sync_buffers({"m": torch.zeros(4)}, group=group)  # a new layout: checked
-            return len(calls)
-        finally:
-            fdp._sync.verify_layout = real
-
-    assert fdp.testing.run(body, 2, backend="gloo") == [2, 2]
-
-
 def test_asynchronous_replica_check_reports_drift_when_waited():
     def body(group):
         state = {"w": torch.ones(4), "b": torch.zeros(2)}
@@ -278,3 +261,175 @@ def test_replica_check_of_different_layouts_names_the_leaf():
 
     with pytest.raises(fdp.ReplicaMismatchError, match=r"leaf \['w'\] has shape \(3,\) float32 on rank 0 but \(4,\)"):
         fdp.testing.run(body, 2)
+
+
+# ------------------------------------------------------ sync_buffers checks every call
+
+
+def _mixed_calls(group, second):
+    """Both trees (and both modes) are seen on every rank first; then the ranks differ."""
+    floats, ints = {"m": torch.ones(4)}, {"m": torch.ones(4, dtype=torch.int32)}
+    fdp.sync_buffers(floats, group=group)
+    fdp.sync_buffers(ints, group=group)
+    fdp.sync_buffers(floats, mode="mean", group=group)
+    try:
+        second(group, floats, ints)
+    except fdp.ReplicaMismatchError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_buffers_of_a_float_tree_and_an_int_tree_seen_before_is_an_error(backend):
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats if group.rank == 0 else ints, group=group)
+
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend=backend, timeout=20, args=(second,))):
+        assert msg is not None, f"rank {rank}: a float32 tree was synced with an int32 tree silently"
+        assert "leaf ['m'] has shape (4,) float32 on rank 0 but (4,) int32 on rank 1" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_buffers_with_different_modes_seen_before_is_an_error_not_a_hang(backend):
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats, mode="mean" if group.rank == 1 else "broadcast", group=group)
+
+    t0 = time.monotonic()
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend=backend, timeout=20, args=(second,))):
+        assert msg is not None and "rank 0 uses mode=broadcast src=0 but rank 1 uses mode=mean" in msg, (rank, msg)
+    assert time.monotonic() - t0 < 15, "the mismatch was found only at the timeout"
+
+
+def test_sync_buffers_with_different_src_is_an_error():
+    def second(group, floats, ints):
+        fdp.sync_buffers(floats, src=group.rank, group=group)
+
+    for rank, msg in enumerate(fdp.testing.run(_mixed_calls, 2, backend="gloo", timeout=20, args=(second,))):
+        assert msg is not None and "rank 0 uses mode=broadcast src=0 but rank 1 uses mode=broadcast src=1" in msg, (
+            rank, msg)
+
+
+# ------------------------------------------- replica check: position-sensitive, no cancelling
+
+
+def _swap_rows(w):
+    return w[[1, 0, 2, 3]]
+
+
+def _flip_two_signs(w):
+    w = w.clone()
+    # two sign bits that a wrapping word sum cannot see: each adds 2**63 to one int64 word
+    w[0, 3], w[1, 3] = -w[0, 3], -w[1, 3]
+    return w
+
+
+def _negate_half(w):
+    return torch.cat([w[:2], -w[2:]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change", [_swap_rows, _flip_two_signs, _negate_half])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64])
+def test_replicas_that_differ_by_reordered_or_cancelling_changes_are_found(backend, change, dtype):
+    def body(group):
+        w = (torch.arange(16, dtype=torch.float64).view(4, 4) + 1).to(dtype)
+        state = {"b": torch.zeros(2), "w": change(w) if group.rank == 1 else w}
+        try:
+            fdp.assert_replicas_equal(state, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for rank, msg in enumerate(fdp.testing.run(body, 2, backend=backend, timeout=20)):
+        assert msg is not None, f"rank {rank}: {change.__name__} of a {dtype} leaf went unnoticed"
+        assert "1 of 2 leaves differ" in msg and "leaf ['w'] differs on rank(s) [1]" in msg, (rank, msg)
+
+
+def test_replica_check_does_not_depend_on_memory_layout_or_offset():
+    def body(group):
+        base = torch.arange(13, dtype=torch.float16)
+        # rank 1 holds the same values as a view at an odd offset of a bigger storage, and
+        # a transposed (non-contiguous) copy of the matrix
+        x = base[1:] if group.rank == 0 else torch.cat([torch.zeros(1, dtype=torch.float16), base])[2:]
+        m = torch.arange(12.0).view(3, 4)
+        m = m if group.rank == 0 else m.t().contiguous().t()
+        fdp.assert_replicas_equal({"x": x, "m": m, "flag": torch.tensor([True, False, True])}, group)
+        return True
+
+    assert fdp.testing.run(body, 2) == [True, True]
+
+
+def test_replica_check_finds_a_swap_between_far_apart_blocks_of_a_big_leaf():
+    n = 2 * 256 * 4096 + 5  # more than one pass of the hash, and a partial last row
+
+    def body(group):
+        w = torch.arange(n, dtype=torch.float32)
+        if group.rank == 1:
+            w[[5, n - 2]] = w[[n - 2, 5]]
+        try:
+            fdp.assert_replicas_equal({"w": w}, group)
+        except fdp.ReplicaMismatchError as e:
+            return str(e)
+
+    for rank, msg in enumerate(fdp.testing.run(body, 2)):
+        assert msg is not None and "leaf ['w'] differs on rank(s) [1]" in msg, (rank, msg)
+
+
+def test_debug_fingerprint_mismatch_names_a_dtype_only_the_peer_used():
+    def body(group):
+        dtype = torch.float32 if group.rank == 0 else torch.float8_e5m2  # never used on rank 0
+        fdp._sync.check_collective(group, 3, 0, 16, dtype, "bucket 0")
+
+    with pytest.raises(fdp.ReplicaMismatchError,
+                       match=r"rank 0: \(step=3, bucket=0, numel=16, dtype=float32\); "
+                             r"rank 1: \(step=3, bucket=0, numel=16, dtype=float8_e5m2\)"):
+        fdp.testing.run(body, 2, backend="gloo", timeout=20)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dtypes_a_backend_cannot_carry_are_broadcast_as_bytes_and_float8_averaged_in_float32(backend):
+    def tree(rank):
+        return {"f8": torch.tensor([0.5, -2.0, 448.0]).mul(rank + 1).clamp(max=448).to(torch.float8_e4m3fn),
+                "u16": torch.tensor([1, 2, 65535 - rank], dtype=torch.uint16),
+                "c": torch.tensor([1 + 2j, 3 - 1j]) * (rank + 1),
+                "w": torch.full((2,), float(rank))}
+
+    def body(group):  # checked in the rank: torch cannot pickle uint16 tensors back (2.13)
+        got = fdp.broadcast(tree(group.rank), src=1, group=group)
+        mean = fdp.sync_buffers(tree(group.rank), mode="mean", group=group)
+        want, bad = tree(1), []
+        for k in want:
+            if got[k].dtype != want[k].dtype or not torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)):
+                bad.append(f"broadcast of leaf {k!r}")
+        expected_f8 = ((tree(0)["f8"].float() + tree(1)["f8"].float()) / 2).to(torch.float8_e4m3fn)
+        if mean["f8"].dtype != torch.float8_e4m3fn or not torch.equal(mean["f8"].float(), expected_f8.float()):
+            bad.append("mean of leaf 'f8'")
+        if not torch.equal(mean["w"], torch.full((2,), 0.5)) or not torch.equal(mean["u16"], tree(0)["u16"]):
+            bad.append("mean of leaves 'w', 'u16'")
+        return bad
+
+    for rank, bad in enumerate(fdp.testing.run(body, 2, backend=backend, timeout=20)):
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("debug", ["1", "0"])
+def test_a_collective_error_suggests_fdp_debug_only_when_it_is_off(monkeypatch, debug):
+    import dataclasses
+    from datetime import timedelta
+
+    monkeypatch.setenv("FDP_DEBUG", debug)
+
+    def body(group):
+        if group.rank == 1:
+            time.sleep(1.5)  # never joins the broadcast below
+            return None
+        try:
+            fdp.broadcast({"x": torch.ones(2)}, group=dataclasses.replace(group, timeout=timedelta(seconds=0.5)))
+        except fdp.CollectiveError as e:
+            return str(e)
+
+    msg = fdp.testing.run(body, 2, backend="gloo", timeout=20)[0]
+    assert msg is not None and "failed on rank 0 of 2 (timeout 0.5s)" in msg, msg
+    if debug == "1":
+        assert "set FDP_DEBUG=1" not in msg and "FDP_DEBUG is on" in msg, msg
+    else:
+        assert "set FDP_DEBUG=1 to check collective fingerprints" in msg, msg

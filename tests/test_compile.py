@@ -221,3 +221,21 @@ def test_constants_are_passed_to_the_module_under_compile():
     assert set(compiled) == {"head.weight", "head.bias"}
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL, msg=k)
+
+
+def _grad_under_compile_error():
+    reducer = fdp.Reducer({"w": torch.ones(3)})
+    try:
+        torch.compile(lambda w: reducer.grad(lambda p: p["w"].square().sum())({"w": w})["w"],
+                      fullgraph=True, backend="eager")(torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - the message is checked by the caller
+        return _dynamo_keeps_user_exception_messages(), f"{type(e).__name__}: {e}"
+    return True, None
+
+
+def test_reducer_grad_under_compile_says_what_to_use_instead():
+    keeps, error = _in_child(_grad_under_compile_error)
+    assert error is not None, "reducer.grad compiled"
+    if keeps and _TRACES_FDP:
+        assert "cannot be traced by torch.compile" in error and "reducer.all_reduce" in error, error
+        assert "vmap/grad/jvp" not in error, error

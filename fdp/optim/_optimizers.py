@@ -114,8 +114,8 @@ def _scalar_dtype() -> torch.dtype:
 def _value_at(value: Hyper, step: int | None, counter: Tensor) -> Any:
     if not callable(value):
         return value
-    if step is None:  # under torch.compile: tensor math on the counter, no recompiles
-        return value(counter)
+    if step is None:  # under torch.compile: tensor math on the counter, no recompiles;
+        return value(counter.to(torch.float64))  # in float64, as Python floats are
     return float(value(step))
 
 

@@ -11,6 +11,7 @@ elementwise product as torch's in-place ``mul_``), so the input tree is never mo
 
 from __future__ import annotations
 
+import functools
 import operator
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -26,6 +27,7 @@ __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "
 
 _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
 _device = operator.attrgetter("device")
+_dtype = operator.attrgetter("dtype")
 
 
 def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> Tensor:
@@ -94,9 +96,12 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         raise ValueError(f"fdp.optim.clip_by_global_norm: max_norm must be >= 0, got {max_norm}")
 
     def init(params: Any) -> ClipState:
+        # The norm's dtype is the promotion of the grads' (torch stacks the per-leaf norms).
         leaves = _tree.leaves(params)
-        like = leaves[0] if leaves else torch.zeros(())
-        return ClipState(torch.zeros((), dtype=like.dtype, device=like.device))
+        if not leaves:
+            return ClipState(torch.zeros(()))
+        dtype = functools.reduce(torch.promote_types, map(_dtype, leaves))
+        return ClipState(torch.zeros((), dtype=dtype, device=leaves[0].device))
 
     def update(grads: Any, state: ClipState, params: Any) -> tuple[Any, ClipState]:
         leaves, treedef = _tree.flatten(grads)
@@ -110,6 +115,11 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         else:
             on = {d: coef.to(d) for d in devices}
             clipped = [torch.mul(t, on[t.device]) for t in leaves]
+        # torch multiplies in place, which keeps each grad's dtype; out of place a 0-d grad
+        # is promoted to the norm's dtype (0-d times 0-d), so cast those back: the product
+        # is computed in the promoted dtype either way, then rounded on store.
+        if list(map(_dtype, clipped)) != list(map(_dtype, leaves)):
+            clipped = [c.to(t.dtype) for c, t in zip(clipped, leaves)]
         return _tree.unflatten(treedef, clipped), ClipState(total.detach())
 
     return GradientTransform(init, update, elementwise=False)

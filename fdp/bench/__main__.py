@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|gpu] ...``: benchmarks that run fdp beside its peer in one run.
+"""``python -m fdp.bench [kernels|replicas|soak|optim|gpu] ...``: benchmarks that run fdp beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
 """
@@ -22,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import soak
 
         return soak.main(argv[1:])
+    if argv and argv[0] == "optim":
+        from . import optim
+
+        return optim.main(argv[1:])
     if argv and argv[0] == "gpu":
         from . import gpu
 

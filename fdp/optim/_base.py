@@ -20,6 +20,8 @@ common case (C-level ``map`` calls), and walk the leaves only to name a bad one.
 from __future__ import annotations
 
 import operator
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -66,6 +68,11 @@ class GradientTransform(NamedTuple):
         its inputs.
       elementwise: True when each output leaf depends only on the same leaf of the inputs
         (``clip_by_value``); a whole-tree transform (``clip_by_global_norm``) is False.
+      update_in_place: optional ``update_in_place(grad_leaves, state) -> new_state``, the
+        same transform on a list of tensors that it overwrites (fdp's own transforms have
+        one). When every transform of a ``chain`` has one, the chain runs them on a scratch
+        copy of the grads that it reuses from step to step, so clipping allocates no fresh
+        memory per step (as ``clip_grad_norm_`` scales ``.grad`` in place).
 
     Example:
       >>> halve = fdp.optim.GradientTransform(
@@ -80,6 +87,7 @@ class GradientTransform(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     elementwise: bool = False
+    update_in_place: Callable[[list[Tensor], Any], Any] | None = None
 
 
 class ChainState(NamedTuple):
@@ -148,14 +156,26 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
     def init(params: Any) -> ChainState:
         return ChainState(tuple(t.init(params) for t in transforms), optimizer.init(params))
 
+    in_place = bool(transforms) and all(t.update_in_place is not None for t in transforms)
+    scratch = ScratchLeaves()
+
     def update(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
         if not isinstance(state, ChainState) or len(state.transforms) != len(transforms):
             raise TypeError(f"fdp.optim.chain: state must be the ChainState of a chain of "
                             f"{len(transforms)} transforms and an optimizer, got {type(state).__name__}")
         new_states = []
-        for t, s in zip(transforms, state.transforms):
-            grads, s = t.update(grads, s, params)
-            new_states.append(s)
+        if in_place and not _tree.compiling():
+            # The transforms' output never leaves the chain (the optimizer returns params),
+            # so it can live in one reused buffer: no fresh memory per step.
+            leaves, treedef = _tree.flatten(grads)
+            work = scratch.copy_of(leaves)
+            for t, s in zip(transforms, state.transforms):
+                new_states.append(t.update_in_place(work, s))
+            grads = _tree.unflatten(treedef, work)
+        else:
+            for t, s in zip(transforms, state.transforms):
+                grads, s = t.update(grads, s, params)
+                new_states.append(s)
         params, opt_state = optimizer.update(grads, state.optimizer, params)
         return params, ChainState(tuple(new_states), opt_state)
 
@@ -172,6 +192,31 @@ def clone(leaves: Sequence[Tensor]) -> list[Tensor]:
 
 def zeros_like(leaves: Sequence[Tensor], value: float = 0.0) -> list[Tensor]:
     return [torch.full_like(t, value, memory_format=torch.preserve_format) for t in leaves]
+
+
+class ScratchLeaves:
+    """A copy of a list of tensors in buffers reused from call to call (one set per thread:
+    simulated ranks are threads and may share an optimizer).
+
+    A buffer is reused only when the tensors have the same (shape, dtype, device) as last
+    time and nothing outside this object still holds one (reference counts back at their
+    baseline), so a transform or optimizer that kept a gradient sees it unchanged. All
+    checks are C-level ``map`` calls: no Python per leaf.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def copy_of(self, leaves: Sequence[Tensor]) -> list[Tensor]:
+        local = self._local
+        bufs: list[Tensor] | None = getattr(local, "bufs", None)
+        meta = list(map(_meta, leaves))
+        if bufs is None or meta != local.meta or list(map(sys.getrefcount, bufs)) != local.refs:
+            bufs = [torch.empty_like(t, memory_format=torch.preserve_format) for t in leaves]
+            local.bufs, local.meta = bufs, meta
+            local.refs = list(map(sys.getrefcount, bufs))
+        torch._foreach_copy_(bufs, list(leaves))
+        return list(bufs)
 
 
 def param_leaves(params: Any, name: str) -> tuple[list[Tensor], Any]:

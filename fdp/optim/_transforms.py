@@ -5,8 +5,8 @@
 grouped by (device, dtype), their norm, ``coef = max_norm / (total + 1e-6)`` clamped at 1,
 and every grad multiplied by it. Where torch has ``torch.nn.utils.get_total_norm`` (2.6 and
 later) fdp calls it, so the summation order is torch's own; before that the same steps are
-written out here. The grads are multiplied out of place (``torch.mul`` per leaf, the same
-elementwise product as torch's in-place ``mul_``), so the input tree is never modified.
+written out here. The grads are multiplied out of place (``torch._foreach_mul``, the same
+elementwise product as torch's in-place ``_foreach_mul_``), so the input tree is never modified.
 """
 
 from __future__ import annotations
@@ -111,7 +111,9 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         devices = set(map(_device, leaves))
         if len(devices) == 1:
-            clipped = list(map(torch.mul, leaves, repeat(coef.to(devices.pop()))))
+            # One multi-tensor call (torch's clip_grad_norm_ uses its in-place twin); the
+            # Tensor-scalar overload exists from torch 2.1.
+            clipped = list(torch._foreach_mul(leaves, coef.to(devices.pop())))
         else:
             on = {d: coef.to(d) for d in devices}
             clipped = [torch.mul(t, on[t.device]) for t in leaves]
@@ -122,7 +124,20 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             clipped = [c.to(t.dtype) for c, t in zip(clipped, leaves)]
         return _tree.unflatten(treedef, clipped), ClipState(total.detach())
 
-    return GradientTransform(init, update, elementwise=False)
+    def update_in_place(grads: list[Tensor], state: ClipState) -> ClipState:
+        if not grads:
+            return state
+        total = global_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        devices = set(map(_device, grads))  # torch's _clip_grads_with_norm_, per device
+        if len(devices) == 1:
+            torch._foreach_mul_(grads, coef.to(devices.pop()))
+        else:
+            for device in devices:
+                torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
+        return ClipState(total.detach())
+
+    return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place)
 
 
 def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
@@ -151,7 +166,12 @@ def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
         out = list(map(torch.clamp, leaves, repeat(min_value), repeat(max_value)))
         return _tree.unflatten(treedef, out), state
 
-    return GradientTransform(init, update, elementwise=True)
+    def update_in_place(grads: list[Tensor], state: tuple) -> tuple:
+        torch._foreach_clamp_min_(grads, min_value)
+        torch._foreach_clamp_max_(grads, max_value)
+        return state
+
+    return GradientTransform(init, update, elementwise=True, update_in_place=update_in_place)
 
 
 # ------------------------------------------------------------------------- partition

@@ -442,3 +442,29 @@ def test_chain_with_a_mask_runs_no_python_per_leaf(donate):
             S.warmup_cosine(1e-2, 2, 10), mask=lambda path, p: p.dim() >= 2, donate=donate))
     small, large = fdp_lines(make(), 10), fdp_lines(make(), 1000)
     assert small == large, f"fdp ran {small} Python lines for 10 leaves but {large} for 1,000"
+
+
+def test_chain_never_modifies_the_callers_grads_and_reuses_its_scratch_safely():
+    params = make_params()
+    kept = []
+
+    def keeping_update(grads, state, params):  # an optimizer that keeps the grads it saw
+        kept.append(grads)
+        return params, state
+
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.1), fdp.optim.clip_by_value(-0.01, 0.01),
+                          fdp.optim.Optimizer(lambda p: (), keeping_update))
+    state = opt.init(params)
+    seen = []
+    for t in range(3):
+        grads = grads_for(params, t)
+        before = {k: v.clone() for k, v in grads.items()}
+        opt.update(grads, state, params)
+        assert_equal(grads, before, f"the caller's grads after update {t + 1}")
+        seen.append({k: v.clone() for k, v in kept[-1].items()})
+    for t, (got, want) in enumerate(zip(kept, seen)):  # later steps did not overwrite them
+        assert_equal(got, want, f"grads kept from update {t + 1}")
+    clip = fdp.optim.clip_by_global_norm(0.1)
+    by_hand, _ = clip.update(grads_for(params, 2), clip.init(params), params)
+    by_hand, _ = fdp.optim.clip_by_value(-0.01, 0.01).update(by_hand, (), params)
+    assert_equal(kept[-1], by_hand, "in-place chain vs the transforms applied one by one")

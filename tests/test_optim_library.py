@@ -468,3 +468,42 @@ def test_chain_never_modifies_the_callers_grads_and_reuses_its_scratch_safely():
     by_hand, _ = clip.update(grads_for(params, 2), clip.init(params), params)
     by_hand, _ = fdp.optim.clip_by_value(-0.01, 0.01).update(by_hand, (), params)
     assert_equal(kept[-1], by_hand, "in-place chain vs the transforms applied one by one")
+
+
+@pytest.mark.parametrize("name,i,kw", CASES, ids=[f"{n}-{i}" for n, i, _ in CASES])
+def test_leaf_kernel_on_flat_per_group_tensors_equals_the_tree_update(name, i, kw):
+    # What a fused step does: one flat tensor per hyper-parameter group (f32 leaves only, as
+    # a bucket holds one dtype), one kernel call per group per step.
+    make = OPTIMIZERS[name][0]
+    opt = make(**kw, mask=lambda path, p: p.dim() >= 2)
+    params = make_params(f64_last=False)
+    lk = opt.leaf_kernel
+    groups = lk.groups(params)
+    keys = list(params)
+    members = {grp: [k for k, g in zip(keys, groups) if g == grp] for grp in set(groups)}
+    assert set(members) == {0, 1}
+
+    def flat(tree, ks):
+        return torch.cat([tree[k].reshape(-1) for k in ks])
+
+    flats = {grp: flat(params, ks) for grp, ks in members.items()}
+    states = {grp: [torch.full_like(f, lk.init_value) for _ in lk.fields] for grp, f in flats.items()}
+    count = torch.zeros(())
+    state = opt.init(params)
+    for t in range(6):
+        grads = grads_for(params, t)
+        for grp, ks in members.items():
+            lk.step(grp, [flats[grp]], [flat(grads, ks)], [[s] for s in states[grp]], count)
+        count += 1
+        params, state = opt.update(grads, state, params)
+        for grp, ks in members.items():
+            assert torch.equal(flats[grp], flat(params, ks)), f"{name}: group {grp} ({ks}) step {t + 1}"
+            for field, s in zip(lk.fields, states[grp]):
+                assert torch.equal(s, flat(getattr(state, field), ks)), f"{name}: state.{field} group {grp}"
+
+
+def test_only_kernel_optimizers_have_a_leaf_kernel():
+    assert fdp.optim.adamw(0.1).leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
+    assert fdp.optim.sgd(0.1).leaf_kernel.fields == ()
+    assert fdp.optim.chain(fdp.optim.sgd(0.1)).leaf_kernel is None
+    assert fdp.optim.frozen().leaf_kernel is None

@@ -11,6 +11,7 @@ groups. See docs/optim.md for the optax and torch.optim correspondences.
 from . import schedules as schedules
 from ._base import ChainState as ChainState
 from ._base import GradientTransform as GradientTransform
+from ._base import LeafKernel as LeafKernel
 from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import stateless as stateless
@@ -43,6 +44,7 @@ __all__ = [
     "ChainState",
     "ClipState",
     "GradientTransform",
+    "LeafKernel",
     "Optimizer",
     "PartitionState",
     "RMSpropState",

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .. import _tree
 
-__all__ = ["ChainState", "GradientTransform", "Optimizer", "chain", "stateless"]
+__all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "stateless"]
 
 # (shape, dtype, device) of a tensor in one C-level call.
 _meta = operator.attrgetter("shape", "dtype", "device")
@@ -46,6 +46,8 @@ class Optimizer(NamedTuple):
     Attributes:
       init: ``init(params) -> state``; the state is a pytree of tensors.
       update: ``update(grads, state, params) -> (new_params, new_state)``.
+      leaf_kernel: for optimizers over a torch.optim kernel, the same update on lists of
+        tensors (a ``LeafKernel``); ``None`` for others (``chain``, ``partition``, yours).
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -57,6 +59,31 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    leaf_kernel: LeafKernel | None = None
+
+
+class LeafKernel(NamedTuple):
+    """The leaf-list form of an optimizer built on a torch.optim kernel (``sgd``, ``adam``,
+    ``adamw``, ``adagrad``, ``rmsprop``): what a caller that keeps params, grads and state in
+    its own layout (e.g. flat per-bucket tensors) needs to run the same update.
+
+    Attributes:
+      fields: the state fields the kernel takes, in order (e.g. ``("exp_avg",
+        "exp_avg_sq")``); each is a tree like params in the optimizer's state.
+      init_value: the value those state tensors start at (Adagrad's accumulator; else 0).
+      groups: ``groups(params) -> list[int]``: per leaf, the index of its hyper-parameter
+        group (0: weight decay on, 1: off under ``mask=``); leaves of one group may share a
+        kernel call, leaves of different groups may not.
+      step: ``step(group, params, grads, state_lists, count)`` updates lists of tensors of
+        one group in place with the hyper-parameters at update ``count`` (a scalar CPU
+        tensor: updates already applied; not incremented here). ``state_lists`` holds one
+        list per field.
+    """
+
+    fields: tuple[str, ...]
+    init_value: float
+    groups: Callable[[Any], list[int]]
+    step: Callable[..., None]
 
 
 class GradientTransform(NamedTuple):

@@ -31,6 +31,7 @@ from torch import Tensor
 from .. import _tree
 from . import _kernels
 from ._base import (
+    LeafKernel,
     Optimizer,
     ParamLeaves,
     check_state,
@@ -147,6 +148,22 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
             groups_by_tree[ps.treedef] = cached
         return cached
 
+    def leaf_groups(params: Any) -> list[int]:
+        ps = ParamLeaves(params, name)
+        if mask is None:
+            return [0] * len(ps.leaves)
+        flags = leaf_options(mask, ps.treedef, ps.leaves, name, "mask")
+        return [0 if flag else 1 for flag in flags]
+
+    @torch.no_grad()
+    def leaf_step(group: int, p: list[Tensor], g: list[Tensor], state_lists: list[list[Tensor]],
+                  count: Tensor) -> None:
+        by_field = dict(zip(used, state_lists))
+        step = _host_step(count, name, spec.exact_first_step)
+        wd_now = _value_at(weight_decay, step, count) if group == 0 else 0.0
+        spec.kernel(p, g, [by_field.get(f, []) for f in fields], count, step == 0,
+                    _value_at(lr, step, count), wd_now)
+
     def init(params: Any) -> Any:
         leaves, treedef = param_leaves(params, name)
         trees = {f: _tree.unflatten(treedef, zeros_like(leaves, spec.init_value)) if need else None
@@ -162,7 +179,7 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
             ps.check_no_aliases()
         p, g = ps.leaves, ps.like(grads, "grads")
         lists = [ps.like(getattr(state, f), f"state.{f}") for f in used]
-        step = _host_step(state, name, spec.exact_first_step)
+        step = _host_step(state.step, name, spec.exact_first_step)
         lr_now = _value_at(lr, step, state.step)
         wd_now = _value_at(weight_decay, step, state.step)
         if not donate:
@@ -180,14 +197,14 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
         new_state = spec.state(state.step + 1, **{f: trees.get(f) for f in fields})
         return _tree.unflatten(ps.treedef, p), new_state
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, leaf_groups, leaf_step))
 
 
-def _host_step(state: Any, name: str, exact_first_step: bool) -> int | None:
+def _host_step(count: Tensor, name: str, exact_first_step: bool) -> int | None:
     """The step count as a Python int (a CPU scalar: no device sync); None under torch.compile,
     where the count stays a tensor in the graph (schedules then do tensor math on it)."""
     if not _tree.compiling():
-        return int(state.step)
+        return int(count)
     if exact_first_step:
         raise RuntimeError(f"{name}: momentum with dampening != 0 needs the step count on the host "
                            "(torch's first step differs); it is not supported under torch.compile")

@@ -385,9 +385,10 @@ def test_empty_leaves_are_not_aliases():
 def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_path):
     params = make_params()
     opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.partition(
-        lambda path, p: "decay" if p.dim() >= 2 else "rest",
+        lambda path, p: "frozen" if path == "['layer1.bias']" else "decay" if p.dim() >= 2 else "rest",
         {"decay": fdp.optim.adamw(S.warmup_cosine(1e-2, 2, 10), weight_decay=0.1),
-         "rest": fdp.optim.rmsprop(S.step_decay(1e-2, 3), momentum=0.5)}))
+         "rest": fdp.optim.rmsprop(S.step_decay(1e-2, 3), momentum=0.5),
+         "frozen": fdp.optim.frozen()}))
     state = opt.init(params)
     straight_p, straight_s = params, state
     for t in range(8):
@@ -402,6 +403,7 @@ def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_p
     for t in range(4, 8):
         p, s = opt.update(grads_for(params, t), s, p)
     assert_equal(p, straight_p, "resumed vs uninterrupted")
+    assert torch.equal(p["layer1.bias"], params["layer1.bias"]), "the frozen leaf moved"
 
 
 def test_old_type_name_still_imports():

@@ -509,3 +509,29 @@ def test_only_kernel_optimizers_have_a_leaf_kernel():
     assert fdp.optim.sgd(0.1).leaf_kernel.fields == ()
     assert fdp.optim.chain(fdp.optim.sgd(0.1)).leaf_kernel is None
     assert fdp.optim.frozen().leaf_kernel is None
+
+
+def test_the_full_chain_compiles_into_one_graph_and_matches_eager():
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def make():
+        return fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(
+            S.warmup_cosine(0.05, 3, 10), weight_decay=0.1, mask=lambda path, p: p.dim() >= 2))
+
+    copt, eopt = make(), make()
+    params = {"w": torch.ones(4, 2), "b": torch.ones(2)}
+    step = torch.compile(copt.update, fullgraph=True, backend=backend)
+    cp, cs, ep, es = params, copt.init(params), params, eopt.init(params)
+    for t in range(6):
+        grads = {"w": torch.linspace(-1, 1, 8).view(4, 2) * (t + 1), "b": torch.full((2,), -0.5)}
+        cp, cs = step(grads, cs, cp)
+        ep, es = eopt.update(grads, es, ep)
+    assert len(graphs) == 1, f"{len(graphs)} graphs for 6 steps"
+    for k in ep:
+        torch.testing.assert_close(cp[k], ep[k], rtol=1e-5, atol=1e-6, msg=f"params[{k!r}]")
+    torch.testing.assert_close(cs.transforms[0].norm, es.transforms[0].norm)

@@ -136,7 +136,8 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
         """(picker of the group's leaves or None for all, decays) per kernel call."""
         if mask is None:
             return [(None, True)]
-        cached = groups_by_tree.get(ps.treedef)
+        # Under torch.compile the split is made while tracing (dynamo cannot hash a treedef).
+        cached = None if _tree.compiling() else groups_by_tree.get(ps.treedef)
         if cached is None:
             flags = leaf_options(mask, ps.treedef, ps.leaves, name, "mask")
             for path, flag in zip(_tree.paths(ps.treedef), flags):
@@ -145,7 +146,8 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
             on = [i for i, f in enumerate(flags) if f]
             off = [i for i, f in enumerate(flags) if not f]
             cached = [(take(idx), decay) for idx, decay in ((on, True), (off, False)) if idx]
-            groups_by_tree[ps.treedef] = cached
+            if not _tree.compiling():
+                groups_by_tree[ps.treedef] = cached
         return cached
 
     def leaf_groups(params: Any) -> list[int]:

@@ -30,6 +30,15 @@ _device = operator.attrgetter("device")
 _dtype = operator.attrgetter("dtype")
 
 
+def _devices(leaves: list[Tensor]) -> set[torch.device]:
+    # map() over a C getter: no Python per leaf; dynamo cannot trace attrgetter, so a loop there.
+    return {t.device for t in leaves} if _tree.compiling() else set(map(_device, leaves))
+
+
+def _dtypes(leaves: list[Tensor]) -> list[torch.dtype]:
+    return [t.dtype for t in leaves] if _tree.compiling() else list(map(_dtype, leaves))
+
+
 def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> Tensor:
     """The norm of all leaves of ``grads`` as one vector, as ``clip_grad_norm_`` computes it.
 
@@ -109,7 +118,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             return grads, state
         total = global_norm(leaves, norm_type, error_if_nonfinite=error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        devices = set(map(_device, leaves))
+        devices = _devices(leaves)
         if len(devices) == 1:
             # One multi-tensor call (torch's clip_grad_norm_ uses its in-place twin); the
             # Tensor-scalar overload exists from torch 2.1.
@@ -120,7 +129,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         # torch multiplies in place, which keeps each grad's dtype; out of place a 0-d grad
         # is promoted to the norm's dtype (0-d times 0-d), so cast those back: the product
         # is computed in the promoted dtype either way, then rounded on store.
-        if list(map(_dtype, clipped)) != list(map(_dtype, leaves)):
+        if _dtypes(clipped) != _dtypes(leaves):
             clipped = [c.to(t.dtype) for c, t in zip(clipped, leaves)]
         return _tree.unflatten(treedef, clipped), ClipState(total.detach())
 

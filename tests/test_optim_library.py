@@ -535,3 +535,22 @@ def test_the_full_chain_compiles_into_one_graph_and_matches_eager():
     for k in ep:
         torch.testing.assert_close(cp[k], ep[k], rtol=1e-5, atol=1e-6, msg=f"params[{k!r}]")
     torch.testing.assert_close(cs.transforms[0].norm, es.transforms[0].norm)
+
+
+def test_donate_rechecks_trees_that_are_not_the_tensors_it_checked_before():
+    # donate=True recognises the params and state it checked last step by identity; any
+    # other tensor is checked again, and a bad one is still named.
+    params = make_params()
+    opt = fdp.optim.adamw(1e-2, donate=True)
+    state = opt.init(params)
+    for t in range(2):
+        params, state = opt.update(grads_for(params, t), state, params)
+    other = opt.init({**params, "layer0.weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match=r"state\.exp_avg\['layer0\.weight'\] has shape \(2, 2\)"):
+        opt.update(grads_for(params, 2), other._replace(step=state.step), params)
+    swapped = {**params, "layer1.bias": torch.zeros(5)}
+    with pytest.raises(ValueError, match=r"grads\['layer1\.bias'\] has shape \(6,\).*params\['layer1\.bias'\] has shape \(5,\)"):
+        opt.update(grads_for(params, 2), state, swapped)
+    aliased = {**params, "layer2.bias": params["layer1.bias"]}
+    with pytest.raises(ValueError, match="are the same memory"):
+        opt.update({**grads_for(params, 2), "layer2.bias": torch.ones(6)}, state, aliased)

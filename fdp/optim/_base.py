@@ -268,10 +268,35 @@ class ParamLeaves:
     getter. Only a mismatch walks the leaves in Python, to name the first bad one.
     """
 
-    def __init__(self, params: Any, name: str) -> None:
+    def __init__(self, params: Any, name: str, known: KnownLeaves | None = None) -> None:
         self.name = name
         self.leaves, self.treedef = _tree.flatten(params)
         self._meta: list[Any] | None = None
+        self._known = known
+        # With donate=True the same params and state tensors come back every step: once
+        # checked, they are recognised by identity (one C-level pass) instead of re-checked.
+        entry = known.lookup("params", self.leaves, self.treedef) if known is not None else None
+        self.known = entry is not None
+        if entry is not None:
+            self._meta = entry[2]
+
+    def like_known(self, tree: Any, what: str) -> list[Tensor]:
+        """``like``, skipped for a tree whose leaves are the tensors checked last time."""
+        if self.known:
+            leaves, got = _tree.flatten(tree)
+            if self._known.lookup(what, leaves, got) is not None:
+                return leaves
+        leaves = self.like(tree, what)
+        if self._known is not None:
+            self._known.remember(what, leaves, self.treedef)
+        return leaves
+
+    def checked(self) -> None:
+        """Every tree of this update passed its checks: remember the params (donate=True)."""
+        if self._known is not None and not self.known:
+            if self._meta is None:
+                self._meta = list(map(_meta, self.leaves))
+            self._known.remember("params", self.leaves, self.treedef, self._meta)
 
     def like(self, tree: Any, what: str) -> list[Tensor]:
         """Leaves of ``tree``, checked to have the params' structure, shapes, dtypes, devices."""
@@ -322,6 +347,35 @@ class ParamLeaves:
                     "tensor once (fdp.functionalize keeps tied weights once) or use donate=False"
                 )
             seen[ptr] = path
+
+
+class KnownLeaves:
+    """Leaves an optimizer has already checked, recognised by identity (``donate=True``).
+
+    It holds references to them, so an identity can't be reused by a new tensor while it is
+    remembered; with ``donate=True`` the caller holds the same tensors anyway. Per thread,
+    since simulated ranks are threads that may share an optimizer. A tensor changed in place
+    to another shape (``.data =``, ``resize_``) is not noticed; torch's kernel then raises.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def lookup(self, key: str, leaves: list[Any], treedef: Any) -> tuple | None:
+        """The remembered ``(leaves, treedef, meta)`` if ``leaves`` are those very tensors."""
+        if _tree.compiling():
+            return None
+        entry = getattr(self._local, "entries", {}).get(key)
+        if entry is None or entry[1] != treedef or len(entry[0]) != len(leaves):
+            return None
+        return entry if all(map(operator.is_, entry[0], leaves)) else None
+
+    def remember(self, key: str, leaves: list[Any], treedef: Any, meta: list[Any] | None = None) -> None:
+        if _tree.compiling():
+            return
+        if not hasattr(self._local, "entries"):
+            self._local.entries = {}
+        self._local.entries[key] = (list(leaves), treedef, meta)
 
 
 def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:

@@ -31,6 +31,7 @@ from torch import Tensor
 from .. import _tree
 from . import _kernels
 from ._base import (
+    KnownLeaves,
     LeafKernel,
     Optimizer,
     ParamLeaves,
@@ -131,6 +132,7 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
     name, fields = spec.name, list(spec.needed)
     used = [f for f in fields if spec.needed[f]]
     groups_by_tree: dict[Any, list[tuple[Callable | None, bool]]] = {}
+    known = KnownLeaves() if donate else None
 
     def groups(ps: ParamLeaves) -> list[tuple[Callable | None, bool]]:
         """(picker of the group's leaves or None for all, decays) per kernel call."""
@@ -176,11 +178,12 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
     @torch.no_grad()
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         check_state(state, spec.state, name, **spec.needed)
-        ps = ParamLeaves(params, name)
-        if donate:
+        ps = ParamLeaves(params, name, known)
+        if donate and not ps.known:
             ps.check_no_aliases()
         p, g = ps.leaves, ps.like(grads, "grads")
-        lists = [ps.like(getattr(state, f), f"state.{f}") for f in used]
+        lists = [ps.like_known(getattr(state, f), f"state.{f}") for f in used]
+        ps.checked()
         step = _host_step(state.step, name, spec.exact_first_step)
         lr_now = _value_at(lr, step, state.step)
         wd_now = _value_at(weight_decay, step, state.step)

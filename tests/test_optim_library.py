@@ -7,6 +7,7 @@ torch.nn.utils.clip_grad_norm_ / clip_grad_value_, torch.optim.lr_scheduler sequ
 from __future__ import annotations
 
 import math
+import types
 
 import hypothesis.strategies as st
 import pytest
@@ -554,3 +555,23 @@ def test_donate_rechecks_trees_that_are_not_the_tensors_it_checked_before():
     aliased = {**params, "layer2.bias": params["layer1.bias"]}
     with pytest.raises(ValueError, match="are the same memory"):
         opt.update({**grads_for(params, 2), "layer2.bias": torch.ones(6)}, state, aliased)
+
+
+def _shared_chain_run(group, opt):
+    params = make_params(seed=group.rank)
+    state = opt.init(params)
+    for t in range(5):
+        params, state = opt.update(grads_for(params, t, scale=1.0 + group.rank), state, params)
+    return params
+
+
+def test_one_chain_shared_by_simulated_ranks_on_threads_gives_each_rank_its_own_numbers():
+    # The chain's scratch buffers and donate's identity cache are per thread.
+    def make():
+        return fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), fdp.optim.adamw(1e-2, donate=True))
+
+    shared = make()
+    res = fdp.testing.run(_shared_chain_run, 2, args=(shared,))
+    for rank in range(2):  # the same rank's work alone, with its own chain
+        alone = _shared_chain_run(types.SimpleNamespace(rank=rank), make())
+        assert_equal(res[rank], alone, f"rank {rank} with a shared chain")

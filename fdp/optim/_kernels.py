@@ -4,8 +4,9 @@ Each function takes lists of tensors (params, grads, state tensors, in one order
 group's hyper-parameters, and updates params and state *in place* by calling the functional
 kernel that the torch.optim class calls in its ``step`` (``torch.optim.sgd.sgd``,
 ``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``, ``torch.optim.adagrad.adagrad``,
-``torch.optim.rmsprop.rmsprop``; checked on torch 2.4's and 2.13's signatures: the lists are
-positional, the hyper-parameters keywords). ``foreach`` and ``fused`` are left at ``None``
+``torch.optim.rmsprop.rmsprop``; the lists are passed by position, everything else by
+keyword. ``sgd``'s and ``adamw``'s signatures were checked on torch 2.4 and 2.13, the
+others on 2.13 only). ``foreach`` and ``fused`` are left at ``None``
 so the kernel picks the implementation torch.optim picks by default. The lists may be a
 tree's leaves (``fdp.optim``'s pytree optimizers) or flat per-bucket tensors (one element
 each): the numbers are the same per element either way.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -352,30 +353,33 @@ class ParamLeaves:
 class KnownLeaves:
     """Leaves an optimizer has already checked, recognised by identity (``donate=True``).
 
-    It holds references to them, so an identity can't be reused by a new tensor while it is
-    remembered; with ``donate=True`` the caller holds the same tensors anyway. Per thread,
-    since simulated ranks are threads that may share an optimizer. A tensor changed in place
-    to another shape (``.data =``, ``resize_``) is not noticed; torch's kernel then raises.
+    It keeps weak references, so it holds no memory alive and a tensor that died is never
+    mistaken for a new one at the same address. Per thread, since simulated ranks are threads
+    that may share an optimizer. A tensor changed in place to another shape (``.data =``,
+    ``resize_``) is not noticed; torch's kernel then raises.
     """
 
     def __init__(self) -> None:
         self._local = threading.local()
 
     def lookup(self, key: str, leaves: list[Any], treedef: Any) -> tuple | None:
-        """The remembered ``(leaves, treedef, meta)`` if ``leaves`` are those very tensors."""
+        """The remembered ``(refs, treedef, meta)`` if ``leaves`` are those very tensors."""
         if _tree.compiling():
             return None
         entry = getattr(self._local, "entries", {}).get(key)
         if entry is None or entry[1] != treedef or len(entry[0]) != len(leaves):
             return None
-        return entry if all(map(operator.is_, entry[0], leaves)) else None
+        return entry if all(map(operator.is_, map(_deref, entry[0]), leaves)) else None
 
     def remember(self, key: str, leaves: list[Any], treedef: Any, meta: list[Any] | None = None) -> None:
         if _tree.compiling():
             return
         if not hasattr(self._local, "entries"):
             self._local.entries = {}
-        self._local.entries[key] = (list(leaves), treedef, meta)
+        self._local.entries[key] = (list(map(weakref.ref, leaves)), treedef, meta)
+
+
+_deref = weakref.ref.__call__
 
 
 def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:

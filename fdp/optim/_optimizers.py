@@ -181,7 +181,8 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
         ps = ParamLeaves(params, name, known)
         if donate and not ps.known:
             ps.check_no_aliases()
-        p, g = ps.leaves, ps.like(grads, "grads")
+        # (A chain hands over its reused scratch grads: the same tensors every step.)
+        p, g = ps.leaves, ps.like_known(grads, "grads")
         lists = [ps.like_known(getattr(state, f), f"state.{f}") for f in used]
         ps.checked()
         step = _host_step(state.step, name, spec.exact_first_step)

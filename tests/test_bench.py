@@ -38,3 +38,16 @@ def test_kernel_benchmark_prints_ratios_to_a_copy(capsys):
     assert "x copy" in text
     for row in ("floor: cat of 1-D views", "floor: leaf views"):  # same-run floors, no target
         assert f" {row} " in text and "(floor, no target)" in text
+
+
+def test_optim_benchmark_prints_each_kind_with_its_ratio_and_checks_the_numbers(capsys):
+    from fdp.bench import optim as optim_bench
+
+    code = optim_bench.main(["--steps", "3", "--warmup", "1", "--trees", "10-leaves"])
+    text = capsys.readouterr().out
+    assert code in (0, 1)  # 1 = the target missed; the harness itself worked
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("10-leaves ")
+            and line.split()[1] in optim_bench.KINDS}
+    assert set(rows) == set(optim_bench.KINDS), text
+    assert float(rows["torch.optim"][3]) == 1.0
+    assert "fdp-donate == torch.optim bit for bit: True" in text, text

@@ -1,6 +1,6 @@
 """The examples run: each to completion at a tiny size, as a user would launch it.
 
-train_mlp, uneven_inputs, grad_accumulation and resnet_bf16 run under
+train_mlp, uneven_inputs, grad_accumulation, resnet_bf16 and char_gpt run under
 ``torchrun --standalone --nproc-per-node 2`` (two gloo ranks); dp_sgd runs as plain
 ``python`` (a world of one: its all-reduce is the same call either way). Each run happens in
 a temporary folder so checkpoints and plots do not litter the repository.
@@ -26,6 +26,8 @@ TORCHRUN = {
     "uneven_inputs.py": ["--epochs", "2", "--batches", "3", "--batch-size", "16"],
     "grad_accumulation.py": ["--steps", "4", "--micro-batches", "3", "--check-every", "2"],
     "resnet_bf16.py": ["--steps", "4", "--batch-size", "8"],
+    "char_gpt.py": ["--steps", "8", "--micro-batches", "2", "--batch-size", "4", "--eval-every", "4",
+                    "--ckpt-every", "4", "--ckpt", "ckpt/gpt.pt"],
 }
 PLAIN = {
     "dp_sgd.py": ["--steps", "20"],
@@ -103,3 +105,28 @@ def test_dp_sgd_runs_in_a_world_of_one(tmp_path):
     out = run_example("dp_sgd.py", PLAIN["dp_sgd.py"], tmp_path, ranks=None)
     assert "world 1:" in out and "DP-SGD" in out, out
     accuracy(out)
+
+
+def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tmp_path):
+    args = TORCHRUN["char_gpt.py"]
+    out = run_example("char_gpt.py", [*args, "--out", "straight.pt"], tmp_path, ranks=2)
+    assert "world 2:" in out and "mean over 2 ranks" in out, out
+    first, last = (float(v) for v in re.search(r"val loss ([0-9.]+) -> ([0-9.]+)", out).groups())
+    assert last < first, f"8 steps did not lower the validation loss: {first} -> {last}"
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    out = run_example("char_gpt.py", [*args, "--stop-at", "4"], resumed, ranks=2)
+    assert "stopped after step 4" in out, out
+    out = run_example("char_gpt.py", [*args, "--resume", "--out", "resumed.pt"], resumed, ranks=2)
+    assert "resumed from ckpt/gpt.pt at step 4" in out, out
+    import torch
+
+    a, b = torch.load(tmp_path / "straight.pt"), torch.load(resumed / "resumed.pt")
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"params[{k!r}] after resume differs from the straight run"
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    out = run_example("char_gpt.py", ["--steps", "3", "--batch-size", "4", "--ckpt", "c.pt"], plain, ranks=None)
+    assert "world 1:" in out, out

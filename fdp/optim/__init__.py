@@ -1,0 +1,65 @@
+"""fdp.optim: functional optimizers over torch.optim's own kernels, gradient transforms,
+schedules and parameter groups.
+
+An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
+(new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
+(clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
+be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
+groups. See docs/optim.md for the optax and torch.optim correspondences.
+"""
+
+from . import schedules as schedules
+from ._base import ChainState as ChainState
+from ._base import GradientTransform as GradientTransform
+from ._base import LeafKernel as LeafKernel
+from ._base import Optimizer as Optimizer
+from ._base import chain as chain
+from ._base import stateless as stateless
+from ._optimizers import AdagradState as AdagradState
+from ._optimizers import AdamState as AdamState
+from ._optimizers import AdamWState as AdamWState
+from ._optimizers import RMSpropState as RMSpropState
+from ._optimizers import SGDState as SGDState
+from ._optimizers import adagrad as adagrad
+from ._optimizers import adam as adam
+from ._optimizers import adamw as adamw
+from ._optimizers import rmsprop as rmsprop
+from ._optimizers import sgd as sgd
+from ._transforms import ClipState as ClipState
+from ._transforms import PartitionState as PartitionState
+from ._transforms import clip_by_global_norm as clip_by_global_norm
+from ._transforms import clip_by_value as clip_by_value
+from ._transforms import frozen as frozen
+from ._transforms import global_norm as global_norm
+from ._transforms import partition as partition
+
+# Deprecated: the name borrowed optax's type without its contract (an fdp optimizer returns
+# new params, not updates). Kept so old code imports; use ``Optimizer``.
+GradientTransformation = Optimizer
+
+__all__ = [
+    "AdagradState",
+    "AdamState",
+    "AdamWState",
+    "ChainState",
+    "ClipState",
+    "GradientTransform",
+    "LeafKernel",
+    "Optimizer",
+    "PartitionState",
+    "RMSpropState",
+    "SGDState",
+    "adagrad",
+    "adam",
+    "adamw",
+    "chain",
+    "clip_by_global_norm",
+    "clip_by_value",
+    "frozen",
+    "global_norm",
+    "partition",
+    "rmsprop",
+    "schedules",
+    "sgd",
+    "stateless",
+]

@@ -1,0 +1,418 @@
+"""The two types of fdp.optim, ``chain``, and the leaf-list helpers every optimizer shares.
+
+An ``Optimizer`` applies an update: ``update(grads, state, params) -> (params, state)``.
+A ``GradientTransform`` rewrites gradients: ``update(grads, state, params) -> (grads, state)``.
+``chain(*transforms, optimizer)`` runs the transforms in order, then the optimizer.
+
+How this maps to optax (``optax/_src/base.py``): optax has one type, whose ``update``
+returns *updates* that ``optax.apply_updates(params, updates)`` adds to the params. fdp's
+optimizers return the new params instead, because torch.optim's kernels update params in
+place with their own formula (AdamW multiplies by ``1 - lr * wd`` first, then ``addcdiv_``);
+computing ``updates`` and adding them would round differently from torch.optim, and fdp's
+numbers are torch.optim's bit for bit. A ``GradientTransform`` is exactly optax's contract
+restricted to gradients (its output is new gradients), so optax-style transforms port as-is.
+
+The core works on *leaf lists* (the tree's leaves in order); the pytree API is a thin layer
+on top. The helpers here check a tree against the params without Python per leaf in the
+common case (C-level ``map`` calls), and walk the leaves only to name a bad one.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import _tree
+
+__all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "stateless"]
+
+# (shape, dtype, device) of a tensor in one C-level call.
+_meta = operator.attrgetter("shape", "dtype", "device")
+
+
+def _traced_meta(t: Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device)
+
+
+class Optimizer(NamedTuple):
+    """An optimizer as a pair of pure functions: it returns new params, not optax's updates.
+
+    Attributes:
+      init: ``init(params) -> state``; the state is a pytree of tensors.
+      update: ``update(grads, state, params) -> (new_params, new_state)``.
+      leaf_kernel: for optimizers over a torch.optim kernel, the same update on lists of
+        tensors (a ``LeafKernel``); ``None`` for others (``chain``, ``partition``, yours).
+
+    Example:
+      >>> opt = fdp.optim.sgd(lr=0.1)
+      >>> params = {"w": torch.ones(2)}
+      >>> params, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+      >>> params["w"]
+      tensor([0.9000, 0.9000])
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    leaf_kernel: LeafKernel | None = None
+
+
+class LeafKernel(NamedTuple):
+    """The leaf-list form of an optimizer built on a torch.optim kernel (``sgd``, ``adam``,
+    ``adamw``, ``adagrad``, ``rmsprop``): what a caller that keeps params, grads and state in
+    its own layout (e.g. flat per-bucket tensors) needs to run the same update.
+
+    Attributes:
+      fields: the state fields the kernel takes, in order (e.g. ``("exp_avg",
+        "exp_avg_sq")``); each is a tree like params in the optimizer's state.
+      init_value: the value those state tensors start at (Adagrad's accumulator; else 0).
+      groups: ``groups(params) -> list[int]``: per leaf, the index of its hyper-parameter
+        group (0: weight decay on, 1: off under ``mask=``); leaves of one group may share a
+        kernel call, leaves of different groups may not.
+      step: ``step(group, params, grads, state_lists, count)`` updates lists of tensors of
+        one group in place with the hyper-parameters at update ``count`` (a scalar CPU
+        tensor: updates already applied; not incremented here). ``state_lists`` holds one
+        list per field.
+    """
+
+    fields: tuple[str, ...]
+    init_value: float
+    groups: Callable[[Any], list[int]]
+    step: Callable[..., None]
+
+
+class GradientTransform(NamedTuple):
+    """A gradient transformation: optax's contract, on gradients only.
+
+    Attributes:
+      init: ``init(params) -> state`` (``()`` for a stateless transform).
+      update: ``update(grads, state, params) -> (new_grads, new_state)``; must not modify
+        its inputs.
+      elementwise: True when each output leaf depends only on the same leaf of the inputs
+        (``clip_by_value``); a whole-tree transform (``clip_by_global_norm``) is False.
+      update_in_place: optional ``update_in_place(grad_leaves, state) -> new_state``, the
+        same transform on a list of tensors that it overwrites (fdp's own transforms have
+        one). When every transform of a ``chain`` has one, the chain runs them on a scratch
+        copy of the grads that it reuses from step to step, so clipping allocates no fresh
+        memory per step (as ``clip_grad_norm_`` scales ``.grad`` in place).
+
+    Example:
+      >>> halve = fdp.optim.GradientTransform(
+      ...     init=lambda params: (),
+      ...     update=lambda grads, state, params: ({k: g / 2 for k, g in grads.items()}, state))
+      >>> opt = fdp.optim.chain(halve, fdp.optim.sgd(lr=1.0))
+      >>> params = {"w": torch.ones(2)}
+      >>> opt.update({"w": torch.ones(2)}, opt.init(params), params)[0]["w"]
+      tensor([0.5000, 0.5000])
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    elementwise: bool = False
+    update_in_place: Callable[[list[Tensor], Any], Any] | None = None
+
+
+class ChainState(NamedTuple):
+    """State of ``chain``: one state per gradient transform, then the optimizer's."""
+
+    transforms: tuple
+    optimizer: Any
+
+
+def stateless(fn: Callable[[Any, Any], Any], *, elementwise: bool = False) -> GradientTransform:
+    """A ``GradientTransform`` from a pure function ``fn(grads, params) -> new_grads``.
+
+    Args:
+      fn: maps the gradient tree (and the params, for transforms that read them) to a new
+        gradient tree of the same structure; must not modify its inputs.
+      elementwise: whether each output leaf depends only on the same input leaf.
+
+    Returns:
+      A ``GradientTransform`` whose state is ``()``.
+
+    Example:
+      >>> negate = fdp.optim.stateless(lambda grads, params: {k: -g for k, g in grads.items()})
+      >>> opt = fdp.optim.chain(negate, fdp.optim.sgd(lr=1.0))
+      >>> params = {"w": torch.zeros(1)}
+      >>> opt.update({"w": torch.ones(1)}, opt.init(params), params)[0]["w"]
+      tensor([1.])
+    """
+    def init(params: Any) -> tuple:
+        return ()
+
+    def update(grads: Any, state: tuple, params: Any) -> tuple[Any, tuple]:
+        return fn(grads, params), state
+
+    return GradientTransform(init, update, elementwise)
+
+
+def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
+    """Gradient transforms applied in order, then one optimizer (torch's clip-then-step).
+
+    Args:
+      *parts: zero or more ``GradientTransform`` s followed by exactly one ``Optimizer``.
+
+    Returns:
+      An ``Optimizer`` whose state is a ``ChainState``.
+
+    Raises:
+      TypeError: the last part is not an ``Optimizer`` or an earlier one is not a
+        ``GradientTransform``.
+
+    Example:
+      >>> opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.sgd(lr=0.1))
+      >>> params = {"w": torch.zeros(2)}
+      >>> params, state = opt.update({"w": torch.full((2,), 10.0)}, opt.init(params), params)
+      >>> params["w"]  # the grad (norm 14.1) was scaled to norm 1 first
+      tensor([-0.0707, -0.0707])
+    """
+    if not parts or not isinstance(parts[-1], Optimizer):
+        got = type(parts[-1]).__name__ if parts else "nothing"
+        raise TypeError(f"fdp.optim.chain: the last part must be an Optimizer (sgd, adamw, ...), got {got}")
+    transforms, optimizer = parts[:-1], parts[-1]
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransform):
+            raise TypeError(f"fdp.optim.chain: part {i} must be a GradientTransform, got "
+                            f"{type(t).__name__} (only the last part may be an Optimizer)")
+
+    def init(params: Any) -> ChainState:
+        return ChainState(tuple(t.init(params) for t in transforms), optimizer.init(params))
+
+    in_place = bool(transforms) and all(t.update_in_place is not None for t in transforms)
+    scratch = ScratchLeaves()
+
+    def update(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
+        if not isinstance(state, ChainState) or len(state.transforms) != len(transforms):
+            raise TypeError(f"fdp.optim.chain: state must be the ChainState of a chain of "
+                            f"{len(transforms)} transforms and an optimizer, got {type(state).__name__}")
+        new_states = []
+        if in_place and not _tree.compiling():
+            # The transforms' output never leaves the chain (the optimizer returns params),
+            # so it can live in one reused buffer: no fresh memory per step.
+            leaves, treedef = _tree.flatten(grads)
+            work = scratch.copy_of(leaves)
+            for t, s in zip(transforms, state.transforms):
+                new_states.append(t.update_in_place(work, s))
+            grads = _tree.unflatten(treedef, work)
+        else:
+            for t, s in zip(transforms, state.transforms):
+                grads, s = t.update(grads, s, params)
+                new_states.append(s)
+        params, opt_state = optimizer.update(grads, state.optimizer, params)
+        return params, ChainState(tuple(new_states), opt_state)
+
+    return Optimizer(init, update)
+
+
+# ------------------------------------------------------------------- leaf-list helpers
+
+
+def clone(leaves: Sequence[Tensor]) -> list[Tensor]:
+    """Clones of ``leaves`` (``map`` over the bound C function: no Python per leaf)."""
+    return list(map(Tensor.clone, leaves))
+
+
+def zeros_like(leaves: Sequence[Tensor], value: float = 0.0) -> list[Tensor]:
+    return [torch.full_like(t, value, memory_format=torch.preserve_format) for t in leaves]
+
+
+class ScratchLeaves:
+    """A copy of a list of tensors in buffers reused from call to call (one set per thread:
+    simulated ranks are threads and may share an optimizer).
+
+    A buffer is reused only when the tensors have the same (shape, dtype, device) as last
+    time and nothing outside this object still holds one (reference counts back at their
+    baseline), so a transform or optimizer that kept a gradient sees it unchanged. All
+    checks are C-level ``map`` calls: no Python per leaf.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def copy_of(self, leaves: Sequence[Tensor]) -> list[Tensor]:
+        local = self._local
+        bufs: list[Tensor] | None = getattr(local, "bufs", None)
+        meta = list(map(_meta, leaves))
+        if bufs is None or meta != local.meta or list(map(sys.getrefcount, bufs)) != local.refs:
+            bufs = [torch.empty_like(t, memory_format=torch.preserve_format) for t in leaves]
+            local.bufs, local.meta = bufs, meta
+            local.refs = list(map(sys.getrefcount, bufs))
+        torch._foreach_copy_(bufs, list(leaves))
+        return list(bufs)
+
+
+def param_leaves(params: Any, name: str) -> tuple[list[Tensor], Any]:
+    """Leaves and structure of ``params``, each checked to be a floating tensor (for init)."""
+    leaves, treedef = _tree.flatten(params)
+    for path, t in zip(_tree.paths(treedef), leaves):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: params{path} is a {type(t).__name__}, not a tensor")
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(
+                f"{name}: params{path} has dtype {t.dtype}; optimizers update floating or "
+                "complex tensors only (keep integer state in buffers)"
+            )
+    return leaves, treedef
+
+
+class ParamLeaves:
+    """The params of one ``update`` call, and checks of other trees against them.
+
+    The common case costs no Python bytecode per leaf: one flatten (C++), one structure
+    comparison, and one list of (shape, dtype, device) per tree built by ``map`` over a C
+    getter. Only a mismatch walks the leaves in Python, to name the first bad one.
+    """
+
+    def __init__(self, params: Any, name: str, known: KnownLeaves | None = None) -> None:
+        self.name = name
+        self.leaves, self.treedef = _tree.flatten(params)
+        self._meta: list[Any] | None = None
+        self._known = known
+        # With donate=True the same params and state tensors come back every step: once
+        # checked, they are recognised by identity (one C-level pass) instead of re-checked.
+        entry = known.lookup("params", self.leaves, self.treedef) if known is not None else None
+        self.known = entry is not None
+        if entry is not None:
+            self._meta = entry[2]
+
+    def like_known(self, tree: Any, what: str) -> list[Tensor]:
+        """``like``, skipped for a tree whose leaves are the tensors checked last time."""
+        if self.known:
+            leaves, got = _tree.flatten(tree)
+            if self._known.lookup(what, leaves, got) is not None:
+                return leaves
+        leaves = self.like(tree, what)
+        if self._known is not None:
+            self._known.remember(what, leaves, self.treedef)
+        return leaves
+
+    def checked(self) -> None:
+        """Every tree of this update passed its checks: remember the params (donate=True)."""
+        if self._known is not None and not self.known:
+            if self._meta is None:
+                self._meta = list(map(_meta, self.leaves))
+            self._known.remember("params", self.leaves, self.treedef, self._meta)
+
+    def like(self, tree: Any, what: str) -> list[Tensor]:
+        """Leaves of ``tree``, checked to have the params' structure, shapes, dtypes, devices."""
+        leaves, got = _tree.flatten(tree)
+        if got != self.treedef:
+            raise ValueError(
+                f"{self.name}: {what} does not have the structure of params: "
+                f"{_tree.first_difference(self.treedef, got)}"
+            )
+        try:
+            meta = _traced_meta if _tree.compiling() else _meta  # dynamo can't call attrgetter
+            if self._meta is None:
+                self._meta = list(map(meta, self.leaves))
+            if list(map(meta, leaves)) == self._meta:
+                return leaves
+        except AttributeError:  # a leaf that is not a tensor: find it below
+            pass
+        for path, t, p in zip(_tree.paths(self.treedef), leaves, self.leaves):
+            for tree_name, leaf in (("params", p), (what, t)):
+                if not isinstance(leaf, Tensor):
+                    raise TypeError(
+                        f"{self.name}: {tree_name}{path} is a {type(leaf).__name__}, not a tensor"
+                    )
+            if _meta(t) != _meta(p):
+                raise ValueError(
+                    f"{self.name}: {what}{path} has shape {tuple(t.shape)}, dtype {t.dtype}, "
+                    f"device {t.device}; params{path} has shape {tuple(p.shape)}, "
+                    f"dtype {p.dtype}, device {p.device}"
+                )
+        raise AssertionError("unreachable: metadata differed but no leaf did")  # pragma: no cover
+
+    def check_no_aliases(self) -> None:
+        """Refuse params in which one tensor appears twice (an in-place update would apply
+        twice to it: issue 15). One C-level pass; the paths are found only on a hit."""
+        if _tree.compiling():
+            return
+        ptrs = list(map(Tensor.data_ptr, self.leaves))
+        if len(set(ptrs)) == len(ptrs):
+            return
+        seen: dict[int, str] = {}
+        for path, t, ptr in zip(_tree.paths(self.treedef), self.leaves, ptrs):
+            if t.numel() == 0:  # empty tensors may all report data_ptr 0
+                continue
+            if ptr in seen:
+                raise ValueError(
+                    f"{self.name}: params{seen[ptr]} and params{path} are the same memory; "
+                    "with donate=True the update would be applied to it twice. Pass each "
+                    "tensor once (fdp.functionalize keeps tied weights once) or use donate=False"
+                )
+            seen[ptr] = path
+
+
+class KnownLeaves:
+    """Leaves an optimizer has already checked, recognised by identity (``donate=True``).
+
+    It keeps weak references, so it holds no memory alive and a tensor that died is never
+    mistaken for a new one at the same address. Per thread, since simulated ranks are threads
+    that may share an optimizer. A tensor changed in place to another shape (``.data =``,
+    ``resize_``) is not noticed; torch's kernel then raises.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def lookup(self, key: str, leaves: list[Any], treedef: Any) -> tuple | None:
+        """The remembered ``(refs, treedef, meta)`` if ``leaves`` are those very tensors."""
+        if _tree.compiling():
+            return None
+        entry = getattr(self._local, "entries", {}).get(key)
+        if entry is None or entry[1] != treedef or len(entry[0]) != len(leaves):
+            return None
+        return entry if all(map(operator.is_, map(_deref, entry[0]), leaves)) else None
+
+    def remember(self, key: str, leaves: list[Any], treedef: Any, meta: list[Any] | None = None) -> None:
+        if _tree.compiling():
+            return
+        if not hasattr(self._local, "entries"):
+            self._local.entries = {}
+        self._local.entries[key] = (list(map(weakref.ref, leaves)), treedef, meta)
+
+
+_deref = weakref.ref.__call__
+
+
+def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:
+    """Per-leaf values of an option given as a tree like params or a callable of
+    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf)."""
+    paths = _tree.paths(treedef)
+    if callable(spec):
+        return [spec(path, t) for path, t in zip(paths, leaves)]
+    values, got = _tree.flatten(spec)
+    if got != treedef:
+        raise ValueError(f"{name}: {what} does not have the structure of params: "
+                         f"{_tree.first_difference(treedef, got)}")
+    return values
+
+
+def take(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function picking ``indices`` from a list, without Python per leaf (itemgetter)."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda xs: [xs[i]]
+    getter = operator.itemgetter(*indices)
+    return lambda xs: list(getter(xs))
+
+
+def check_state(state: Any, kind: type, name: str, **needed: bool) -> None:
+    """``state`` is a ``kind`` whose optional fields are set exactly when ``needed``."""
+    if not isinstance(state, kind):
+        raise TypeError(f"{name}: state must be a {kind.__name__}, got {type(state).__name__}")
+    if not isinstance(state.step, Tensor) or state.step.dim() != 0 or state.step.device.type != "cpu":
+        raise TypeError(f"{name}: state.step must be a scalar CPU tensor, got {state.step!r}")
+    for field, need in needed.items():
+        if (getattr(state, field) is not None) != need:
+            raise ValueError(
+                f"{name}: state.{field} is {'None' if need else 'set'}, but this optimizer "
+                f"{'needs' if need else 'does not use'} it (a state made by another optimizer?)"
+            )

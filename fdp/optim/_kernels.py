@@ -1,0 +1,132 @@
+"""One call of a torch.optim kernel on a group of leaves that share hyper-parameters.
+
+Each function takes lists of tensors (params, grads, state tensors, in one order) and the
+group's hyper-parameters, and updates params and state *in place* by calling the functional
+kernel that the torch.optim class calls in its ``step`` (``torch.optim.sgd.sgd``,
+``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``, ``torch.optim.adagrad.adagrad``,
+``torch.optim.rmsprop.rmsprop``; the lists are passed by position, everything else by
+keyword. ``sgd``'s and ``adamw``'s signatures were checked on torch 2.4 and 2.13, the
+others on 2.13 only). ``foreach`` and ``fused`` are left at ``None``
+so the kernel picks the implementation torch.optim picks by default. The lists may be a
+tree's leaves (``fdp.optim``'s pytree optimizers) or flat per-bucket tensors (one element
+each): the numbers are the same per element either way.
+
+``step`` is the number of updates already applied (a scalar tensor). Kernels that keep a
+per-parameter step count (Adam, Adagrad, RMSprop) are handed views of one fresh copy of it,
+so the caller's counter is never advanced here: the caller adds 1 once per update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+# torch.optim deletes its submodule attributes, so the kernels are imported by module path.
+from torch.optim.adagrad import adagrad as _torch_adagrad
+from torch.optim.adam import adam as _torch_adam
+from torch.optim.adamw import adamw as _torch_adamw
+from torch.optim.rmsprop import rmsprop as _torch_rmsprop
+from torch.optim.sgd import sgd as _torch_sgd
+
+__all__ = ["adagrad_group", "adam_group", "adamw_group", "rmsprop_group", "sgd_group"]
+
+Scalar = float | Tensor
+
+
+def _steps(step: Tensor, n: int) -> list[Tensor]:
+    # n scalar views of one fresh buffer, made by three C++ calls rather than n.
+    return list(step.expand(n).clone().unbind())
+
+
+def _has_complex(params: Sequence[Tensor]) -> bool:
+    return any(map(torch.is_complex, params))
+
+
+def sgd_group(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], *,
+              first: bool, lr: Scalar, momentum: float, dampening: float, nesterov: bool,
+              weight_decay: Scalar, maximize: bool) -> None:
+    """``torch.optim.SGD``'s update of one group, in place.
+
+    Args:
+      params, grads: lists of tensors of equal shapes; grads are never modified.
+      momentum_buffers: one per param (empty when ``momentum == 0``).
+      first: this is the first update: torch.optim sets the buffer to a clone of the
+        (decayed) grad instead of ``momentum * 0 + (1 - dampening) * grad``; the kernel does
+        that when handed ``None``, and the result is copied into ``momentum_buffers``.
+      lr, momentum, dampening, nesterov, weight_decay, maximize: as ``torch.optim.SGD``.
+    """
+    bufs: list[Tensor | None] = [None] * len(params) if first and momentum != 0 else list(momentum_buffers)
+    # The foreach kernel adds the momentum into the grads list in place when nesterov is on
+    # and neither maximize nor weight decay made a fresh copy first: copy the grads then.
+    if nesterov and not maximize and not weight_decay:
+        grads = list(map(Tensor.clone, grads))
+    _torch_sgd(params, grads, bufs, has_sparse_grad=False, weight_decay=weight_decay,
+               momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=maximize)
+    if first and momentum != 0:
+        torch._foreach_copy_(momentum_buffers, bufs)
+
+
+def adam_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+               exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], step: Tensor, *,
+               lr: Scalar, beta1: float, beta2: float, eps: float, weight_decay: Scalar,
+               amsgrad: bool, maximize: bool) -> None:
+    """``torch.optim.Adam``'s update of one group (L2 weight decay added to the grad), in place.
+
+    Args:
+      params, grads, exp_avgs, exp_avg_sqs: lists of tensors of equal shapes.
+      max_exp_avg_sqs: one per param with ``amsgrad``, else empty.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, beta1, beta2, eps, weight_decay, amsgrad, maximize: as ``torch.optim.Adam``.
+    """
+    _torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, _steps(step, len(params)),
+                has_complex=_has_complex(params), amsgrad=amsgrad, beta1=beta1, beta2=beta2,
+                lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
+
+
+def adamw_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor], step: Tensor, *,
+                lr: Scalar, beta1: float, beta2: float, eps: float, weight_decay: Scalar,
+                amsgrad: bool, maximize: bool) -> None:
+    """``torch.optim.AdamW``'s update of one group (decoupled weight decay), in place.
+
+    Args: as ``adam_group``.
+    """
+    _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, _steps(step, len(params)),
+                 has_complex=_has_complex(params), amsgrad=amsgrad, beta1=beta1, beta2=beta2,
+                 lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
+
+
+def adagrad_group(params: list[Tensor], grads: list[Tensor], sums: list[Tensor], step: Tensor, *,
+                  lr: Scalar, lr_decay: float, weight_decay: Scalar, eps: float,
+                  maximize: bool) -> None:
+    """``torch.optim.Adagrad``'s update of one group, in place.
+
+    Args:
+      params, grads, sums: lists of tensors of equal shapes (``sums`` is torch's ``sum``).
+      step: updates applied so far (scalar tensor; not modified).
+      lr, lr_decay, weight_decay, eps, maximize: as ``torch.optim.Adagrad``.
+    """
+    _torch_adagrad(params, grads, sums, _steps(step, len(params)), has_sparse_grad=False,
+                   has_complex=_has_complex(params), lr=lr, weight_decay=weight_decay,
+                   lr_decay=lr_decay, eps=eps, maximize=maximize)
+
+
+def rmsprop_group(params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor],
+                  grad_avgs: list[Tensor], momentum_buffers: list[Tensor], step: Tensor, *,
+                  lr: Scalar, alpha: float, eps: float, weight_decay: Scalar, momentum: float,
+                  centered: bool, maximize: bool) -> None:
+    """``torch.optim.RMSprop``'s update of one group, in place.
+
+    Args:
+      params, grads, square_avgs: lists of tensors of equal shapes.
+      grad_avgs: one per param when ``centered``, else empty.
+      momentum_buffers: one per param when ``momentum > 0``, else empty.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, alpha, eps, weight_decay, momentum, centered, maximize: as ``torch.optim.RMSprop``.
+    """
+    _torch_rmsprop(params, grads, square_avgs, grad_avgs, momentum_buffers,
+                   _steps(step, len(params)), maximize=maximize, has_complex=_has_complex(params),
+                   lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                   centered=centered)

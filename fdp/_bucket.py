@@ -55,6 +55,7 @@ class Bucket:
     cap_bytes: int
     paths: tuple[str, ...]
     last: bool
+    group: int = 0  # the leaves' group (e.g. an optimizer's param group), when the plan has groups
 
     @property
     def nbytes(self) -> int:
@@ -142,8 +143,16 @@ class BucketPlan:
         return cls.from_caps(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
 
     @classmethod
-    def from_caps(cls, tree: Any, caps: tuple[int, ...], *, floating_only: bool = True) -> BucketPlan:
+    def from_caps(cls, tree: Any, caps: tuple[int, ...], *, floating_only: bool = True,
+                  groups: Sequence[int] | None = None) -> BucketPlan:
+        """``build`` with caps in bytes. ``floating_only=False`` also takes integer and bool
+        leaves (fdp's coalesced broadcasts move any dtype as bytes). ``groups``: an int per
+        leaf; leaves of different groups never share a bucket (an optimizer's param groups:
+        a bucket then has one set of hyper-parameters), and each group fills its buckets as
+        a (device, dtype) group does. Without it the plan is DDP's."""
         paths, leaves, treedef = _tree.flatten_with_paths(tree)
+        if groups is not None and len(groups) != len(leaves):
+            raise ValueError(f"fdp.BucketPlan: {len(groups)} groups for {len(leaves)} leaves")
         for p, t in zip(paths, leaves):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"fdp.BucketPlan: leaf {p} is a {type(t).__name__}, expected a Tensor")
@@ -160,7 +169,7 @@ class BucketPlan:
         closed: list[dict] = []
         for i in reversed(range(len(leaves))):
             t = leaves[i]
-            key = (t.device, t.dtype)
+            key = (t.device, t.dtype) if groups is None else (t.device, t.dtype, int(groups[i]))
             b = open_.get(key)
             if b is None:
                 cap = caps[min(level.get(key, 0), len(caps) - 1)]
@@ -183,11 +192,12 @@ class BucketPlan:
                 offsets.append(off)
                 numels.append(t.numel())
                 off += t.numel()
-            device, dtype = b["key"]
+            device, dtype = b["key"][:2]
             buckets.append(Bucket(
                 bi, dtype, device, tuple(b["leaves"]), tuple(offsets), tuple(numels),
                 tuple(tuple(leaves[i].shape) for i in b["leaves"]), off, b["cap"],
                 tuple(paths[i] for i in b["leaves"]), bi == len(closed) - 1,
+                b["key"][2] if len(b["key"]) > 2 else 0,
             ))
         return cls(treedef, tuple(slots), tuple(buckets), caps)  # type: ignore[arg-type]
 
@@ -199,6 +209,7 @@ class BucketPlan:
         h.update(repr(self.caps).encode())
         for s in self.slots:
             h.update(f"{s.path}|{s.shape}|{s.dtype}|{s.device.type}|{s.bucket}|{s.offset};".encode())
+        h.update(repr([b.group for b in self.buckets]).encode())
         return h.hexdigest()
 
     def __eq__(self, other: object) -> bool:

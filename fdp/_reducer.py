@@ -30,7 +30,7 @@ from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
 from ._group import Group, resolve
 from ._log import debug_mode, log
-from ._step import HOOK_MEAN_BYTES, Step, StepMachine
+from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
 from .hooks import CommHook, as_hook
@@ -331,7 +331,7 @@ class Reducer:
         results = self._machine.finish(step)
         finite = True
         if self.skip_nonfinite:
-            finite = _all_finite(results)
+            finite = all_finite(results)
             self.nonfinite_steps += not finite
         flats = self._buffers.grads(results, step.flats)
         self._last = StepRecord(step.n, step.kind, finite, step.timeline())
@@ -366,16 +366,3 @@ class Reducer:
                 flat = flat.to(compute) * scale
             outs.append(self.hook.traced(flat.to(wire), self.group).to(b.dtype))
         return self.plan.views(outs, treedef)
-
-
-def _all_finite(flats: list[torch.Tensor]) -> bool:
-    """Whether every element is finite: AMP's fused found_inf check, one pass per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for f in flats:
-        by_dtype.setdefault(f.dtype, []).append(f)
-    found = torch.zeros(1, device=flats[0].device) if flats else None
-    one = torch.ones(1, device=flats[0].device) if flats else None
-    for group in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0: unchanged
-    return found is None or not bool(found.item())
-

@@ -164,7 +164,7 @@ class Step:
 
     __slots__ = ("n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
-                 "handles", "in_flight", "acc", "scale", "active", "armed", "failed",
+                 "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
                  "t0", "times", "bwd_start", "bwd_end")
 
     def __init__(self, machine: StepMachine, kind: str, acc: list[torch.Tensor] | None, scale: float | None,
@@ -185,6 +185,10 @@ class Step:
         self.in_flight: list[int] = []  # launched buckets not yet seen complete
         self.acc, self.scale, self.active = acc, scale, active
         self.armed = False  # set when the outer backward starts (see the module docstring)
+        # Called as on_ready(b, reduced) once per bucket as soon as its result is known
+        # (the fused step's per-bucket update); in_place hooks: as soon as it is seen complete.
+        self.on_ready: Callable[[int, torch.Tensor], None] | None = None
+        self.readied = bytearray(len(plan.buckets))
         self.failed = False
         self.t0 = time.perf_counter()
         self.times = [BucketTimes(b.index, b.nbytes) for b in plan.buckets]
@@ -203,6 +207,9 @@ class Step:
             return None
         self.stash[i] = grad
         self.got[i] = 1
+        if self.in_flight and self.on_ready is not None:
+            with _functorch.outside_transforms():
+                self.stamp_done()  # a landed bucket is updated while the backward goes on
         b = self.bucket_of[i]
         self.pending[b] -= 1
         if self.pending[b] == 0:
@@ -286,12 +293,22 @@ class Step:
             return
         now = time.perf_counter() - self.t0
         still = []
+        ready = []
         for b in self.in_flight:
             if is_completed(self.handles[b]):
                 self.times[b].done = now
+                ready.append(b)
             else:
                 still.append(b)
         self.in_flight = still
+        if self.on_ready is not None and self.hook.in_place and not self.failed:
+            for b in ready:
+                self._ready(b, self.flats[b])
+
+    def _ready(self, b: int, result: torch.Tensor) -> None:
+        if not self.readied[b]:
+            self.readied[b] = 1
+            self.on_ready(b, result)
 
     def finish(self) -> list[torch.Tensor]:
         self.launch_ready(force=True)
@@ -303,6 +320,9 @@ class Step:
             if self.times[b].done is None:  # a hook's future may still be running its callbacks
                 self.times[b].done = time.perf_counter() - self.t0
         self._check_status()
+        if self.on_ready is not None:
+            for b, r in enumerate(results):
+                self._ready(b, r)
         return results
 
     def drain(self) -> None:
@@ -349,3 +369,16 @@ class Step:
             None if self.bwd_end is None else self.bwd_end - self.t0,
             time.perf_counter() - self.t0, self.times,
         )
+
+
+def all_finite(flats: list[torch.Tensor]) -> bool:
+    """Whether every element is finite: AMP's fused found_inf check, one pass per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for f in flats:
+        by_dtype.setdefault(f.dtype, []).append(f)
+    found = torch.zeros(1, device=flats[0].device) if flats else None
+    one = torch.ones(1, device=flats[0].device) if flats else None
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0: unchanged
+    return found is None or not bool(found.item())
+

@@ -19,6 +19,9 @@ class BucketTimes:
     # callback, because a Python callback on the communication thread contends for the GIL
     # with the backward (docs/performance.md, "How completion is observed").
     done: float | None = None
+    # The fused step (``reducer.grad_and_update``): when this bucket's optimizer update ran.
+    update_start: float | None = None
+    update_end: float | None = None
 
 
 @dataclass
@@ -48,6 +51,14 @@ class Timeline:
         if start is None:
             start = min((b.launch or 0.0) for b in self.buckets) if self.buckets else 0.0
         return max(0.0, self.comm_done - start)
+
+    @property
+    def exposed_update(self) -> float:
+        """Optimizer-update time (fused step) that ran after the backward ended: what the
+        backward could not hide (0 when no bucket was updated)."""
+        end = self.backward_end if self.backward_end is not None else 0.0
+        return sum(max(0.0, b.update_end - max(b.update_start, end)) for b in self.buckets
+                   if b.update_start is not None and b.update_end is not None)
 
 
 @dataclass(frozen=True)

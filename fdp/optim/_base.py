@@ -49,6 +49,8 @@ class Optimizer(NamedTuple):
       update: ``update(grads, state, params) -> (new_params, new_state)``.
       leaf_kernel: for optimizers over a torch.optim kernel, the same update on lists of
         tensors (a ``LeafKernel``); ``None`` for others (``chain``, ``partition``, yours).
+      parts: for a ``chain``, its gradient transforms and then its optimizer (what the fused
+        step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -61,6 +63,7 @@ class Optimizer(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     leaf_kernel: LeafKernel | None = None
+    parts: tuple = ()
 
 
 class LeafKernel(NamedTuple):
@@ -207,7 +210,7 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
         params, opt_state = optimizer.update(grads, state.optimizer, params)
         return params, ChainState(tuple(new_states), opt_state)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, None, (*transforms, optimizer))
 
 
 # ------------------------------------------------------------------- leaf-list helpers

@@ -17,6 +17,8 @@ from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
 from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
+from ._fused import FusedState as FusedState
+from ._fused import FusedStep as FusedStep
 from ._group import Group as Group
 from ._group import init as init
 from ._psum import pmean as pmean
@@ -44,6 +46,8 @@ __all__ = [
     "BucketTimes",
     "CheckpointError",
     "CollectiveError",
+    "FusedState",
+    "FusedStep",
     "Group",
     "Pending",
     "Reducer",

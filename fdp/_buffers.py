@@ -20,6 +20,19 @@ import torch
 
 from ._bucket import BucketPlan
 
+# torch's count of references to a storage (c10's intrusive use count): every tensor or view
+# on it holds one. Private; present on torch 2.4 and 2.13. Without it nothing is reused.
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def held_elsewhere(t: torch.Tensor) -> bool:
+    """Whether anything besides ``t`` itself refers to its memory (a view, a detached alias,
+    a numpy array): then fdp must not write into it. True when torch cannot tell."""
+    if _use_count is None:
+        return True
+    # The temporary storage object made by this call holds one reference, ``t`` another.
+    return _use_count(t.untyped_storage()._cdata) > 2
+
 
 class BucketBuffers:
     """Flat buffers for ``plan``'s buckets, travelling in ``wire`` dtypes (one per bucket)."""

@@ -80,6 +80,15 @@ def split_chain(opt: Optimizer, name: str) -> tuple[tuple[GradientTransform, ...
     return transforms, optimizer
 
 
+class ParamSet:
+    """One set of flat param buffers and the data pointers of the leaves' views into it."""
+
+    __slots__ = ("flats", "ptrs")
+
+    def __init__(self, flats: list[torch.Tensor], ptrs: list[int]) -> None:
+        self.flats, self.ptrs = flats, ptrs
+
+
 class FusedCore:
     """What a (Reducer, optimizer) pair keeps across steps: plan, machine, param sets, state."""
 
@@ -96,9 +105,8 @@ class FusedCore:
         self.machine = StepMachine(self.plan, group, hook, BucketBuffers(self.plan, wires, reuse=True),
                                    debug=debug, hook_threshold_bytes=hook_threshold_bytes)
         self.elementwise = all(t.elementwise for t in self.transforms)
-        self.sets: list[list[torch.Tensor]] = []   # param sets, one flat tensor per bucket
-        self.ptrs: list[list[int]] = []            # the leaves' data pointers in each set
-        self.cur: int | None = None                # the set holding the current params
+        self.sets: list[ParamSet] = []    # param sets in use (at most two are tracked)
+        self.cur: ParamSet | None = None  # the set holding the current params
         self.scratch: list[torch.Tensor | None] = [None] * len(self.plan.buckets)  # fp32 grads of a cast wire
         self.broken: str | None = None
         self.last: StepRecord | None = None
@@ -108,42 +116,34 @@ class FusedCore:
         )
 
     # ------------------------------------------------------------------ params
-    def _new_set(self) -> int:
+    def _new_set(self) -> ParamSet:
         flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.plan.buckets]
-        self.sets.append(flats)
-        self.ptrs.append([flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size()
-                          for s in self.plan.slots])
-        return len(self.sets) - 1
+        ptrs = [flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size() for s in self.plan.slots]
+        new = ParamSet(flats, ptrs)
+        self.sets.append(new)
+        return new
 
-    def current(self, leaves: list[torch.Tensor]) -> int:
+    def current(self, leaves: list[torch.Tensor]) -> ParamSet:
         """The set holding ``leaves``: the current set when they are its views (no copy),
         else a set they are packed into (a tree the caller changed or made)."""
         ptrs = list(map(torch.Tensor.data_ptr, leaves))
-        if self.cur is not None and ptrs == self.ptrs[self.cur]:
+        if self.cur is not None and ptrs == self.cur.ptrs:
             return self.cur
-        k = self.free_set(avoid=self.cur if self.cur is not None and self._aliases(ptrs, self.cur) else None)
-        for b, flat in zip(self.plan.buckets, self.sets[k]):
+        target = self.free_set(avoid=self.cur)  # the tree may still hold views of the current set
+        for b, flat in zip(self.plan.buckets, target.flats):
             kernels.flatten([leaves[i] for i in b.leaves], flat)
-        self.cur = k
-        return k
+        self.cur = target
+        return target
 
-    def _aliases(self, ptrs: list[int], k: int) -> bool:
-        lo = min(f.data_ptr() for f in self.sets[k])
-        hi = max(f.data_ptr() + f.numel() * f.element_size() for f in self.sets[k])
-        return any(lo <= p < hi for p in ptrs)
-
-    def free_set(self, avoid: int | None) -> int:
-        """A set nothing outside fdp refers to (other than ``avoid``), made if none is."""
-        for k, flats in enumerate(self.sets):
-            if k != avoid and not any(map(held_elsewhere, flats)):
-                return k
-        if len(self.sets) >= 2:  # the caller keeps old params: stop tracking the oldest set
-            drop = next(k for k in range(len(self.sets)) if k != avoid)
-            del self.sets[drop], self.ptrs[drop]
-            if self.cur is not None and self.cur > drop:
-                self.cur -= 1
-            if avoid is not None and avoid > drop:
-                avoid -= 1
+    def free_set(self, avoid: ParamSet | None) -> ParamSet:
+        """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
+        for ps in self.sets:
+            if ps is not avoid and not any(map(held_elsewhere, ps.flats)):
+                return ps
+        if len(self.sets) >= 2:  # the caller keeps old params: stop tracking one of their sets
+            old = next((ps for ps in self.sets if ps is not avoid and ps is not self.cur), None)
+            if old is not None:
+                self.sets.remove(old)
         return self._new_set()
 
     # ------------------------------------------------------------------ state
@@ -211,7 +211,7 @@ class FusedCore:
         state = self.check_state(state)
         plan, machine = self.plan, self.machine
         src = self.current(plan.leaves_of(params, f"{self.name} params"))
-        leaves = plan.views(self.sets[src])  # the params as a tree in the plan's order
+        leaves = plan.views(src.flats)  # the params as a tree in the plan's order
         dst = src if donate else self.free_set(avoid=src)
         acc = None
         if accumulate is not None:
@@ -236,9 +236,9 @@ class FusedCore:
             if early:
                 for i, t in enumerate(self.transforms):
                     tstates[i] = t.update_in_place([g], tstates[i])
-            p = self.sets[dst][b]
-            if dst != src:
-                p.copy_(self.sets[src][b])
+            p = dst.flats[b]
+            if dst is not src:
+                p.copy_(src.flats[b])
             self.kernel.step(plan.buckets[b].group, [p], [g], [[state.buffers[f][b]] for f in self.kernel.fields],
                              count)
             updated[b] = 1
@@ -260,7 +260,7 @@ class FusedCore:
                 step.launch_ready(force=True)
             results = machine.finish(step)
         except BaseException as e:
-            if step.on_ready is not None and machine.in_flight is step:
+            if machine.in_flight is step:  # failed before finish: keep the ranks in step
                 machine.abort(step, e)
             if any(updated):
                 self.broken = (f"step {step.n} failed after {sum(updated)} of {len(plan.buckets)} buckets "
@@ -282,7 +282,7 @@ class FusedCore:
             self.cur = dst
         out = FusedState(count, state.buffers, tuple(tstates))
         self.last = StepRecord(step.n, step.kind, finite, step.timeline())
-        return plan.views(self.sets[self.cur]), out, value
+        return plan.views(self.cur.flats), out, value
 
     def _scale(self, n: int, machine: StepMachine) -> float | None:
         return None if not machine.hook.prescale or n == 1 else 1.0 / n

@@ -28,12 +28,14 @@ from ._autodiff import local_grads, resolve_engine, select
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
+from ._fused import FusedCore, FusedStep, split_chain
 from ._group import Group, resolve
 from ._log import debug_mode, log
 from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
 from .hooks import CommHook, as_hook
+from .optim import Optimizer
 
 __all__ = ["Pending", "Reducer"]
 
@@ -137,7 +139,10 @@ class Reducer:
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
         self._engine = resolve_engine(engine)
+        self._hook_threshold = hook_threshold_bytes
+        self._fused: dict[int, tuple[Any, FusedCore]] = {}
         wire = self.hook.dtype or reduce_dtype
+        self._wire_dtype = wire
         self._wire = [wire or b.dtype for b in self.plan.buckets]
         self.grad_views = grad_views
         self.overlap = overlap
@@ -194,6 +199,59 @@ class Reducer:
             return self._grad_step(fn, argnums, has_aux, accumulate, args, kwargs)
 
         return grad_and_value_fn
+
+    def grad_and_update(self, fn: Callable, opt: Optimizer, argnums: int = 0, has_aux: bool = False, *,
+                        accumulate: Any = None, donate: bool = False) -> FusedStep:
+        """The fused train step: gradient, all-reduce and optimizer update in one call.
+
+        ``step = reducer.grad_and_update(loss_fn, opt)``; ``opt_state = step.init(params)``;
+        then each step ``params, opt_state, value = step(params, opt_state, *rest)``, where
+        ``loss_fn(params, *rest)`` is as for ``grad`` and ``value`` is what
+        ``grad_and_value`` returns. Params, gradients and optimizer state live in flat
+        per-bucket buffers (the plan split by the optimizer's param groups); each bucket is
+        updated by one call of the optimizer's torch.optim kernel as soon as its all-reduce
+        lands, while the backward goes on (after the last bucket, with a whole-tree
+        transform such as ``clip_by_global_norm``, or with ``skip_nonfinite``: then a
+        non-finite step updates nothing on every rank, and ``step.last_step.finite`` says
+        so). See ``fdp.FusedStep`` for the memory and the numbers.
+
+        Args:
+          fn: the loss function; its first argument is the params.
+          opt: ``fdp.optim.sgd/adam/adamw/adagrad/rmsprop``, optionally in a ``chain`` after
+            gradient transforms that work in place (``clip_by_global_norm``, ``clip_by_value``).
+          argnums: must be 0 (the params are ``fn``'s first argument).
+          has_aux: as for ``grad``.
+          accumulate: local gradients of earlier micro-batches, added before averaging.
+          donate: update the params in place (the tree passed in is consumed) instead of
+            writing a second set of flat buffers.
+
+        Raises:
+          TypeError: an optimizer the fused step cannot run per bucket (``partition``, your
+            own): use ``grad`` + ``opt.update`` for those.
+
+        Example::
+
+            step = reducer.grad_and_update(loss_fn, fdp.optim.adamw(lr=1e-3), has_aux=True)
+            opt_state = step.init(params)
+            for x, y in loader:
+                params, opt_state, (loss, buffers) = step(params, opt_state, buffers, x, y)
+        """
+        if argnums != 0:
+            raise ValueError(f"fdp.Reducer.grad_and_update: argnums must be 0 (the params are fn's first "
+                             f"argument), got {argnums!r}")
+        split_chain(opt, "fdp.Reducer.grad_and_update")  # refuse an unsupported optimizer now
+
+        def core_for(params: Any) -> FusedCore:
+            entry = self._fused.get(id(opt))
+            if entry is None or entry[0] is not opt:
+                core = FusedCore(opt, params, group=self.group, hook=self.hook, caps=self.plan.caps,
+                                 wire=self._wire_dtype, debug=self.debug, hook_threshold_bytes=self._hook_threshold,
+                                 engine=self._engine, skip_nonfinite=self.skip_nonfinite,
+                                 name="fdp.Reducer.grad_and_update")
+                entry = self._fused[id(opt)] = (opt, core)
+            return entry[1]
+
+        return FusedStep(core_for, fn, has_aux, accumulate, donate)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
         """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).

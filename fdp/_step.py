@@ -270,6 +270,8 @@ class Step:
         self.handles[b] = self.hook.launch(bucket, flat, self.group)
         if self.group.process_group is None:
             times.done = times.launch
+            if self.on_ready is not None and self.hook.in_place:
+                self._ready(b, flat)
         else:
             self.in_flight.append(b)
         if bucket.last and self.status and self.hook.in_place:

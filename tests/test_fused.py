@@ -1,0 +1,315 @@
+"""The fused train step (``reducer.grad_and_update``): the same numbers as the plain path and
+as DDP + torch.optim, with params, grads and state in flat buckets."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import batch, mlp
+from torch import nn
+
+import fdp
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: fdp.optim.sgd(lr=0.1, momentum=0.9),
+    "sgd-nesterov-wd-mask": lambda: fdp.optim.sgd(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                  mask=lambda path, p: p.dim() >= 2),
+    "adam": lambda: fdp.optim.adam(lr=1e-2, weight_decay=0.01),
+    "adamw-mask-schedule": lambda: fdp.optim.adamw(lr=fdp.optim.schedules.warmup_cosine(1e-2, 2, 10),
+                                                   weight_decay=0.1, mask=lambda path, p: p.dim() >= 2),
+    "adamw-amsgrad": lambda: fdp.optim.adamw(lr=1e-2, amsgrad=True),
+    "adagrad": lambda: fdp.optim.adagrad(lr=1e-2, initial_accumulator_value=0.1),
+    "rmsprop-centered": lambda: fdp.optim.rmsprop(lr=1e-3, momentum=0.5, centered=True),
+    "chain-clip-value": lambda: fdp.optim.chain(fdp.optim.clip_by_value(-0.01, 0.01), fdp.optim.adamw(lr=1e-2)),
+}
+CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)  # several buckets on these small models
+
+
+def loss_of(apply, buffers):
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0], y)
+    return loss
+
+
+def fused_vs_plain(group, name, donate, steps=4):
+    apply, params, buffers = fdp.functionalize(mlp(seed=0))
+    loss = loss_of(apply, buffers)
+    opt = OPTIMIZERS[name]()
+    reducer = fdp.Reducer(params, group, hook_threshold_bytes=0, **CAPS)
+    step = reducer.grad_and_update(loss, opt, donate=donate)
+    state = step.init(params)
+    fused = {k: v.clone() for k, v in params.items()}
+    plain, plain_state = dict(params), opt.init(params)
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        fused, state, value = step(fused, state, x, y)
+        grads, want = reducer.grad_and_value(loss)(plain, x, y)
+        plain, plain_state = opt.update(grads, plain_state, plain)
+        assert torch.equal(value, want), f"step {i}: loss"
+    return fused, plain, step.state_to_tree(state, fused), plain_state
+
+
+def leaves_equal(a, b):
+    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
+    assert len(la) == len(lb)
+    return [i for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_fused_step_equals_reducer_grad_and_opt_update_bit_for_bit(name, donate):
+    for rank, (fused, plain, fstate, pstate) in enumerate(fdp.testing.run(fused_vs_plain, 2, args=(name, donate))):
+        for k in plain:
+            assert torch.equal(fused[k], plain[k]), f"rank {rank}, param {k!r}"
+        assert not leaves_equal(fstate, pstate), f"rank {rank}: optimizer state differs"
+
+
+def fused_vs_ddp(group, steps=5):
+    torch.manual_seed(0)
+    model = mlp(seed=2)
+    ddp = nn.parallel.DistributedDataParallel(mlp(seed=2), bucket_cap_mb=0.002)
+    decay = [p for n, p in ddp.module.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in ddp.module.named_parameters() if p.dim() < 2]
+    torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    apply, params, buffers = fdp.functionalize(model)
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.002)
+    step = reducer.grad_and_update(loss_of(apply, buffers),
+                                   fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2))
+    state = step.init(params)
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        torch_opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        torch_opt.step()
+        params, state, _ = step(params, state, x, y)
+    return params, {k: p.detach().clone() for k, p in ddp.module.named_parameters()}
+
+
+def test_fused_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks():
+    for rank, (fused, ddp) in enumerate(fdp.testing.run(fused_vs_ddp, 2, backend="gloo", timeout=120)):
+        for k in ddp:
+            assert torch.equal(fused[k], ddp[k]), f"rank {rank}, param {k!r}"
+
+
+def clipped(group, steps=6):
+    apply, params, buffers = fdp.functionalize(mlp(seed=3))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2))
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    fused, plain, plain_state = dict(params), dict(params), opt.init(params)
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        fused, state, _ = step(fused, state, x, y)
+        plain, plain_state = opt.update(reducer.grad(loss)(plain, x, y), plain_state, plain)
+    return fused, plain, plain_state.transforms[0].norm, step.state_to_tree(state, fused).transforms[0].norm
+
+
+def test_global_norm_clipping_differs_from_the_plain_path_only_in_rounding():
+    # The fused step sums the norm per bucket, the plain path per leaf: the clip coefficient
+    # can differ in its last bits, never more.
+    for rank, (fused, plain, pnorm, fnorm) in enumerate(fdp.testing.run(clipped, 2)):
+        torch.testing.assert_close(fnorm, pnorm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
+        for k in plain:
+            torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+
+
+def accumulated(group, k=3):
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.sgd(lr=0.1, momentum=0.9)
+    reducer = fdp.Reducer(params, group, **CAPS)
+    state = opt.init(params)
+    fstate = None
+    fused, plain = dict(params), dict(params)
+    for s in range(2):
+        xs = [batch(group.rank, 10 * s + j) for j in range(k)]
+        acc = None
+        for x, y in xs[:-1]:
+            g = torch.func.grad(loss)(fused, x, y)
+            acc = g if acc is None else {n: acc[n] + g[n] for n in g}
+        step = reducer.grad_and_update(loss, opt, accumulate=acc)
+        fstate = step.init(fused) if fstate is None else fstate
+        fused, fstate, _ = step(fused, fstate, *xs[-1])
+        acc = None
+        for x, y in xs[:-1]:
+            g = torch.func.grad(loss)(plain, x, y)
+            acc = g if acc is None else {n: acc[n] + g[n] for n in g}
+        plain, state = opt.update(reducer.grad(loss, accumulate=acc)(plain, *xs[-1]), state, plain)
+    return fused, plain
+
+
+def test_accumulated_micro_batches_update_as_the_plain_path():
+    for rank, (fused, plain) in enumerate(fdp.testing.run(accumulated, 2)):
+        for k in plain:
+            assert torch.equal(fused[k], plain[k]), f"rank {rank}, param {k!r}"
+
+
+def nonfinite(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=5))
+    loss = loss_of(apply, buffers)
+    reducer = fdp.Reducer(params, group, skip_nonfinite=True, **CAPS)
+    step = reducer.grad_and_update(loss, fdp.optim.adam(lr=1e-2))
+    state = step.init(params)
+    x, y = batch(group.rank, 0)
+    params, state, _ = step(params, state, x, y)
+    before = {k: v.clone() for k, v in params.items()}
+    bad = x.clone()
+    if group.rank == 1:
+        bad[0, 0] = float("inf")
+    params, state, _ = step(params, state, bad, y)
+    verdict = step.last_step.finite
+    return before, params, int(state.step), verdict
+
+
+def test_a_nonfinite_step_updates_nothing_on_any_rank():
+    for rank, (before, after, count, finite) in enumerate(fdp.testing.run(nonfinite, 2)):
+        assert not finite and count == 1, f"rank {rank}"
+        for k in before:
+            assert torch.equal(before[k], after[k]), f"rank {rank}, param {k!r} moved on a skipped step"
+
+
+def with_hook(group, hook_name):
+    apply, params, buffers = fdp.functionalize(mlp(seed=6))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adamw(lr=1e-2)
+    reducer = fdp.Reducer(params, group, comm_hook=getattr(fdp.hooks, hook_name), **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    fused, plain, pstate = dict(params), dict(params), opt.init(params)
+    for i in range(3):
+        x, y = batch(group.rank, i)
+        fused, state, _ = step(fused, state, x, y)
+        plain, pstate = opt.update(reducer.grad(loss)(plain, x, y), pstate, plain)
+    return fused, plain
+
+
+@pytest.mark.parametrize("hook_name", ["bf16_compress", "fp16_compress"])
+def test_comm_hooks_update_an_fp32_master_copy_as_the_plain_path(hook_name):
+    for rank, (fused, plain) in enumerate(fdp.testing.run(with_hook, 2, backend="gloo", args=(hook_name,))):
+        for k in plain:
+            assert fused[k].dtype == torch.float32
+            assert torch.equal(fused[k], plain[k]), f"rank {rank}, param {k!r}"
+
+
+def uneven(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=7))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.sgd(lr=0.1, momentum=0.9)
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    fused, plain, pstate = dict(params), dict(params), opt.init(params)
+    for i in range(3):
+        active = not (group.rank == 1 and i == 2)
+        x, y = batch(group.rank, i)
+        g = torch.func.grad(loss)(fused, x, y) if active else None
+        fused, state = step.update(g, state, fused, active=active)
+        g = torch.func.grad(loss)(plain, x, y) if active else None
+        plain, pstate = opt.update(reducer.all_reduce(g, active=active), pstate, plain)
+    return fused, plain
+
+
+def test_uneven_inputs_update_every_rank_as_the_plain_path():
+    for rank, (fused, plain) in enumerate(fdp.testing.run(uneven, 2)):
+        for k in plain:
+            assert torch.equal(fused[k], plain[k]), f"rank {rank}, param {k!r}"
+
+
+def test_kept_params_are_never_overwritten_and_a_changed_tree_is_repacked():
+    apply, params, buffers = fdp.functionalize(mlp(seed=8))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.sgd(lr=0.1)
+    reducer = fdp.Reducer(params)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    x, y = batch(0, 0)
+    p1, state, _ = step(params, state, x, y)
+    kept = {k: v.clone() for k, v in p1.items()}
+    p2, state, _ = step(p1, state, x, y)
+    p3, state, _ = step(p2, state, x, y)  # the set p1 lives in is still held: not reused
+    for k in kept:
+        assert torch.equal(p1[k], kept[k]), f"kept params {k!r} were overwritten"
+    changed = dict(p3)
+    changed["0.weight"] = torch.zeros_like(p3["0.weight"])  # a leaf replaced by the caller
+    got, state, _ = step(changed, state, x, y)
+    want = opt.update(reducer.grad(loss)(changed, x, y), opt.init(changed), changed)[0]
+    assert torch.equal(got["0.weight"], want["0.weight"]), "the replaced leaf was ignored"
+
+
+def test_steady_state_allocates_no_new_param_sets():
+    apply, params, buffers = fdp.functionalize(mlp(seed=9))
+    loss = loss_of(apply, buffers)
+    reducer = fdp.Reducer(params)
+    step = reducer.grad_and_update(loss, fdp.optim.adamw(lr=1e-3))
+    state = step.init(params)
+    x, y = batch(0, 0)
+    ptrs = set()
+    for _ in range(6):
+        params, state, _ = step(params, state, x, y)
+        ptrs.add(params["0.weight"].data_ptr())
+    assert len(ptrs) == 2, f"{len(ptrs)} distinct param buffers over 6 steps (pure: two sets in turn)"
+
+
+def resume(group, tmp, world_after):
+    apply, params, buffers = fdp.functionalize(mlp(seed=10))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    for i in range(2):
+        params, state, _ = step(params, state, *batch(0, i))
+    fdp.save(f"{tmp}/ckpt.pt", {"params": params, "opt": step.state_to_tree(state, params)})
+    for i in range(2, 4):
+        params, state, _ = step(params, state, *batch(0, i))
+    return params
+
+
+def resumed(group, tmp):
+    apply, params, buffers = fdp.functionalize(mlp(seed=10))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=1)  # another plan
+    step = reducer.grad_and_update(loss, opt)
+    like = {"params": params, "opt": opt.init(params)}
+    loaded = fdp.load(f"{tmp}/ckpt.pt", like=like)
+    params = loaded["params"]
+    state = step.state_from_tree(loaded["opt"], params)
+    for i in range(2, 4):
+        params, state, _ = step(params, state, *batch(0, i))
+    return params
+
+
+def test_checkpoint_resume_through_the_per_leaf_layout_into_another_world_and_plan(tmp_path):
+    straight = fdp.testing.run(resume, 2, args=(str(tmp_path), 1))[0]  # every rank has the same data
+    again = fdp.testing.run(resumed, 1, args=(str(tmp_path),))[0]
+    for k in straight:
+        assert torch.equal(straight[k], again[k]), f"param {k!r}"
+
+
+def test_elementwise_updates_run_while_the_backward_goes_on():
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+    apply, params, buffers = fdp.functionalize(model)
+    reducer = fdp.Reducer(params, bucket_cap_mb=0.2, first_bucket_cap_mb=0.2, hook_threshold_bytes=0)
+    step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.adamw(lr=1e-3))
+    state = step.init(params)
+    params, state, _ = step(params, state, torch.randn(64, 256), torch.randint(0, 10, (64,)))
+    tl = step.last_step.timeline
+    assert all(b.update_start is not None for b in tl.buckets)
+    assert tl.buckets[0].update_end < tl.backward_end, "the first bucket was updated during the backward"
+    assert tl.exposed_update < sum(b.update_end - b.update_start for b in tl.buckets)
+
+
+def test_unsupported_optimizers_and_argnums_are_refused_with_the_way_out():
+    params = {"w": torch.ones(3)}
+    reducer = fdp.Reducer(params)
+    part = fdp.optim.partition({"w": "a"}, {"a": fdp.optim.sgd(lr=0.1)})
+    with pytest.raises(TypeError, match="use reducer.grad and opt.update"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), part)
+    with pytest.raises(ValueError, match="argnums must be 0"):
+        reducer.grad_and_update(lambda b, p: p["w"].sum(), fdp.optim.sgd(lr=0.1), argnums=1)
+    step = reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.sgd(lr=0.1))
+    with pytest.raises(TypeError, match="FusedState"):
+        step(params, fdp.optim.sgd(lr=0.1).init(params))

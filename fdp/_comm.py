@@ -6,6 +6,7 @@ None``) never communicates: the calls return their input.
 
 from __future__ import annotations
 
+import collections
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,22 @@ DONE = Done()
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (absent before).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# The small tensors of recent collectives (counts, digests, flags), held a little longer than
+# their callers hold them. gloo's worker thread drops its reference to a finished collective
+# after the caller has seen it complete; when that is the last reference to a tensor made in
+# Python, the thread must take the GIL to free it, and at interpreter shutdown it cannot: the
+# process aborts ("terminate called without an active exception"; see
+# fdp._group.keep_until_exit for the stack). Holding them here makes the main thread the one
+# that frees them. Large tensors (buckets) are held by their owners anyway.
+_RECENT: collections.deque = collections.deque(maxlen=32)
+_SMALL = 4096  # elements
+
+
+def _hold(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.numel() <= _SMALL:
+            _RECENT.append(t)
 
 
 def completed(value: Any) -> torch.futures.Future:
@@ -91,6 +108,7 @@ def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = Fal
         work = dist.all_reduce(t, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
+    _hold(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -106,6 +124,7 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
+    _hold(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -125,10 +144,12 @@ def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, tor
     if group.process_group is None:
         return DONE, t.unsqueeze(0).clone()
     out = t.new_empty(group.size * t.numel())
+    src = t.contiguous().view(-1)
     try:
-        work = _all_gather_single(out, t.contiguous().view(-1), group=group.process_group, async_op=True)
+        work = _all_gather_single(out, src, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
+    _hold(src, out)
     return work, out.view(group.size, *t.shape)
 
 

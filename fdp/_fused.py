@@ -44,6 +44,14 @@ from .optim import ChainState, GradientTransform, Optimizer
 
 __all__ = ["FusedState", "FusedStep"]
 
+# Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
+# passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
+# whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
+# block, while over chunks that fit in the cache the passes stay there (CUDA's
+# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). The
+# figures behind the choice are in docs/performance.md ("The fused step").
+CHUNK = 128 * 1024
+
 
 class FusedState(NamedTuple):
     """The fused step's optimizer state, flat per bucket (save it with ``fdp.save``).
@@ -239,8 +247,10 @@ class FusedCore:
             p = dst.flats[b]
             if dst is not src:
                 p.copy_(src.flats[b])
-            self.kernel.step(plan.buckets[b].group, [p], [g], [[state.buffers[f][b]] for f in self.kernel.fields],
-                             count)
+            # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
+            # chunk-sized rather than bucket-sized (CHUNK's comment).
+            self.kernel.step(plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
+                             [list(state.buffers[f][b].split(CHUNK)) for f in self.kernel.fields], count)
             updated[b] = 1
             times = step.times[b]
             times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0

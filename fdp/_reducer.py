@@ -31,6 +31,7 @@ from ._comm import count_and_check_active
 from ._fused import FusedCore, FusedStep, split_chain
 from ._group import Group, resolve
 from ._log import debug_mode, log
+from ._malloc import keep_freed_memory
 from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
@@ -117,6 +118,7 @@ class Reducer:
         hook_threshold_bytes: int = HOOK_MEAN_BYTES,
     ) -> None:
         self.group = resolve(group)
+        keep_freed_memory()  # no page faults per step from memory handed back to the kernel
         self.plan = BucketPlan.build(
             params, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             bucket_caps_mb=bucket_caps_mb,

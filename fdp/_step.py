@@ -58,6 +58,24 @@ RELEASE_BYTES = 64 * 1024
 HOOK_MEAN_BYTES = 16 * 1024
 
 
+class StatusSlot:
+    """The step status's tensor and the last status collective, owned by the machine.
+
+    Both outlive the step: gloo's worker thread drops its reference to a finished
+    collective after the caller has seen it complete, and if that is the last reference to
+    a tensor made in Python, the thread must take the GIL to free it; at interpreter
+    shutdown it cannot, and the process aborts ("terminate called without an active
+    exception"; the stack is in ``fdp._group.keep_until_exit``). A tensor held here is
+    freed by the main thread.
+    """
+
+    __slots__ = ("buf", "work")
+
+    def __init__(self, device: torch.device) -> None:
+        self.buf = torch.zeros(3, dtype=torch.int64, device=device)
+        self.work: Any = None
+
+
 class _Live:
     """The step in flight, read by the leaf hooks (a holder, so hooks do not keep the machine
     alive: a Reducer is freed on ``del`` with no reference cycle)."""
@@ -88,6 +106,7 @@ class StepMachine:
         self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
         # The step status all-reduce (see the module docstring); nothing to pair without buckets.
         self.status = group.process_group is not None and bool(plan.buckets)
+        self.status_slot = StatusSlot(group.device) if self.status else None
         self._live = _Live()
         # One hook per leaf and engine, made once (the functorch one unwraps its gradients).
         self.leaf_hooks = {
@@ -174,7 +193,7 @@ class Step:
         self.hook, self.buffers, self.debug = machine.hook, machine.buffers, machine.debug
         self.bucket_of, self.release = machine.bucket_of, machine.release
         self.status = machine.status
-        self.status_t: torch.Tensor | None = None
+        self.status_t: StatusSlot | None = machine.status_slot
         self.status_work: Any = None
         self.pending = [len(b.leaves) for b in plan.buckets]
         self.stash: list[torch.Tensor | None] = [None] * len(plan.slots)
@@ -281,9 +300,9 @@ class Step:
         # A Future-returning hook may issue more collectives from its callbacks (PowerSGD
         # chains three), so for those the status waits until every bucket is collected:
         # issued earlier, it could interleave differently on different ranks.
-        n = self.n
-        self.status_t = torch.tensor([int(self.failed), n, n * n], dtype=torch.int64, device=self.group.device)
-        self.status_work = all_reduce(self.status_t, self.group, f"step {n} status", async_op=True)
+        n, slot = self.n, self.status_t
+        slot.buf.copy_(torch.tensor([int(self.failed), n, n * n], dtype=torch.int64))
+        self.status_work = slot.work = all_reduce(slot.buf, self.group, f"step {n} status", async_op=True)
 
     def what(self, b: int) -> str:
         return f"all-reduce of bucket {b} of {len(self.plan.buckets)} (step {self.n})"
@@ -348,7 +367,7 @@ class Step:
             self._start_status()
         n, size = self.n, self.group.size
         wait(self.status_work, self.group, f"step {n} status")
-        failed, steps, squares = (int(v) for v in self.status_t.tolist())
+        failed, steps, squares = (int(v) for v in self.status_t.buf.tolist())
         if failed:
             raise CollectiveError(
                 f"fdp: step {n} failed on {failed} other rank(s) of {size} after they had launched some "

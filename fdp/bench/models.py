@@ -11,13 +11,18 @@ step by step (the order rotates) in one process group, warm-up excluded:
              the bucketed all-reduce (what overlap buys is fdp-after minus fdp);
   func-ar    ``torch.func.grad`` to completion, then ``reducer.all_reduce``: the functional
              step written by hand (torch.func's own wrapping costs show here);
+  fused      ``reducer.grad_and_update`` with ``donate=True``: params, grads and optimizer state
+             in flat buckets, each bucket's update as soon as its all-reduce lands;
+  fused-pure the same, pure (the new params in a second set of flat buffers);
   compiled   (``--compiled``) ``torch.compile(fullgraph=True)`` of the ``func-ar`` step:
              collectives inside the graph.
 
-Every step includes the optimizer (SGD, momentum 0.9, in place for both libraries) and, for
+Every step includes the optimizer (``--optim``: SGD with momentum 0.9, or AdamW; in place for
+both libraries; torch.optim's own ``SGD``/``AdamW`` for DDP) and, for
 models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; fdp's
 ``sync_buffers``). Reported per model and step kind: the median step time, its ratio to
-DDP's, the exposed communication (median step minus median local step) and the peak memory
+DDP's, the exposed communication (median step minus median local step), the minor page
+faults per step (``getrusage``: memory the allocator took from the kernel) and the peak memory
 of the step, measured separately per kind in a fresh world (peak RSS over the RSS before the
 first step on CPU; ``max_memory_allocated`` on CUDA).
 
@@ -30,6 +35,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -44,8 +50,17 @@ import fdp
 
 from .zoo import MODELS, loss
 
-KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar")
+KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar", "fused", "fused-pure")
 LR = 0.01
+
+
+def make_optimizers(cfg: argparse.Namespace, donate: bool = True) -> tuple[Callable, Any]:
+    """(torch.optim factory for DDP's parameters, the fdp optimizer with the same numbers)."""
+    if getattr(cfg, "optim", "sgd") == "adamw":
+        return (lambda ps: torch.optim.AdamW(ps, lr=LR * 0.1, weight_decay=0.01),
+                fdp.optim.adamw(lr=LR * 0.1, weight_decay=0.01, donate=donate))
+    return (lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9),
+            fdp.optim.sgd(lr=LR, momentum=0.9, donate=donate))
 
 
 # ----------------------------------------------------------------------------- steps
@@ -74,7 +89,7 @@ class Steps:
 
                 ddp_hook = {"bf16_compress": _ddp_bf16, "fp16_compress": default_hooks.fp16_compress_hook}[cfg.hook]
                 self.ddp.register_comm_hook(group.process_group, ddp_hook)
-            self.ddp_opt = torch.optim.SGD(self.ddp.parameters(), lr=LR, momentum=0.9)
+            self.ddp_opt = make_optimizers(cfg)[0](self.ddp.parameters())
 
         # fdp: one functional replica per kind (so no kind sees another's updates)
         self.apply, _, _ = fdp.functionalize(template)
@@ -85,8 +100,8 @@ class Steps:
                 buffers = {k: v.clone() for k, v in template.named_buffers()}
                 if kind != "local":  # what DDP's constructor does, as fdp's users do it
                     params, buffers = fdp.broadcast((params, buffers), group=group)
-                opt = fdp.optim.sgd(lr=LR, momentum=0.9, donate=True)
-                self.state[kind] = [params, buffers, opt.init(params), opt]
+                opt = make_optimizers(cfg, donate=kind != "fused-pure")[1]
+                self.state[kind] = [params, buffers, None, opt]
         self.has_buffers = any(True for _ in template.buffers())
         params = {k: v.detach() for k, v in template.named_parameters()}
         # DDP's first bucket is 1 MiB only when the cap is left at its default
@@ -100,6 +115,14 @@ class Steps:
 
         self.loss_fn = loss_fn
         self.grad_fn = self.reducer.grad(loss_fn, has_aux=True)
+        self.fused: dict[str, Any] = {}
+        for kind in ("fused", "fused-pure"):
+            if kind in kinds:
+                st = self.state[kind]
+                self.fused[kind] = self.reducer.grad_and_update(loss_fn, st[3], has_aux=True,
+                                                                donate=kind == "fused")
+        for kind, st in self.state.items():
+            st[2] = self.fused[kind].init(st[0]) if kind in self.fused else st[3].init(st[0])
         self.func_grad = torch.func.grad(loss_fn, has_aux=True)
         after = fdp.Reducer(params, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=first_cap,
                             comm_hook=getattr(fdp.hooks, cfg.hook), overlap=False) if "fdp-after" in kinds else None
@@ -141,6 +164,12 @@ class Steps:
             step = self.compiled if kind == "compiled" else self._func_ar_step
             self.state[kind] = [*step(params, buffers, opt_state, x, y, opt), opt]
             return
+        if kind in self.fused:
+            params, opt_state, (_, buffers) = self.fused[kind](params, opt_state, buffers, x, y)
+            if self.has_buffers:
+                buffers = fdp.sync_buffers(buffers, group=self.group)
+            self.state[kind] = [params, buffers, opt_state, opt]
+            return
         if kind == "fdp":
             grads, buffers = self.grad_fn(params, buffers, x, y)
         elif kind == "fdp-after":
@@ -170,11 +199,13 @@ def _sync(group: fdp.Group) -> None:
 def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tuple[str, ...]) -> dict:
     steps = Steps(name, group, cfg, kinds)
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    faults: dict[str, list[int]] = {k: [] for k in kinds}
     exposed: list[float] = []
     for i in range(cfg.warmup + cfg.steps):
         order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]  # rotate: no kind always first
         for kind in order:
             _sync(group)
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             steps.run(kind)
             if group.device.type == "cuda":
@@ -182,11 +213,13 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
             dt = time.perf_counter() - t
             if i >= cfg.warmup:
                 times[kind].append(dt)
+                faults[kind].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
                 if kind == "fdp":
                     exposed.append(steps.reducer.last_timeline().exposed_comm)
     # every rank's view; rank 0's is reported (all ranks waited at the same barriers)
     out = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out["iqr"] = {k: [q * 1000 for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1}
+    out["faults"] = {k: statistics.median(v) for k, v in faults.items() if v}
     out["fdp_timeline_exposed"] = statistics.median(exposed) * 1000 if exposed else None
     out["buckets"] = len(steps.reducer.plan.buckets)
     out["leaves"] = len(steps.reducer.plan.slots)
@@ -277,14 +310,16 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
 
 
 def table(results: dict, cfg: argparse.Namespace) -> str:
-    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'peak MiB':>9}"]
+    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'faults':>7} {'peak MiB':>9}"]
     for name, r in results["models"].items():
         for kind in cfg.kinds:
             ms = r[kind]
             ratio = ms / r["ddp"]
             exposed = "" if kind == "local" else f"{ms - r['local']:.2f}"
             mem = r.get("memory", {}).get(kind)
+            faults = r.get("faults", {}).get(kind)
             lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
+                         f"{'' if faults is None else f'{faults:7.0f}':>7} "
                          f"{'' if mem is None else f'{mem:9.1f}':>9}")
         lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets; "
                      f"fdp timeline exposed comm {r['fdp_timeline_exposed']:.2f} ms)")
@@ -341,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2, help="ranks to fork when not under torchrun")
     p.add_argument("--hook", default="allreduce", choices=["allreduce", "bf16_compress", "fp16_compress"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"],
+                   help="the optimizer of every kind (torch.optim's for DDP, fdp.optim's for fdp)")
+    p.add_argument("--kinds", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     p.add_argument("--compiled", action="store_true",
                    help="also time the torch.compile(fullgraph=True) step (compiles per model: slow)")
@@ -355,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
     cfg.sweep_caps = [0.25, 1, 5, 25, 100]
-    cfg.kinds = KINDS + (("compiled",) if cfg.compiled else ())
+    kinds = tuple(k for k in cfg.kinds.split(",") if k) if cfg.kinds else KINDS
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not {"local", "ddp"} <= set(kinds):
+        p.error(f"--kinds must include local and ddp and come from {list(KINDS)}; got {list(kinds)}")
+    cfg.kinds = kinds + (("compiled",) if cfg.compiled else ())
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))
 
     results = _launch(_per_rank, cfg)[0]

@@ -8,6 +8,7 @@ docs/api.md differs from what the code would generate (the test suite runs that 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -107,17 +108,66 @@ def _signature(name: str, obj: object) -> str | None:
     return f"{name}{text}"
 
 
+def _is_value(obj: object) -> bool:
+    """A module-level constant (e.g. ``fdp.hooks.allreduce``, a ``CommHook``), not a class or
+    function: it is documented by its own ``__doc__``, never its class's."""
+    return not (inspect.isclass(obj) or inspect.isroutine(obj))
+
+
 def _docstring(obj: object) -> str:
-    doc = inspect.getdoc(obj) or ""
-    if not doc and not callable(obj) and not inspect.isclass(obj):
-        return ""
-    return _markdown(doc)
+    if _is_value(obj):
+        doc = vars(obj).get("__doc__") if hasattr(obj, "__dict__") else None
+        return _markdown(inspect.cleandoc(doc)) if doc else ""
+    return _markdown(inspect.getdoc(obj) or "")
+
+
+SECTION = re.compile(r"^(Args|Attributes|Raises|Returns|Example|Examples):$")
+ENTRY = re.compile(r"^(\*{0,2}[\w.]+(?:, \*{0,2}[\w.]+)*)( \([^)]*\))?: (.*)$")
+
+
+def _sections(lines: list[str]) -> list[str]:
+    """Google-style sections to Markdown: ``Args:``/``Attributes:``/``Raises:`` entries
+    (``name: text``, continued on deeper-indented lines) become a bullet list with the names as
+    code; ``Returns:`` and ``Example:`` become a bold label followed by their dedented text."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = SECTION.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        kind = m[1]
+        i += 1
+        block: list[str] = []
+        while i < len(lines) and (not lines[i].strip() or lines[i][0] == " "):
+            block.append(lines[i])
+            i += 1
+        while block and not block[-1].strip():
+            block.pop()
+        body = textwrap.dedent("\n".join(block)).splitlines()
+        out += ["", f"**{kind}:**", ""]
+        if kind in ("Args", "Attributes", "Raises"):
+            for line in body:
+                entry = ENTRY.match(line) if line and line[0] != " " else None
+                if entry:
+                    names = ", ".join(f"`{n.strip()}`" for n in entry[1].split(","))
+                    out.append(f"* {names}{entry[2] or ''}: {entry[3]}")
+                elif line.strip():
+                    out.append("  " + line.strip() if out[-1].startswith(("*", "  ")) else line)
+                else:
+                    out.append("")
+        else:
+            out += body
+        out.append("")
+    return out
 
 
 def _markdown(doc: str) -> str:
-    """Docstring text to Markdown: doctest runs as ```pycon, ``Example::`` blocks as code."""
+    """Docstring text to Markdown: Google-style sections as lists, doctest runs as ```pycon,
+    ``Example::`` blocks as ```python skip (shown, not run)."""
     out: list[str] = []
-    lines = doc.splitlines()
+    lines = _sections(doc.splitlines())
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -131,7 +181,9 @@ def _markdown(doc: str) -> str:
             out += ["```pycon", *block, "```"]
             continue
         if stripped.endswith("::") and not stripped.startswith(".."):
-            out.append(line[:-1] if stripped != "::" else "")
+            label = line[:-1] if stripped != "::" else ""
+            out.append(f"**{label}**" if SECTION.match(label) else label)
+            out.append("")
             i += 1
             while i < len(lines) and not lines[i].strip():
                 i += 1
@@ -155,6 +207,8 @@ def _markdown(doc: str) -> str:
 def _members(cls: type) -> list[tuple[str, object]]:
     members = []
     for name, value in vars(cls).items():
+        if isinstance(value, functools.cached_property):  # documented as a property
+            value = property(value.func, doc=value.__doc__)
         if name.startswith("_") or not (inspect.getdoc(value) if not isinstance(value, property) else value.__doc__):
             continue
         if isinstance(value, (staticmethod, classmethod)):
@@ -169,7 +223,11 @@ def render_entry(qualname: str, obj: object) -> str:
     sig = _signature(qualname, obj)
     if sig:
         parts += ["```text", sig, "```", ""]
+    if _is_value(obj):
+        parts += [f"A constant: `{obj!r}`.", ""]
     doc = _docstring(obj)
+    if not doc and _is_value(obj):
+        raise SystemExit(f"gen_api: {qualname} has no docstring of its own: set {qualname.rsplit('.', 1)[1]}.__doc__")
     if doc:
         parts += [doc, ""]
     if inspect.isclass(obj) and not issubclass(obj, BaseException):
@@ -185,11 +243,17 @@ def render_entry(qualname: str, obj: object) -> str:
     return "\n".join(parts)
 
 
-def render() -> str:
+def sections() -> list[tuple[str, str, list[tuple[str, object]]]]:
+    """``(title, module name, [(qualified name, object), ...])`` per section, in page order.
+
+    Raises SystemExit if a section names something fdp does not export, or a public name of
+    ``fdp`` lands in no section."""
     import importlib
 
+    import fdp
+
     placed: set[str] = set()
-    body = [INTRO]
+    out = []
     for title, modname, patterns in SECTIONS:
         module = importlib.import_module(modname)
         names = public_names(module)
@@ -199,19 +263,49 @@ def render() -> str:
                 chosen += [n for n in names if n not in chosen]
             else:
                 chosen.append(pat)
-        body.append(f"---\n\n## {title}\n")
+        entries = []
         for n in chosen:
             qual = f"{modname}.{n}"
-            if modname == "fdp" and n not in names:
-                raise SystemExit(f"gen_api: section {title!r} names {qual}, which fdp does not export")
+            if n not in names:
+                raise SystemExit(f"gen_api: section {title!r} names {qual}, which {modname} does not export")
             placed.add(qual)
-            body.append(render_entry(qual, getattr(module, n)))
-    import fdp
-
-    top = {f"fdp.{n}" for n in public_names(fdp)}
-    missing = sorted(top - placed)
+            entries.append((qual, getattr(module, n)))
+        out.append((title, modname, entries))
+    missing = sorted({f"fdp.{n}" for n in public_names(fdp)} - placed)
     if missing:
         raise SystemExit(f"gen_api: public names in no section of docs/gen_api.py: {missing}")
+    return out
+
+
+def documented() -> list[tuple[str, object]]:
+    """Everything the page shows a docstring of, as ``(qualified name, object)``: each
+    section's submodule (its docstring opens the section), every entry, and for classes the
+    public methods and properties. The test suite runs their ``>>>`` examples."""
+    import importlib
+
+    found: list[tuple[str, object]] = []
+    for _, modname, entries in sections():
+        if modname != "fdp" and modname not in dict(found):
+            found.append((modname, importlib.import_module(modname)))
+        for qual, obj in entries:
+            found.append((qual, obj))
+            if inspect.isclass(obj) and not issubclass(obj, BaseException):
+                found += [(f"{qual}.{m}", member) for m, member in _members(obj)]
+    return found
+
+
+def render() -> str:
+    import importlib
+
+    body = [INTRO]
+    opened: set[str] = set()
+    for title, modname, entries in sections():
+        body.append(f"---\n\n## {title}\n")
+        if modname != "fdp" and modname not in opened:  # a submodule's own docstring opens its section
+            opened.add(modname)
+            body.append(_markdown(inspect.getdoc(importlib.import_module(modname)) or "") + "\n")
+        for qual, obj in entries:
+            body.append(render_entry(qual, obj))
     body.append("---\n\n" + OUTRO)
     text = "\n".join(body)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"

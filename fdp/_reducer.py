@@ -39,12 +39,24 @@ __all__ = ["Pending", "Reducer"]
 
 
 class Pending:
-    """Handle of an ``all_reduce_async``: ``wait()`` returns the averaged tree."""
+    """Handle of an ``all_reduce_async``: ``wait()`` returns the averaged tree.
+
+    Example:
+      >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+      >>> pending = reducer.all_reduce_async({"w": torch.ones(2)})
+      >>> pending.wait()["w"]
+      tensor([1., 1.])
+    """
 
     def __init__(self, finish: Callable[[], Any]):
         self._finish, self._result = finish, None
 
     def wait(self) -> Any:
+        """Block until every bucket is reduced and return the averaged tree.
+
+        Calling it again returns the same tree. Raises ``fdp.CollectiveError`` if a bucket's
+        collective failed or timed out.
+        """
         if self._finish is not None:
             finish, self._finish = self._finish, None
             self._result = finish()
@@ -81,6 +93,13 @@ class Reducer:
         no leaf hooks and launch when the backward returns (a hook costs more than an early
         launch of thousands of tiny leaves gains). ``0`` hooks every bucket.
 
+    Attributes:
+      plan: the ``fdp.BucketPlan`` built from ``params``' layout.
+      group: the ``fdp.Group`` the gradients are averaged over.
+      hook: the ``fdp.hooks.CommHook`` every bucket goes through.
+      nonfinite_steps: with ``skip_nonfinite=True``, how many steps had a non-finite
+        averaged gradient (a reducer-level counter, the same on every rank).
+
     The construction is a collective: every rank checks that all ranks built the same bucket
     plan (same leaves, shapes, dtypes and caps), the same comm hook and wire dtype, and the
     same debug setting, and raises ``fdp.ReplicaMismatchError`` naming the first difference
@@ -91,10 +110,23 @@ class Reducer:
     ranks raise ``fdp.CollectiveError`` for that step too, and the next call starts a fresh
     step on every rank: gradients of two steps are never summed.
 
-    Example::
+    Raises:
+      ValueError: a cap <= 0, params on several devices, a non-floating ``reduce_dtype`` or
+        one that conflicts with the comm hook's wire dtype, an unknown ``engine``, or a
+        negative ``hook_threshold_bytes``.
+      TypeError: a leaf that is not a floating-point tensor (names its path), or a comm hook
+        that is not callable.
+      ReplicaMismatchError: ranks built different plans, hooks or debug settings.
 
-        reducer = fdp.Reducer(params)
-        grads, buffers = reducer.grad(loss_fn, has_aux=True)(params, buffers, x, y)
+    Example:
+      >>> apply, params, buffers = fdp.functionalize(nn.Linear(4, 2))
+      >>> def loss_fn(params, buffers, x, y):
+      ...     out, buffers = apply(params, buffers, x)
+      ...     return F.mse_loss(out, y), buffers
+      >>> reducer = fdp.Reducer(params)
+      >>> grads, buffers = reducer.grad(loss_fn, has_aux=True)(params, buffers, torch.randn(8, 4), torch.randn(8, 2))
+      >>> list(grads), reducer.steps
+      (['weight', 'bias'], 1)
     """
 
     def __init__(
@@ -177,6 +209,20 @@ class Reducer:
         ``fn`` may itself differentiate the params (``torch.autograd.grad(...,
         create_graph=True)``: gradient penalties, meta-gradients): only the outer backward's
         gradients are averaged, and the inner calls see the true gradients.
+
+        ``fn`` must be pure in the differentiated argument: thread buffers through it
+        (``has_aux=True`` is the usual way to return the new buffers). ``accumulate`` is bound
+        when ``grad`` is called, so build a new ``grad_fn`` each step (it is cheap).
+
+        Raises:
+          ValueError: ``fn`` does not return a scalar tensor (or a ``(loss, aux)`` pair with
+            ``has_aux=True``), or the differentiated argument or ``accumulate`` does not match
+            the plan (names the first differing leaf).
+          RuntimeError: called inside another ``torch.func`` transform, under
+            ``torch.compile`` (use ``all_reduce`` there), or while another step of this
+            reducer is in flight.
+          CollectiveError: a bucket's collective failed or timed out.
+          ReplicaMismatchError: in debug mode, ranks were about to issue different collectives.
         """
         gv = self.grad_and_value(fn, argnums, has_aux, accumulate=accumulate)
 
@@ -188,7 +234,18 @@ class Reducer:
 
     def grad_and_value(self, fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
                        accumulate: Any = None) -> Callable:
-        """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``)."""
+        """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``).
+
+        The returned function gives ``(grads, value)``: ``value`` is ``fn``'s output (``loss``,
+        or ``(loss, aux)``), detached; the loss is this rank's, not averaged. Same arguments
+        and errors as ``grad``.
+
+        Example:
+          >>> reducer = fdp.Reducer({"w": torch.ones(2)})
+          >>> grads, loss = reducer.grad_and_value(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
+          >>> grads["w"], loss
+          (tensor([2., 2.]), tensor(2.))
+        """
 
         def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
             return self._grad_step(fn, argnums, has_aux, accumulate, args, kwargs)
@@ -206,13 +263,33 @@ class Reducer:
             applying it keeps the replicas identical. Every rank must pass ``active=``, or
             none: one tiny all-reduce per call counts the active ranks and checks that, and a
             disagreement raises ``fdp.ReplicaMismatchError`` on every rank.
+
+        A collective: every rank calls it, through the same buckets and comm hook as ``grad``.
+
+        Returns:
+          The mean over the (active) ranks, a tree like ``grads``.
+
+        Raises:
+          ValueError: no rank is active, or ``grads`` does not match the plan (names the
+            first differing leaf).
+          RuntimeError: another step of this reducer is in flight.
+          CollectiveError: a bucket's collective failed or timed out.
+
+        Example:
+          >>> reducer = fdp.Reducer({"w": torch.zeros(3)})
+          >>> reducer.all_reduce({"w": torch.ones(3)})["w"]  # a world of one: the mean is the input
+          tensor([1., 1., 1.])
         """
         if _tree.compiling():
             return self._all_reduce_traced(grads, active)
         return self.all_reduce_async(grads, active=active).wait()
 
     def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
-        """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean."""
+        """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean.
+
+        The reducer runs one step at a time: wait on the ``fdp.Pending`` before its next call.
+        Same arguments and errors as ``all_reduce``.
+        """
         self._idle("all_reduce")
         n = count_and_check_active(active, self.group, "fdp.Reducer.all_reduce: active-rank count")
         if n == 0:
@@ -228,11 +305,21 @@ class Reducer:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The record of the most recent completed step (``None`` before the first)."""
+        """The ``fdp.StepRecord`` of the most recent completed step (``None`` before the first).
+
+        Example:
+          >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+          >>> _ = reducer.all_reduce({"w": torch.ones(2)})
+          >>> reducer.last_step.step, reducer.last_step.kind, reducer.last_step.finite
+          (0, 'all_reduce', True)
+        """
         return self._last
 
     def last_timeline(self) -> Timeline | None:
-        """The timeline of the most recent completed step (``None`` before the first)."""
+        """The timeline of the most recent completed step (``None`` before the first).
+
+        The same as ``last_step.timeline``; see ``fdp.viz.plot_timeline``.
+        """
         return None if self._last is None else self._last.timeline
 
     @property
@@ -247,7 +334,10 @@ class Reducer:
 
     @property
     def engine(self) -> str:
-        """How local gradients are computed (``"autograd"`` or ``"functorch"``), set at construction."""
+        """How local gradients are computed (``"autograd"`` or ``"functorch"``), set at construction.
+
+        Read-only: pass ``engine=`` to the constructor (``"auto"`` reads back as ``"autograd"``).
+        """
         return self._engine
 
     @property

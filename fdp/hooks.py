@@ -154,15 +154,15 @@ allreduce.__doc__ = "Sum the prescaled buckets: the mean over ranks (the default
 
 fp16_compress = CommHook(_sum_in_place, dtype=torch.float16, name="fp16_compress", in_place=True,
                          traced=_comm.traced_all_reduce)
-"""Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
+fp16_compress.__doc__ = """Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
 the gradients' dtype. Halves the bytes on the wire (DDP's ``fp16_compress_hook``)."""
 
 bf16_compress = CommHook(_sum_in_place, dtype=torch.bfloat16, name="bf16_compress", in_place=True,
                          traced=_comm.traced_all_reduce)
-"""Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa."""
+bf16_compress.__doc__ = """Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa."""
 
 noop = CommHook(_noop, name="noop")
-"""No communication: each rank keeps its own (1/world-scaled) gradients. For measuring
+noop.__doc__ = """No communication: each rank keeps its own (1/world-scaled) gradients. For measuring
 what communication costs; never for training."""
 
 

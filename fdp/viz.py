@@ -2,8 +2,11 @@
 
 Needs matplotlib (``pip install 'fdp[viz]'``).
 
-    >>> grads = grad_fn(params, buffers, x, y)
-    >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
+    >>> import fdp.viz
+    >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+    >>> grads = reducer.grad(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
+    >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")  # doctest: +ELLIPSIS
+    <Figure size ...>
 
 How to read it: the grey bar is the backward. Each bucket row shows when its last gradient
 arrived (a dot), then its collective from launch to completion (a bar). The part of a bar

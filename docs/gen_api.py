@@ -78,6 +78,17 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+# Classes a user never constructs: no constructor signature (their docstrings say where
+# instances come from), or, for a callable one, the signature of a call on an instance.
+NOT_CONSTRUCTED: dict[str, str | None] = {
+    "fdp.Apply": "apply",  # returned by fdp.functionalize; shown as a call
+    "fdp.Pending": None,  # returned by Reducer.all_reduce_async
+    "fdp.ReplicaCheck": None,  # returned by assert_replicas_equal(wait=False)
+    "fdp.BucketPlan": None,  # built with BucketPlan.build
+}
+WIDTH = 100  # longer signatures get one parameter per line
+
+
 def public_names(module: types.ModuleType) -> list[str]:
     names = getattr(module, "__all__", None)
     if names is None:
@@ -88,7 +99,11 @@ def public_names(module: types.ModuleType) -> list[str]:
 
 def _signature(name: str, obj: object) -> str | None:
     target = obj
-    if inspect.isclass(obj):
+    if name in NOT_CONSTRUCTED:
+        if NOT_CONSTRUCTED[name] is None:
+            return None
+        name, target = NOT_CONSTRUCTED[name], obj.__call__  # type: ignore[attr-defined]
+    elif inspect.isclass(obj):
         if issubclass(obj, BaseException):
             return None
         if issubclass(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple: its fields
@@ -103,8 +118,22 @@ def _signature(name: str, obj: object) -> str | None:
     params = [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
     text = str(sig.replace(parameters=params))
     text = re.sub(r"(: |-> )'([^'\n]*)'", r"\1\2", text)  # string annotations (postponed evaluation)
+    text = text.replace("datetime.timedelta(", "timedelta(")
     if inspect.isclass(obj):
         text = re.sub(r" -> None$", "", text)
+    if len(name) + len(text) > WIDTH and params:
+        # One parameter per line: split the rendered list at the top-level commas.
+        inner, depth, parts, cur = text[1:text.rindex(")")], 0, [], ""
+        for ch in inner:
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 0:
+                parts.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+        parts.append(cur.strip())
+        text = "(\n" + "".join(f"    {p},\n" for p in parts) + text[text.rindex(")"):]
     return f"{name}{text}"
 
 

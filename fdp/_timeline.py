@@ -11,9 +11,9 @@ class BucketTimes:
 
     Attributes:
       index: the bucket's index in the plan.
-      nbytes: its size in bytes (in the wire dtype).
-      ready: when its last gradient arrived (None for ``all_reduce`` steps' inactive ranks
-        and buckets that were never filled).
+      nbytes: its size in bytes (``Bucket.nbytes``: in the gradients' dtype, not the wire dtype).
+      ready: when its last gradient arrived through a leaf hook (None for ``all_reduce``
+        steps, and for buckets without leaf hooks, which launch when the backward returns).
       launch: when its collective was issued.
       done: when fdp first saw its collective complete (completion is polled, so this is
         at most one poll after the true completion).

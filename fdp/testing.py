@@ -24,6 +24,7 @@ Two backends:
   * other process state (globals, CUDA RNG, ``torch.set_num_threads``) is shared, and a
     rank that blocks on anything but a collective (a sleep, a lock another rank holds)
     stalls the others.
+
   Its SUM all-reduce adds the ranks' tensors in rank order.
 
 ``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over

@@ -217,3 +217,18 @@ def test_docstring_examples_run(qualname, tmp_path, monkeypatch):
     report = in_fork(_doctest_failures, qualname, obj)
     if report:
         pytest.fail(f"the docstring examples of {qualname} fail:\n{report}", pytrace=False)
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_links_into_api_md_name_headings_that_exist():
+    """api.md's headings are generated: a link to an anchor of it must still find one."""
+    anchors = {_github_anchor(line) for line in (DOCS / "api.md").read_text().splitlines()
+               if line.startswith("#")}
+    broken = [f"{path.relative_to(ROOT)}: api.md#{anchor}" for path in MARKDOWN
+              for anchor in re.findall(r"api\.md#([\w\-]+)", path.read_text()) if anchor not in anchors]
+    assert not broken, f"links to headings docs/api.md no longer has: {broken}"

@@ -39,24 +39,13 @@ __all__ = ["Pending", "Reducer"]
 
 
 class Pending:
-    """Handle of an ``all_reduce_async``: ``wait()`` returns the averaged tree.
-
-    Example:
-      >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
-      >>> pending = reducer.all_reduce_async({"w": torch.ones(2)})
-      >>> pending.wait()["w"]
-      tensor([1., 1.])
-    """
+    """Handle of an ``all_reduce_async``: ``wait()`` returns the averaged tree."""
 
     def __init__(self, finish: Callable[[], Any]):
         self._finish, self._result = finish, None
 
     def wait(self) -> Any:
-        """Block until every bucket is reduced and return the averaged tree.
-
-        Calling it again returns the same tree. Raises ``fdp.CollectiveError`` if a bucket's
-        collective failed or timed out.
-        """
+        """Block until every bucket is reduced; return the averaged tree (again on later calls)."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
             self._result = finish()
@@ -111,11 +100,9 @@ class Reducer:
     step on every rank: gradients of two steps are never summed.
 
     Raises:
-      ValueError: a cap <= 0, params on several devices, a non-floating ``reduce_dtype`` or
-        one that conflicts with the comm hook's wire dtype, an unknown ``engine``, or a
-        negative ``hook_threshold_bytes``.
-      TypeError: a leaf that is not a floating-point tensor (names its path), or a comm hook
-        that is not callable.
+      ValueError: a cap <= 0, params on several devices, or a bad ``reduce_dtype`` (not
+        floating, or not the hook's wire dtype), ``engine`` or ``hook_threshold_bytes``.
+      TypeError: a leaf that is not a floating-point tensor (names its path), or a bad hook.
       ReplicaMismatchError: ranks built different plans, hooks or debug settings.
 
     Example:
@@ -204,25 +191,23 @@ class Reducer:
         during the backward. ``accumulate``: a gradient tree (same layout as the params)
         summed into this step's local gradients before they are averaged, e.g. the local
         gradients of earlier micro-batches, so the last micro-batch's reduction still
-        overlaps its backward.
+        overlaps its backward (``examples/grad_accumulation.py``).
 
         ``fn`` may itself differentiate the params (``torch.autograd.grad(...,
         create_graph=True)``: gradient penalties, meta-gradients): only the outer backward's
         gradients are averaged, and the inner calls see the true gradients.
 
         ``fn`` must be pure in the differentiated argument: thread buffers through it
-        (``has_aux=True`` is the usual way to return the new buffers). ``accumulate`` is bound
-        when ``grad`` is called, so build a new ``grad_fn`` each step (it is cheap).
+        (``has_aux=True``). ``accumulate`` is bound when ``grad`` is called: build ``grad_fn``
+        each step (cheap).
 
         Raises:
-          ValueError: ``fn`` does not return a scalar tensor (or a ``(loss, aux)`` pair with
-            ``has_aux=True``), or the differentiated argument or ``accumulate`` does not match
-            the plan (names the first differing leaf).
-          RuntimeError: called inside another ``torch.func`` transform, under
-            ``torch.compile`` (use ``all_reduce`` there), or while another step of this
-            reducer is in flight.
-          CollectiveError: a bucket's collective failed or timed out.
-          ReplicaMismatchError: in debug mode, ranks were about to issue different collectives.
+          ValueError: ``fn``'s output is not a scalar tensor (or ``(loss, aux)``), or the
+            differentiated argument or ``accumulate`` does not match the plan (names the leaf).
+          RuntimeError: inside another ``torch.func`` transform or ``torch.compile`` (use
+            ``all_reduce`` there), or while another step of this reducer is in flight.
+          CollectiveError: a bucket's collective failed or timed out (in debug mode,
+            ``ReplicaMismatchError`` first if ranks were about to issue different ones).
         """
         gv = self.grad_and_value(fn, argnums, has_aux, accumulate=accumulate)
 
@@ -236,15 +221,7 @@ class Reducer:
                        accumulate: Any = None) -> Callable:
         """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``).
 
-        The returned function gives ``(grads, value)``: ``value`` is ``fn``'s output (``loss``,
-        or ``(loss, aux)``), detached; the loss is this rank's, not averaged. Same arguments
-        and errors as ``grad``.
-
-        Example:
-          >>> reducer = fdp.Reducer({"w": torch.ones(2)})
-          >>> grads, loss = reducer.grad_and_value(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
-          >>> grads["w"], loss
-          (tensor([2., 2.]), tensor(2.))
+        The value (``loss`` or ``(loss, aux)``) is detached and this rank's, not averaged.
         """
 
         def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
@@ -264,14 +241,10 @@ class Reducer:
             none: one tiny all-reduce per call counts the active ranks and checks that, and a
             disagreement raises ``fdp.ReplicaMismatchError`` on every rank.
 
-        A collective: every rank calls it, through the same buckets and comm hook as ``grad``.
-
-        Returns:
-          The mean over the (active) ranks, a tree like ``grads``.
+        A collective, through the same buckets and comm hook as ``grad``.
 
         Raises:
-          ValueError: no rank is active, or ``grads`` does not match the plan (names the
-            first differing leaf).
+          ValueError: no rank is active, or ``grads`` does not match the plan (names the leaf).
           RuntimeError: another step of this reducer is in flight.
           CollectiveError: a bucket's collective failed or timed out.
 
@@ -287,8 +260,7 @@ class Reducer:
     def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
         """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean.
 
-        The reducer runs one step at a time: wait on the ``fdp.Pending`` before its next call.
-        Same arguments and errors as ``all_reduce``.
+        One step at a time: wait on it before this reducer's next call. As ``all_reduce``.
         """
         self._idle("all_reduce")
         n = count_and_check_active(active, self.group, "fdp.Reducer.all_reduce: active-rank count")
@@ -305,21 +277,11 @@ class Reducer:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The ``fdp.StepRecord`` of the most recent completed step (``None`` before the first).
-
-        Example:
-          >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
-          >>> _ = reducer.all_reduce({"w": torch.ones(2)})
-          >>> reducer.last_step.step, reducer.last_step.kind, reducer.last_step.finite
-          (0, 'all_reduce', True)
-        """
+        """The ``fdp.StepRecord`` of the most recent completed step (``None`` before the first)."""
         return self._last
 
     def last_timeline(self) -> Timeline | None:
-        """The timeline of the most recent completed step (``None`` before the first).
-
-        The same as ``last_step.timeline``; see ``fdp.viz.plot_timeline``.
-        """
+        """The timeline of the most recent completed step (``None`` before the first)."""
         return None if self._last is None else self._last.timeline
 
     @property
@@ -334,10 +296,7 @@ class Reducer:
 
     @property
     def engine(self) -> str:
-        """How local gradients are computed (``"autograd"`` or ``"functorch"``), set at construction.
-
-        Read-only: pass ``engine=`` to the constructor (``"auto"`` reads back as ``"autograd"``).
-        """
+        """How local gradients are computed: ``"autograd"`` (also for ``engine="auto"``) or ``"functorch"``."""
         return self._engine
 
     @property

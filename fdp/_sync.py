@@ -130,7 +130,7 @@ def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
         and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
         (4, 9) float32 on rank 1``), or the leaf counts.
 
-    A collective (one all-gather of a digest). Non-tensor leaves are compared too.
+    A collective (one all-gather of a digest). Non-tensor leaves are compared by type only.
 
     Example:
       >>> fdp.assert_same_shapes({"w": torch.zeros(4, 8)})  # a world of one: always the same

@@ -87,6 +87,12 @@ class StepRecord:
       finite: whether every averaged gradient was finite; the same verdict on every rank.
         Always True unless the Reducer was built with ``skip_nonfinite=True``.
       timeline: when each bucket was ready, launched and done.
+
+    Example:
+      >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+      >>> _ = reducer.all_reduce({"w": torch.ones(2)})
+      >>> reducer.last_step.step, reducer.last_step.kind, reducer.last_step.finite
+      (0, 'all_reduce', True)
     """
 
     step: int

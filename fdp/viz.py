@@ -30,6 +30,11 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
                   title: str | None = None) -> Any:
     """Plot one step's ``Timeline`` (from ``reducer.last_timeline()``).
 
+    Rows: the forward and backward, then each bucket's "last gradient ready" dot and its
+    collective from launch to completion, green while the backward still runs and red after
+    it (the exposed communication, summed in the title). docs/performance.md ("Reading the
+    timeline") walks through real ones.
+
     Args:
       timeline: the step to draw.
       path: if given, save the figure there (PNG by extension) and close it.

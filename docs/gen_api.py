@@ -40,8 +40,9 @@ Conventions used throughout:
   `fdp.ReplicaMismatchError`, `fdp.CollectiveError`, `fdp.CheckpointError`. Bad arguments raise
   `ValueError` or `TypeError`. Messages name the leaf path, the ranks and what was expected.
   [errors.md](errors.md) lists what fdp checks.
-* **Examples.** `>>>` examples are doctests: the test suite runs them with `fdp`, `torch`,
-  `nn` (`torch.nn`) and `F` (`torch.nn.functional`) imported.
+* **Examples.** `>>>` examples are doctests: the test suite runs them in a world of one with
+  `fdp`, `torch`, `nn` (`torch.nn`) and `F` (`torch.nn.functional`) imported (`...` in a
+  shown output matches anything).
 
 ```python
 import torch

@@ -5,7 +5,7 @@ Needs matplotlib (``pip install 'fdp[viz]'``).
     >>> import fdp.viz
     >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
     >>> grads = reducer.grad(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
-    >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")  # doctest: +ELLIPSIS
+    >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
     <Figure size ...>
 
 How to read it: the grey bar is the backward. Each bucket row shows when its last gradient

@@ -3,7 +3,8 @@
 The API reference is the code's own text: each public name's signature and docstring, and
 for classes their public methods and properties, in the sections below. Hand-written prose
 (concepts, migration, performance) lives in the other pages. ``--check`` exits 1 when
-docs/api.md differs from what the code would generate (the test suite runs that check).
+docs/api.md differs from what the code would generate; tests/test_docs.py makes the same
+comparison, and runs the ``>>>`` examples of everything ``documented()`` lists as doctests.
 """
 
 from __future__ import annotations

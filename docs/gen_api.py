@@ -3,11 +3,13 @@
 The API reference is the code's own text: each public name's signature and docstring, and
 for classes their public methods and properties, in the sections below. Hand-written prose
 (concepts, migration, performance) lives in the other pages. ``--check`` exits 1 when
-docs/api.md differs from what the code would generate (the test suite runs that check).
+docs/api.md differs from what the code would generate; tests/test_docs.py makes the same
+comparison, and runs the ``>>>`` examples of everything ``documented()`` lists as doctests.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -39,8 +41,9 @@ Conventions used throughout:
   `fdp.ReplicaMismatchError`, `fdp.CollectiveError`, `fdp.CheckpointError`. Bad arguments raise
   `ValueError` or `TypeError`. Messages name the leaf path, the ranks and what was expected.
   [errors.md](errors.md) lists what fdp checks.
-* **Examples.** `>>>` examples are doctests: the test suite runs them with `fdp`, `torch`,
-  `nn` (`torch.nn`) and `F` (`torch.nn.functional`) imported.
+* **Examples.** `>>>` examples are doctests: the test suite runs them in a world of one with
+  `fdp`, `torch`, `nn` (`torch.nn`) and `F` (`torch.nn.functional`) imported (`...` in a
+  shown output matches anything).
 
 ```python
 import torch
@@ -64,7 +67,8 @@ OUTRO = """\
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
     ("Models as pure functions", "fdp", ["functionalize", "Apply"]),
-    ("Gradients", "fdp", ["Reducer", "Pending", "StepRecord", "Timeline", "BucketTimes", "BucketPlan", "Bucket"]),
+    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "StepRecord", "Timeline", "BucketTimes",
+                          "BucketPlan", "Bucket"]),
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
                              "assert_replicas_equal", "ReplicaCheck"]),
     ("Checkpoints", "fdp", ["save", "load", "rng_state", "set_rng_state"]),
@@ -77,6 +81,17 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
 ]
 
 
+# Classes a user never constructs: no constructor signature (their docstrings say where
+# instances come from), or, for a callable one, the signature of a call on an instance.
+NOT_CONSTRUCTED: dict[str, str | None] = {
+    "fdp.Apply": "apply",  # returned by fdp.functionalize; shown as a call
+    "fdp.Pending": None,  # returned by Reducer.all_reduce_async
+    "fdp.ReplicaCheck": None,  # returned by assert_replicas_equal(wait=False)
+    "fdp.BucketPlan": None,  # built with BucketPlan.build
+}
+WIDTH = 100  # longer signatures get one parameter per line
+
+
 def public_names(module: types.ModuleType) -> list[str]:
     names = getattr(module, "__all__", None)
     if names is None:
@@ -87,7 +102,11 @@ def public_names(module: types.ModuleType) -> list[str]:
 
 def _signature(name: str, obj: object) -> str | None:
     target = obj
-    if inspect.isclass(obj):
+    if name in NOT_CONSTRUCTED:
+        if NOT_CONSTRUCTED[name] is None:
+            return None
+        name, target = NOT_CONSTRUCTED[name], obj.__call__  # type: ignore[attr-defined]
+    elif inspect.isclass(obj):
         if issubclass(obj, BaseException):
             return None
         if issubclass(obj, tuple) and hasattr(obj, "_fields"):  # NamedTuple: its fields
@@ -102,22 +121,85 @@ def _signature(name: str, obj: object) -> str | None:
     params = [p for p in sig.parameters.values() if p.name not in ("self", "cls")]
     text = str(sig.replace(parameters=params))
     text = re.sub(r"(: |-> )'([^'\n]*)'", r"\1\2", text)  # string annotations (postponed evaluation)
+    text = text.replace("datetime.timedelta(", "timedelta(")
     if inspect.isclass(obj):
         text = re.sub(r" -> None$", "", text)
+    if len(name) + len(text) > WIDTH and params:
+        # One parameter per line: split the rendered list at the top-level commas.
+        inner, depth, parts, cur = text[1:text.rindex(")")], 0, [], ""
+        for ch in inner:
+            depth += ch in "([{"
+            depth -= ch in ")]}"
+            if ch == "," and depth == 0:
+                parts.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+        parts.append(cur.strip())
+        text = "(\n" + "".join(f"    {p},\n" for p in parts) + text[text.rindex(")"):]
     return f"{name}{text}"
 
 
+def _is_value(obj: object) -> bool:
+    """A module-level constant (e.g. ``fdp.hooks.allreduce``, a ``CommHook``), not a class or
+    function: it is documented by its own ``__doc__``, never its class's."""
+    return not (inspect.isclass(obj) or inspect.isroutine(obj))
+
+
 def _docstring(obj: object) -> str:
-    doc = inspect.getdoc(obj) or ""
-    if not doc and not callable(obj) and not inspect.isclass(obj):
-        return ""
-    return _markdown(doc)
+    if _is_value(obj):
+        doc = vars(obj).get("__doc__") if hasattr(obj, "__dict__") else None
+        return _markdown(inspect.cleandoc(doc)) if doc else ""
+    return _markdown(inspect.getdoc(obj) or "")
+
+
+SECTION = re.compile(r"^(Args|Attributes|Raises|Returns|Example|Examples):$")
+ENTRY = re.compile(r"^(\*{0,2}[\w.]+(?:, \*{0,2}[\w.]+)*)( \([^)]*\))?: (.*)$")
+
+
+def _sections(lines: list[str]) -> list[str]:
+    """Google-style sections to Markdown: ``Args:``/``Attributes:``/``Raises:`` entries
+    (``name: text``, continued on deeper-indented lines) become a bullet list with the names as
+    code; ``Returns:`` and ``Example:`` become a bold label followed by their dedented text."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = SECTION.match(lines[i])
+        if not m:
+            out.append(lines[i])
+            i += 1
+            continue
+        kind = m[1]
+        i += 1
+        block: list[str] = []
+        while i < len(lines) and (not lines[i].strip() or lines[i][0] == " "):
+            block.append(lines[i])
+            i += 1
+        while block and not block[-1].strip():
+            block.pop()
+        body = textwrap.dedent("\n".join(block)).splitlines()
+        out += ["", f"**{kind}:**", ""]
+        if kind in ("Args", "Attributes", "Raises"):
+            for line in body:
+                entry = ENTRY.match(line) if line and line[0] != " " else None
+                if entry:
+                    names = ", ".join(f"`{n.strip()}`" for n in entry[1].split(","))
+                    out.append(f"* {names}{entry[2] or ''}: {entry[3]}")
+                elif line.strip():
+                    out.append("  " + line.strip() if out[-1].startswith(("*", "  ")) else line)
+                else:
+                    out.append("")
+        else:
+            out += body
+        out.append("")
+    return out
 
 
 def _markdown(doc: str) -> str:
-    """Docstring text to Markdown: doctest runs as ```pycon, ``Example::`` blocks as code."""
+    """Docstring text to Markdown: Google-style sections as lists, doctest runs as ```pycon,
+    ``Example::`` blocks as ```python skip (shown, not run)."""
     out: list[str] = []
-    lines = doc.splitlines()
+    lines = _sections(doc.splitlines())
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -131,7 +213,9 @@ def _markdown(doc: str) -> str:
             out += ["```pycon", *block, "```"]
             continue
         if stripped.endswith("::") and not stripped.startswith(".."):
-            out.append(line[:-1] if stripped != "::" else "")
+            label = line[:-1] if stripped != "::" else ""
+            out.append(f"**{label}**" if SECTION.match(label) else label)
+            out.append("")
             i += 1
             while i < len(lines) and not lines[i].strip():
                 i += 1
@@ -155,6 +239,8 @@ def _markdown(doc: str) -> str:
 def _members(cls: type) -> list[tuple[str, object]]:
     members = []
     for name, value in vars(cls).items():
+        if isinstance(value, functools.cached_property):  # documented as a property
+            value = property(value.func, doc=value.__doc__)
         if name.startswith("_") or not (inspect.getdoc(value) if not isinstance(value, property) else value.__doc__):
             continue
         if isinstance(value, (staticmethod, classmethod)):
@@ -169,7 +255,11 @@ def render_entry(qualname: str, obj: object) -> str:
     sig = _signature(qualname, obj)
     if sig:
         parts += ["```text", sig, "```", ""]
+    if _is_value(obj):
+        parts += [f"A constant: `{obj!r}`.", ""]
     doc = _docstring(obj)
+    if not doc and _is_value(obj):
+        raise SystemExit(f"gen_api: {qualname} has no docstring of its own: set {qualname.rsplit('.', 1)[1]}.__doc__")
     if doc:
         parts += [doc, ""]
     if inspect.isclass(obj) and not issubclass(obj, BaseException):
@@ -185,11 +275,17 @@ def render_entry(qualname: str, obj: object) -> str:
     return "\n".join(parts)
 
 
-def render() -> str:
+def sections() -> list[tuple[str, str, list[tuple[str, object]]]]:
+    """``(title, module name, [(qualified name, object), ...])`` per section, in page order.
+
+    Raises SystemExit if a section names something fdp does not export, or a public name of
+    ``fdp`` lands in no section."""
     import importlib
 
+    import fdp
+
     placed: set[str] = set()
-    body = [INTRO]
+    out = []
     for title, modname, patterns in SECTIONS:
         module = importlib.import_module(modname)
         names = public_names(module)
@@ -199,19 +295,49 @@ def render() -> str:
                 chosen += [n for n in names if n not in chosen]
             else:
                 chosen.append(pat)
-        body.append(f"---\n\n## {title}\n")
+        entries = []
         for n in chosen:
             qual = f"{modname}.{n}"
-            if modname == "fdp" and n not in names:
-                raise SystemExit(f"gen_api: section {title!r} names {qual}, which fdp does not export")
+            if n not in names:
+                raise SystemExit(f"gen_api: section {title!r} names {qual}, which {modname} does not export")
             placed.add(qual)
-            body.append(render_entry(qual, getattr(module, n)))
-    import fdp
-
-    top = {f"fdp.{n}" for n in public_names(fdp)}
-    missing = sorted(top - placed)
+            entries.append((qual, getattr(module, n)))
+        out.append((title, modname, entries))
+    missing = sorted({f"fdp.{n}" for n in public_names(fdp)} - placed)
     if missing:
         raise SystemExit(f"gen_api: public names in no section of docs/gen_api.py: {missing}")
+    return out
+
+
+def documented() -> list[tuple[str, object]]:
+    """Everything the page shows a docstring of, as ``(qualified name, object)``: each
+    section's submodule (its docstring opens the section), every entry, and for classes the
+    public methods and properties. The test suite runs their ``>>>`` examples."""
+    import importlib
+
+    found: list[tuple[str, object]] = []
+    for _, modname, entries in sections():
+        if modname != "fdp" and modname not in dict(found):
+            found.append((modname, importlib.import_module(modname)))
+        for qual, obj in entries:
+            found.append((qual, obj))
+            if inspect.isclass(obj) and not issubclass(obj, BaseException):
+                found += [(f"{qual}.{m}", member) for m, member in _members(obj)]
+    return found
+
+
+def render() -> str:
+    import importlib
+
+    body = [INTRO]
+    opened: set[str] = set()
+    for title, modname, entries in sections():
+        body.append(f"---\n\n## {title}\n")
+        if modname != "fdp" and modname not in opened:  # a submodule's own docstring opens its section
+            opened.add(modname)
+            body.append(_markdown(inspect.getdoc(importlib.import_module(modname)) or "") + "\n")
+        for qual, obj in entries:
+            body.append(render_entry(qual, obj))
     body.append("---\n\n" + OUTRO)
     text = "\n".join(body)
     return re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"

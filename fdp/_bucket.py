@@ -41,7 +41,22 @@ class Bucket:
     ``leaves`` are indices in tree order, listed in the order they sit in the buffer (the
     reverse of tree order: the order a backward produces them); ``offsets``, ``numels``,
     ``shapes`` and ``paths`` describe them in the same order. ``last`` marks the final bucket
-    of a step (the one holding the first leaves of the tree).
+    of a step (the one holding the first leaves of the tree). Comm hooks receive it with
+    every flat buffer.
+
+    Attributes:
+      index: the bucket's position in the plan (the order buckets fill in a backward).
+      dtype, device: of every leaf in it.
+      leaves, offsets, numels, shapes, paths: per leaf, in buffer order.
+      numel: elements in the flat buffer.
+      cap_bytes: the cap it was filled up to (it may exceed it by one leaf).
+      last: whether this is the final bucket of a step.
+
+    Example:
+      >>> plan = fdp.BucketPlan.build({"a": torch.zeros(3), "b": torch.zeros(2)})
+      >>> b = plan.buckets[0]
+      >>> b.paths, b.offsets, b.numel, b.nbytes, b.last
+      (("['b']", "['a']"), (0, 2), 5, 20, True)
     """
 
     index: int
@@ -59,6 +74,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
+        """The flat buffer's size in bytes (``numel`` times the dtype's size)."""
         return self.numel * itemsize(self.dtype)
 
 
@@ -102,6 +118,22 @@ class BucketPlan:
     Build with ``BucketPlan.build(tree, ...)``. ``plan.fingerprint`` depends only on the
     layout (paths, shapes, dtypes, device types, caps), so it is identical on every rank
     that holds the same model, and different otherwise.
+
+    Attributes:
+      buckets: the ``fdp.Bucket`` s, in fill order.
+      slots: per leaf in tree order, where it lives (``path``, ``shape``, ``dtype``,
+        ``device``, ``bucket``, ``offset``).
+      caps: the bucket caps in bytes (first bucket, second, ...; the last repeats).
+      treedef: the tree's structure.
+
+    Example:
+      >>> params = {"a": torch.ones(300), "b": torch.ones(300)}  # 1,200 bytes each
+      >>> plan = fdp.BucketPlan.build(params, bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+      >>> [b.paths for b in plan.buckets]  # reverse tree order: the order a backward produces
+      [("['b']",), ("['a']",)]
+      >>> flats = plan.flatten(params, scale=0.5)
+      >>> plan.unflatten(flats)["a"][:3]
+      tensor([0.5000, 0.5000, 0.5000])
     """
 
     def __init__(self, treedef: _tree.TreeDef, slots: tuple[LeafSlot, ...], buckets: tuple[Bucket, ...], caps: tuple[int, ...]):
@@ -137,8 +169,8 @@ class BucketPlan:
             last repeats). Overrides the two above.
 
         Raises:
-          ValueError: a cap <= 0 or NaN. TypeError: a leaf that is not a floating-point tensor
-            (the message names its path).
+          ValueError: a cap <= 0 or NaN, or an empty ``bucket_caps_mb``.
+          TypeError: a leaf that is not a floating-point tensor (the message names its path).
         """
         return cls.from_caps(tree, _caps(bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb), floating_only=True)
 
@@ -300,7 +332,13 @@ class BucketPlan:
 
         Each element becomes ``(x.to(c) * scale).to(dtype)`` with ``c`` the widest of fp32 and
         the two dtypes (one rounding). ``dtype`` defaults to each bucket's own dtype.
-        ``out`` reuses the caller's buffers (no allocation).
+        ``out`` reuses the caller's buffers (no allocation). ``impl`` forces the copy kernel
+        (``"torch"`` or ``"triton"``; default: ``FDP_KERNELS``, else Triton for CUDA tensors
+        when it is installed).
+
+        Raises:
+          ValueError: ``tree`` does not match the plan (structure, shape, dtype or device:
+            names the first differing leaf).
         """
         leaves = self.leaves_of(tree, "flatten")
         self.check_devices(leaves, "flatten")
@@ -339,6 +377,10 @@ class BucketPlan:
         and the returned leaves are views into that copy, so the result never aliases
         ``flats``. With ``out=tree``, the values are copied into that tree's tensors and it
         is returned.
+
+        Raises:
+          ValueError: not one 1-D tensor of the bucket's size per bucket, or an ``out`` that
+            does not match the plan.
         """
         flats = list(flats)
         if len(flats) != len(self.buckets):

@@ -81,7 +81,10 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
       CollectiveError: a rank did not reach the barrier within the group's timeout.
 
     Example:
-      >>> fdp.save("/tmp/ckpt.pt", {"w": torch.ones(2), "step": 3, "rng": fdp.rng_state()})
+      >>> params = {"w": torch.ones(2)}
+      >>> opt = fdp.optim.adamw(lr=1e-3)
+      >>> state = {"params": params, "opt": opt.init(params), "step": 3, "rng": fdp.rng_state()}
+      >>> fdp.save("ckpt.pt", state)
     """
     group = resolve(group)
     path = os.fspath(path)
@@ -133,8 +136,9 @@ def load(
         both values).
 
     Example:
-      >>> like = {"w": torch.zeros(2), "step": 0, "rng": fdp.rng_state()}
-      >>> state = fdp.load("/tmp/ckpt.pt", like)
+      >>> fdp.save("ckpt.pt", {"w": torch.ones(2), "step": 3, "rng": fdp.rng_state()})
+      >>> like = {"w": torch.zeros(2), "step": 0, "rng": fdp.rng_state()}  # e.g. a fresh train state
+      >>> state = fdp.load("ckpt.pt", like)
       >>> state["w"], state["step"]
       (tensor([1., 1.]), 3)
       >>> fdp.set_rng_state(state["rng"])

@@ -33,6 +33,21 @@ class Apply:
       the key.
     * Safe under ``torch.func.grad``, ``vmap`` and ``fdp.Reducer.grad``: pass the buffers as
       an argument of the transformed function, never capture them.
+
+    Raises:
+      ValueError: ``params`` or ``buffers`` lack a key, have an extra key, or a leaf has
+        another shape than ``functionalize`` returned (names the key).
+      TypeError: ``params`` or ``buffers`` is not a dict, or a value is not a tensor.
+
+    Example:
+      >>> net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16))
+      >>> apply, params, buffers = fdp.functionalize(net)
+      >>> out, new_buffers = apply(params, buffers, torch.randn(32, 8))
+      >>> int(new_buffers["1.num_batches_tracked"]), int(buffers["1.num_batches_tracked"])
+      (1, 0)
+      >>> out, same = apply.eval()(params, buffers, torch.randn(32, 8))  # statistics used, not updated
+      >>> torch.equal(same["1.running_mean"], buffers["1.running_mean"])
+      True
     """
 
     def __init__(
@@ -71,9 +86,17 @@ class Apply:
 
         Constants are not sent with ``params`` and ``buffers``. When ranks may have built
         different frozen weights (a random init without a common seed), make them agree once,
-        as DDP's constructor does for every parameter:
+        as DDP's constructor does for every parameter (see the example).
+
+        Raises:
+          ValueError: ``constants`` lacks a key, has an extra key, or a leaf has another
+            shape (names the key).
+          TypeError: ``constants`` is not a dict of tensors.
 
         Example:
+          >>> apply, params, buffers = fdp.functionalize(nn.Linear(2, 2), frozen=["bias"])
+          >>> list(params), list(apply.constants)
+          (['weight'], ['bias'])
           >>> apply = apply.with_constants(fdp.broadcast(apply.constants, src=0))
         """
         _check("constants", constants, {k: v.shape for k, v in self._constants.items()})
@@ -97,7 +120,12 @@ class Apply:
           ``dict[str, Tensor]`` keyed like ``module.state_dict()``.
 
         Example:
+          >>> apply, params, buffers = fdp.functionalize(nn.Linear(2, 2))
+          >>> model = nn.Linear(2, 2)
           >>> model.load_state_dict(apply.state_dict(params, buffers))
+          <All keys matched successfully>
+          >>> torch.equal(model.weight, params["weight"])
+          True
         """
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
@@ -230,10 +258,16 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     Raises:
       ValueError: the module has uninitialised (lazy) parameters, no trainable parameters,
         or a ``frozen`` name matches no parameter.
+      TypeError: ``module`` is not an ``nn.Module``.
 
     Example:
-      >>> apply, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)))
-      >>> out, buffers = apply(params, buffers, torch.randn(16, 4))
+      >>> net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+      >>> apply, params, buffers = fdp.functionalize(net, frozen=["3"])
+      >>> list(params), list(buffers)
+      (['0.weight', '0.bias', '1.weight', '1.bias'], ['1.running_mean', '1.running_var', '1.num_batches_tracked'])
+      >>> list(apply.constants)
+      ['3.weight', '3.bias']
+      >>> out, buffers = apply(params, buffers, torch.randn(32, 8))
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functionalize expects an nn.Module, got {type(module).__name__}")

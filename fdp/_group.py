@@ -35,7 +35,15 @@ class Group:
         ``"none"`` for a world of one.
 
     Build one with ``fdp.init()``, or from an existing group with
-    ``Group.from_process_group(pg)`` or ``Group.from_mesh(mesh, dim)``.
+    ``Group.from_process_group(pg)`` or ``Group.from_mesh(mesh, dim)``. Every fdp function
+    that takes ``group=`` accepts a ``Group``, a torch ``ProcessGroup``, a 1-D ``DeviceMesh``,
+    or ``None``: the world (the torchrun job), or a world of one when torch.distributed is not
+    initialised. A frozen dataclass.
+
+    Example:
+      >>> group = fdp.Group.single("cpu")
+      >>> group.rank, group.size, group.is_main, group.process_group
+      (0, 1, True, None)
     """
 
     process_group: Any
@@ -66,7 +74,17 @@ class Group:
         device: torch.device | str | None = None,
         timeout: timedelta | None = None,
     ) -> Group:
-        """Wrap an initialised torch ProcessGroup (default: the world group)."""
+        """Wrap an initialised torch ProcessGroup (default: the world group).
+
+        Args:
+          pg: the process group (default: the world).
+          device: this rank's device (default: the current CUDA device with NCCL, else CPU).
+          timeout: the collectives' timeout (default: the one the group was created with).
+
+        Raises:
+          RuntimeError: torch.distributed is not initialised.
+          ValueError: this process is not a member of ``pg``.
+        """
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "fdp: torch.distributed is not initialised; call fdp.init() first "
@@ -94,7 +112,11 @@ class Group:
 
     @classmethod
     def from_mesh(cls, mesh: Any, dim: int | str | None = None) -> Group:
-        """The ranks along one dimension of a ``DeviceMesh`` (``dim`` may be its name)."""
+        """The ranks along one dimension of a ``DeviceMesh`` (``dim`` may be its name).
+
+        Raises:
+          ValueError: ``dim`` is None and the mesh has more than one dimension.
+        """
         if dim is None:
             if mesh.ndim != 1:
                 raise ValueError(
@@ -145,6 +167,17 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     collective. Idempotent: if torch.distributed is already initialised, the world group is
     returned. Without torchrun's environment this is a world of one: no rendezvous, and every
     collective is the identity, so the same script runs as plain ``python train.py``.
+
+    Args:
+      backend: the process group's backend (default: ``"nccl"`` with CUDA, else ``"gloo"``).
+      timeout: the process group's timeout, for every collective fdp waits on.
+
+    Returns:
+      The world's ``Group`` (``Group.single()`` without torchrun).
+
+    Raises:
+      RuntimeError: ``RANK`` and ``WORLD_SIZE`` are set but another torchrun variable is
+        missing. Rendezvous errors come from ``torch.distributed.init_process_group``.
 
     Example:
       >>> group = fdp.init()

@@ -41,8 +41,11 @@ def psum(tree: Any, group: Group | Any = None) -> Any:
         layout is seen, on every call with ``FDP_DEBUG=1``).
       CollectiveError: a rank did not join within the group's timeout.
 
+    A collective: every rank calls it with a tree of the same layout.
+
     Example:
-      >>> tokens = fdp.psum(len(batch))                       # every rank's count, added
+      >>> fdp.psum({"tokens": 512, "correct": torch.tensor([True, False, True])})  # a world of one
+      {'tokens': 512, 'correct': tensor([1, 0, 1])}
     """
     return _reduce(tree, resolve(group), mean=False, what="fdp.psum")
 
@@ -66,10 +69,14 @@ def pmean(tree: Any, group: Group | Any = None) -> Any:
     Raises:
       TypeError, ReplicaMismatchError, CollectiveError: as ``fdp.psum``.
 
+    A collective: every rank calls it with a tree of the same layout.
+
     Example:
-      >>> loss, aux = loss_fn(params, buffers, x, y)
-      >>> logged = fdp.pmean({"loss": loss.detach(), "acc": accuracy})   # same on every rank
-      >>> if group.is_main: print(f"loss {logged['loss'].item():.4f} acc {logged['acc']:.3f}")
+      >>> logged = fdp.pmean({"loss": torch.tensor(2.5), "steps": 3})  # the same on every rank
+      >>> logged
+      {'loss': tensor(2.5000), 'steps': 3.0}
+      >>> if fdp.init().is_main: print(f"loss {logged['loss'].item():.4f}")
+      loss 2.5000
     """
     return _reduce(tree, resolve(group), mean=True, what="fdp.pmean")
 

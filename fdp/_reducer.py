@@ -48,6 +48,7 @@ class Pending:
         self._finish, self._result = finish, None
 
     def wait(self) -> Any:
+        """Block until every bucket is reduced; return the averaged tree (again on later calls)."""
         if self._finish is not None:
             finish, self._finish = self._finish, None
             self._result = finish()
@@ -84,6 +85,13 @@ class Reducer:
         no leaf hooks and launch when the backward returns (a hook costs more than an early
         launch of thousands of tiny leaves gains). ``0`` hooks every bucket.
 
+    Attributes:
+      plan: the ``fdp.BucketPlan`` built from ``params``' layout.
+      group: the ``fdp.Group`` the gradients are averaged over.
+      hook: the ``fdp.hooks.CommHook`` every bucket goes through.
+      nonfinite_steps: with ``skip_nonfinite=True``, how many steps had a non-finite
+        averaged gradient (a reducer-level counter, the same on every rank).
+
     The construction is a collective: every rank checks that all ranks built the same bucket
     plan (same leaves, shapes, dtypes and caps), the same comm hook and wire dtype, and the
     same debug setting, and raises ``fdp.ReplicaMismatchError`` naming the first difference
@@ -94,10 +102,21 @@ class Reducer:
     ranks raise ``fdp.CollectiveError`` for that step too, and the next call starts a fresh
     step on every rank: gradients of two steps are never summed.
 
-    Example::
+    Raises:
+      ValueError: a cap <= 0, params on several devices, or a bad ``reduce_dtype`` (not
+        floating, or not the hook's wire dtype), ``engine`` or ``hook_threshold_bytes``.
+      TypeError: a leaf that is not a floating-point tensor (names its path), or a bad hook.
+      ReplicaMismatchError: ranks built different plans, hooks or debug settings.
 
-        reducer = fdp.Reducer(params)
-        grads, buffers = reducer.grad(loss_fn, has_aux=True)(params, buffers, x, y)
+    Example:
+      >>> apply, params, buffers = fdp.functionalize(nn.Linear(4, 2))
+      >>> def loss_fn(params, buffers, x, y):
+      ...     out, buffers = apply(params, buffers, x)
+      ...     return F.mse_loss(out, y), buffers
+      >>> reducer = fdp.Reducer(params)
+      >>> grads, buffers = reducer.grad(loss_fn, has_aux=True)(params, buffers, torch.randn(8, 4), torch.randn(8, 2))
+      >>> list(grads), reducer.steps
+      (['weight', 'bias'], 1)
     """
 
     def __init__(
@@ -179,11 +198,23 @@ class Reducer:
         during the backward. ``accumulate``: a gradient tree (same layout as the params)
         summed into this step's local gradients before they are averaged, e.g. the local
         gradients of earlier micro-batches, so the last micro-batch's reduction still
-        overlaps its backward.
+        overlaps its backward (``examples/grad_accumulation.py``).
 
         ``fn`` may itself differentiate the params (``torch.autograd.grad(...,
         create_graph=True)``: gradient penalties, meta-gradients): only the outer backward's
         gradients are averaged, and the inner calls see the true gradients.
+
+        ``fn`` must be pure in the differentiated argument: thread buffers through it
+        (``has_aux=True``). ``accumulate`` is bound when ``grad`` is called: build ``grad_fn``
+        each step (cheap).
+
+        Raises:
+          ValueError: ``fn``'s output is not a scalar tensor (or ``(loss, aux)``), or the
+            differentiated argument or ``accumulate`` does not match the plan (names the leaf).
+          RuntimeError: inside another ``torch.func`` transform or ``torch.compile`` (use
+            ``all_reduce`` there), or while another step of this reducer is in flight.
+          CollectiveError: a bucket's collective failed or timed out (in debug mode,
+            ``ReplicaMismatchError`` first if ranks were about to issue different ones).
         """
         gv = self.grad_and_value(fn, argnums, has_aux, accumulate=accumulate)
 
@@ -195,7 +226,10 @@ class Reducer:
 
     def grad_and_value(self, fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False, *,
                        accumulate: Any = None) -> Callable:
-        """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``)."""
+        """Like ``torch.func.grad_and_value``, with gradients averaged over ranks (see ``grad``).
+
+        The value (``loss`` or ``(loss, aux)``) is detached and this rank's, not averaged.
+        """
 
         def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
             return self._grad_step(fn, argnums, has_aux, accumulate, args, kwargs)
@@ -266,13 +300,28 @@ class Reducer:
             applying it keeps the replicas identical. Every rank must pass ``active=``, or
             none: one tiny all-reduce per call counts the active ranks and checks that, and a
             disagreement raises ``fdp.ReplicaMismatchError`` on every rank.
+
+        A collective, through the same buckets and comm hook as ``grad``.
+
+        Raises:
+          ValueError: no rank is active, or ``grads`` does not match the plan (names the leaf).
+          RuntimeError: another step of this reducer is in flight.
+          CollectiveError: a bucket's collective failed or timed out.
+
+        Example:
+          >>> reducer = fdp.Reducer({"w": torch.zeros(3)})
+          >>> reducer.all_reduce({"w": torch.ones(3)})["w"]  # a world of one: the mean is the input
+          tensor([1., 1., 1.])
         """
         if _tree.compiling():
             return self._all_reduce_traced(grads, active)
         return self.all_reduce_async(grads, active=active).wait()
 
     def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
-        """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean."""
+        """Launch ``all_reduce`` and return a handle whose ``wait()`` returns the mean.
+
+        One step at a time: wait on it before this reducer's next call. As ``all_reduce``.
+        """
         self._idle("all_reduce")
         n = count_and_check_active(active, self.group, "fdp.Reducer.all_reduce: active-rank count")
         if n == 0:
@@ -288,7 +337,7 @@ class Reducer:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The record of the most recent completed step (``None`` before the first)."""
+        """The ``fdp.StepRecord`` of the most recent completed step (``None`` before the first)."""
         return self._last
 
     def last_timeline(self) -> Timeline | None:
@@ -307,7 +356,7 @@ class Reducer:
 
     @property
     def engine(self) -> str:
-        """How local gradients are computed (``"autograd"`` or ``"functorch"``), set at construction."""
+        """How local gradients are computed: ``"autograd"`` (also for ``engine="auto"``) or ``"functorch"``."""
         return self._engine
 
     @property

@@ -117,13 +117,21 @@ def leaf_hash(t: torch.Tensor, scratch: dict[torch.device, torch.Tensor] | None 
 
 
 class ReplicaCheck:
-    """An ``assert_replicas_equal(..., wait=False)`` in flight: ``wait()`` raises on drift."""
+    """An ``assert_replicas_equal(..., wait=False)`` in flight: ``wait()`` raises on drift.
+
+    Example:
+      >>> check = fdp.assert_replicas_equal({"w": torch.ones(3)}, wait=False)
+      >>> check.wait()  # later, e.g. after the next step
+    """
 
     def __init__(self, tree: Any, hashes: torch.Tensor, work: Any, rows: torch.Tensor, g: Group):
         self._tree, self._hashes, self._work, self._rows, self._g = tree, hashes, work, rows, g
 
     def wait(self) -> None:
-        """Wait for the comparison; raise ``ReplicaMismatchError`` if the ranks differed."""
+        """Wait for the comparison; raise ``ReplicaMismatchError`` if the ranks differed.
+
+        Waits within the group's timeout (``CollectiveError`` past it); later calls do nothing.
+        """
         if self._work is None:
             return
         work, self._work = self._work, None
@@ -156,6 +164,13 @@ def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = 
         0's and the ranks that hold the different values (or, if the trees' layouts differ,
         the first differing leaf, as ``assert_same_shapes``).
       TypeError: a leaf that is not a tensor (named by its path).
+      CollectiveError: a rank did not join within the group's timeout.
+
+    A collective. What it costs per step is measured by ``python -m fdp.bench replicas``
+    (docs/performance.md).
+
+    Example:
+      >>> fdp.assert_replicas_equal({"w": torch.ones(3)})  # returns None when all ranks agree
     """
     g = resolve(group)
     leaves, treedef = _tree.flatten(tree)

@@ -129,6 +129,11 @@ def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
       ReplicaMismatchError: on every rank, naming the first differing leaf path, the ranks
         and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
         (4, 9) float32 on rank 1``), or the leaf counts.
+
+    A collective (one all-gather of a digest). Non-tensor leaves are compared by type only.
+
+    Example:
+      >>> fdp.assert_same_shapes({"w": torch.zeros(4, 8)})  # a world of one: always the same
     """
     meta, _ = tree_meta(tree)
     verify_layout(meta, resolve(group), "assert_same_shapes")
@@ -190,7 +195,8 @@ def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
     first, so ranks holding different trees get a
     ``ReplicaMismatchError`` naming the leaf instead of a hang. Never writes in place: the
     result holds fresh tensors (on every rank, ``src`` included) and the input is untouched
-    even if a collective fails halfway.
+    even if a collective fails halfway. In a world of one nothing is sent and ``tree``
+    itself is returned. A collective.
 
     Raises:
       ReplicaMismatchError: on every rank, if the ranks' trees differ (names the first
@@ -200,7 +206,8 @@ def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
       CollectiveError: a rank did not join within the group's timeout.
 
     Example:
-      >>> params, buffers = fdp.broadcast((params, buffers), src=0)
+      >>> apply, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+      >>> params, buffers = fdp.broadcast((params, buffers), src=0)  # every rank starts from rank 0's
     """
     g = resolve(group)
     _check_src(src, g, "broadcast")
@@ -233,7 +240,8 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     differs on one rank is an error on every rank, never reinterpreted bytes or a hang.
 
     Returns:
-      New buffers (fresh tensors); the input is not modified.
+      New buffers (fresh tensors); the input is not modified. In a world of one, ``buffers``
+      itself (nothing to agree on).
 
     Raises:
       ReplicaMismatchError: on every rank, if the ranks' layouts, modes or sources differ
@@ -241,6 +249,12 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
       TypeError: a leaf that is not a tensor, or a quantized tensor (named by its path).
       ValueError: an unknown ``mode`` or a ``src`` outside the group.
       CollectiveError: a rank did not join within the group's timeout.
+
+    Example:
+      >>> apply, params, buffers = fdp.functionalize(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+      >>> out, buffers = apply(params, buffers, torch.randn(8, 4))
+      >>> buffers = fdp.sync_buffers(buffers)               # rank 0's statistics win (DDP)
+      >>> buffers = fdp.sync_buffers(buffers, mode="mean")  # or: averaged over ranks
     """
     if mode not in ("broadcast", "mean"):
         raise ValueError(f"fdp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
@@ -347,6 +361,13 @@ def any_rank(flag: bool, group: Group | Any = None) -> bool:
 
     The loop condition for uneven inputs: ``while fdp.any_rank(batch is not None): ...``
     ends on the same iteration everywhere, so no rank waits for a collective that the
-    others never issue.
+    others never issue. A collective: every rank calls it.
+
+    Raises:
+      CollectiveError: a rank did not join within the group's timeout.
+
+    Example:
+      >>> fdp.any_rank(True), fdp.any_rank(False)
+      (True, False)
     """
     return _comm.any_rank(bool(flag), resolve(group), "fdp.any_rank")

@@ -7,7 +7,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class BucketTimes:
-    """One bucket's life in a step, in seconds since the step started."""
+    """One bucket's life in a step, in seconds since the step started.
+
+    Attributes:
+      index: the bucket's index in the plan.
+      nbytes: its size in bytes (``Bucket.nbytes``: in the gradients' dtype, not the wire dtype).
+      ready: when its last gradient arrived through a leaf hook (None for ``all_reduce``
+        steps, and for buckets without leaf hooks, which launch when the backward returns).
+      launch: when its collective was issued.
+      done: when fdp first saw its collective complete (completion is polled, so this is
+        at most one poll after the true completion).
+    """
 
     index: int
     nbytes: int
@@ -31,7 +41,22 @@ class Timeline:
     ``backward_start``/``backward_end`` are None for ``all_reduce`` steps (no backward).
     ``exposed_comm`` is the communication not hidden behind the backward: the time from the
     backward's end (or the launch of the first bucket, for ``all_reduce``) to the last
-    bucket's completion.
+    bucket's completion. Draw one with ``fdp.viz.plot_timeline``.
+
+    Attributes:
+      step: the step's number (0 for the reducer's first).
+      kind: ``"grad"`` or ``"all_reduce"``.
+      backward_start, backward_end: when the backward started and returned (None for
+        ``all_reduce``).
+      end: when the step returned.
+      buckets: one ``fdp.BucketTimes`` per bucket, in plan order.
+
+    Example:
+      >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+      >>> _ = reducer.all_reduce({"w": torch.ones(2)})
+      >>> tl = reducer.last_timeline()
+      >>> tl.kind, len(tl.buckets), tl.backward_end, tl.exposed_comm >= 0
+      ('all_reduce', 1, None, True)
     """
 
     step: int
@@ -43,10 +68,12 @@ class Timeline:
 
     @property
     def comm_done(self) -> float:
+        """When the last bucket's collective was seen complete (0.0 without buckets)."""
         return max((b.done or 0.0) for b in self.buckets) if self.buckets else 0.0
 
     @property
     def exposed_comm(self) -> float:
+        """Seconds of communication not hidden behind the backward (>= 0)."""
         start = self.backward_end
         if start is None:
             start = min((b.launch or 0.0) for b in self.buckets) if self.buckets else 0.0
@@ -71,6 +98,12 @@ class StepRecord:
       finite: whether every averaged gradient was finite; the same verdict on every rank.
         Always True unless the Reducer was built with ``skip_nonfinite=True``.
       timeline: when each bucket was ready, launched and done.
+
+    Example:
+      >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+      >>> _ = reducer.all_reduce({"w": torch.ones(2)})
+      >>> reducer.last_step.step, reducer.last_step.kind, reducer.last_step.finite
+      (0, 'all_reduce', True)
     """
 
     step: int

@@ -57,13 +57,24 @@ class CommHook:
       traced: ``traced(flat, group) -> Tensor``, the same reduction built from traceable
         collectives (``torch.distributed._functional_collectives``), for ``torch.compile``.
 
-    Example::
+    A plain callable passed as ``comm_hook=`` is wrapped as ``CommHook(fn)``. A hook whose
+    function returns something other than a Future, or a Future of anything but a floating
+    tensor of the bucket's size, makes the step raise ``TypeError`` naming the hook and the
+    bucket.
 
-        def logging_allreduce(bucket, flat, group):
-            print("bucket", bucket.index, bucket.nbytes)
-            return fdp.hooks.allreduce(bucket, flat, group)
+    Raises:
+      TypeError: ``fn`` or ``traced`` is not callable.
 
-        reducer = fdp.Reducer(params, comm_hook=fdp.hooks.CommHook(logging_allreduce, name="logging"))
+    Example:
+      >>> sizes = []
+      >>> def logging_allreduce(bucket, flat, group):
+      ...     sizes.append(bucket.nbytes)
+      ...     return fdp.hooks.allreduce(bucket, flat, group)  # then do what the default does
+      >>> params = {"w": torch.ones(4)}
+      >>> reducer = fdp.Reducer(params, comm_hook=fdp.hooks.CommHook(logging_allreduce, name="logging"))
+      >>> mean = reducer.all_reduce(params)
+      >>> sizes  # one call per bucket per step
+      [16]
     """
 
     def __init__(self, fn: HookFn, *, dtype: torch.dtype | None = None, prescale: bool = True,
@@ -154,15 +165,23 @@ allreduce.__doc__ = "Sum the prescaled buckets: the mean over ranks (the default
 
 fp16_compress = CommHook(_sum_in_place, dtype=torch.float16, name="fp16_compress", in_place=True,
                          traced=_comm.traced_all_reduce)
-"""Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
+fp16_compress.__doc__ = """Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
 the gradients' dtype. Halves the bytes on the wire (DDP's ``fp16_compress_hook``)."""
 
 bf16_compress = CommHook(_sum_in_place, dtype=torch.bfloat16, name="bf16_compress", in_place=True,
                          traced=_comm.traced_all_reduce)
-"""Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa."""
+bf16_compress.__doc__ = """Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa.
+
+DDP's ``bf16_compress_hook``, which fdp also allows on gloo and the CPU.
+
+Example:
+  >>> reducer = fdp.Reducer({"w": torch.zeros(2)}, comm_hook=fdp.hooks.bf16_compress)
+  >>> reducer.all_reduce({"w": torch.full((2,), 1 / 3)})["w"]  # rounded to bf16 on the wire, cast back
+  tensor([0.3340, 0.3340])
+"""
 
 noop = CommHook(_noop, name="noop")
-"""No communication: each rank keeps its own (1/world-scaled) gradients. For measuring
+noop.__doc__ = """No communication: each rank keeps its own (1/world-scaled) gradients. For measuring
 what communication costs; never for training."""
 
 
@@ -209,7 +228,18 @@ def powersgd(
     change after construction (DDP forbids it because it rebuilds buckets after step 1).
 
     The returned hook is stateful (errors, warm-start matrices): use one per Reducer.
-    ``hook.state`` is the underlying ``PowerSGDState`` once the first step has run.
+    ``hook.state`` is the underlying ``PowerSGDState`` once the first step has run. The
+    arguments are ``PowerSGDState``'s (``rank`` is its ``matrix_approximation_rank``,
+    ``start_iter`` its ``start_powerSGD_iter``). It divides by the world size itself
+    (``prescale=False``). In a world of one it does nothing.
+
+    Raises:
+      ValueError: ``rank < 1`` or ``start_iter < 0``.
+
+    Example:
+      >>> hook = fdp.hooks.powersgd(rank=2, start_iter=10)
+      >>> hook.name, hook.prescale, hook.state
+      ('powersgd(rank=2)', False, None)
     """
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 

@@ -24,6 +24,7 @@ Two backends:
   * other process state (globals, CUDA RNG, ``torch.set_num_threads``) is shared, and a
     rank that blocks on anything but a collective (a sleep, a lock another rank holds)
     stalls the others.
+
   Its SUM all-reduce adds the ranks' tensors in rank order.
 
 ``"gloo"``: every rank is a real process (forked, ``OMP_NUM_THREADS=1``) talking gloo over
@@ -90,8 +91,23 @@ def run(
       ``[result_of_rank_0, result_of_rank_1, ...]``.
 
     Raises:
-      The first rank's exception (same type, message prefixed ``[rank r]``), or
-      ``TimeoutError`` naming the ranks that had not finished.
+      Exception: the lowest failing rank's exception, re-raised here (same type, message
+        prefixed ``[rank r]``; the other failing ranks' errors are added as notes).
+      TimeoutError: ranks still running after ``timeout`` seconds (names them).
+      ValueError: ``world_size < 1`` or an unknown ``backend``.
+      RuntimeError: ``backend="threads"`` while torch.distributed is already initialised in
+        this process.
+
+    Example:
+      >>> def step(group):
+      ...     g = {"w": torch.full((3,), float(group.rank))}
+      ...     r = fdp.Reducer(g, group)
+      ...     mean = r.all_reduce(g)["w"]
+      ...     uneven = r.all_reduce(g if group.rank == 1 else None, active=group.rank == 1)["w"]
+      ...     return mean, uneven
+      >>> (mean0, uneven0), (mean1, uneven1) = fdp.testing.run(step, world_size=2)
+      >>> mean0, uneven0  # only rank 1 was active in the second call
+      (tensor([0.5000, 0.5000, 0.5000]), tensor([1., 1., 1.]))
     """
     if world_size < 1:
         raise ValueError(f"fdp.testing.run: world_size must be >= 1, got {world_size}")

@@ -2,8 +2,11 @@
 
 Needs matplotlib (``pip install 'fdp[viz]'``).
 
-    >>> grads = grad_fn(params, buffers, x, y)
+    >>> import fdp.viz
+    >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
+    >>> grads = reducer.grad(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
     >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
+    <Figure size ...>
 
 How to read it: the grey bar is the backward. Each bucket row shows when its last gradient
 arrived (a dot), then its collective from launch to completion (a bar). The part of a bar
@@ -26,6 +29,11 @@ __all__ = ["plot_timeline"]
 def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any = None,
                   title: str | None = None) -> Any:
     """Plot one step's ``Timeline`` (from ``reducer.last_timeline()``).
+
+    Rows: the forward and backward, then each bucket's "last gradient ready" dot and its
+    collective from launch to completion, green while the backward still runs and red after
+    it (the exposed communication, summed in the title). docs/performance.md ("Reading the
+    timeline") walks through real ones.
 
     Args:
       timeline: the step to draw.

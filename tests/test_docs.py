@@ -1,4 +1,5 @@
-"""The documentation is code: its Python blocks run, and docs/api.md covers every public name.
+"""The documentation is code: its Python blocks and docstring examples run, and docs/api.md is
+generated from the docstrings.
 
 Each Markdown file's ```python blocks run in order in one shared namespace, from a temporary
 folder: once in a world of one (no torchrun environment), and once on 2 gloo ranks
@@ -9,6 +10,9 @@ code runs under torchrun. Blocks whose info string is anything else (```bash, ``
 
 from __future__ import annotations
 
+import doctest
+import functools
+import importlib.util
 import multiprocessing as mp
 import os
 import re
@@ -17,6 +21,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import fdp
@@ -151,28 +156,79 @@ def public_names() -> list[str]:
     return names
 
 
-def api_headings() -> list[str]:
-    return [line for line in (DOCS / "api.md").read_text().splitlines() if line.startswith("#")]
+def _gen_api() -> types.ModuleType:
+    """docs/gen_api.py, imported by path (docs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gen_api", DOCS / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_api_md_has_a_heading_for_every_public_name():
-    headings = "\n".join(api_headings())
-    missing = [n for n in public_names() if not re.search(rf"`{re.escape(n)}[`(\[]", headings)]
-    assert not missing, (
-        f"docs/api.md has no heading for {missing}: add e.g. '### `{missing[0]}`' with its "
-        "signature, semantics and the errors it raises"
+# What docs/api.md shows a docstring of: the sections' submodules, every public name, and the
+# public methods and properties of classes, as (qualified name, object).
+DOCUMENTED = _gen_api().documented()
+DOCTEST_GLOBALS = {"fdp": fdp, "torch": torch, "nn": torch.nn, "F": torch.nn.functional}
+
+
+def test_api_md_is_generated_from_the_docstrings():
+    """docs/api.md is what docs/gen_api.py renders from the code (the generator itself refuses a
+    public name of fdp that lands in no section)."""
+    expected = _gen_api().render()
+    assert (DOCS / "api.md").read_text() == expected, (
+        "docs/api.md is stale: it differs from what the docstrings generate; run "
+        "`python docs/gen_api.py` and commit docs/api.md (edit the docstrings, not api.md)"
     )
 
 
-def test_api_md_documents_only_names_that_exist():
-    """A heading like ### `fdp.x.y` must name something importable (catches renamed APIs)."""
-    stale = []
-    for heading in api_headings():
-        for name in re.findall(r"`(fdp(?:\.\w+)+)", heading):
-            obj: object = fdp
-            for part in name.split(".")[1:]:
-                if not hasattr(obj, part):
-                    stale.append(name)
-                    break
-                obj = getattr(obj, part)
-    assert not stale, f"docs/api.md documents names that do not exist: {stale}"
+def test_api_md_covers_every_public_name():
+    """Also the names of the public submodules (fdp.hooks, fdp.optim, fdp.testing, fdp.viz)."""
+    documented = dict(DOCUMENTED)
+    missing = [n for n in public_names() if n not in documented and not isinstance(
+        functools.reduce(getattr, n.split(".")[1:], fdp), types.ModuleType)]
+    assert not missing, f"public names that docs/gen_api.py's SECTIONS do not reach: {missing}"
+
+
+def test_every_documented_name_has_a_docstring():
+    missing = [q for q, obj in DOCUMENTED if not (obj.__doc__ or "").strip()]
+    assert not missing, f"public names without a docstring (api.md is built from them): {missing}"
+
+
+def _doctest_failures(qualname: str, obj: object) -> str:
+    """Run the ``>>>`` examples of ``obj``'s own docstring; the failure report ("" if none)."""
+    doc = obj.__doc__ if isinstance(obj, property) else None
+    tests = doctest.DocTestFinder(recurse=False).find(
+        doc if doc is not None else obj, qualname, module=False, globs=dict(DOCTEST_GLOBALS))
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    report: list[str] = []
+    for test in tests:
+        runner.run(test, out=report.append)
+    return "".join(report)
+
+
+@pytest.mark.parametrize("qualname", [q for q, _ in DOCUMENTED])
+def test_docstring_examples_run(qualname, tmp_path, monkeypatch):
+    """The name's ``>>>`` examples are doctests: they run in a world of one and print what they
+    show (``fdp``, ``torch``, ``nn`` and ``F`` imported; files land in a temporary folder). In a
+    forked child, like the Markdown blocks (see ``in_fork``)."""
+    obj = dict(DOCUMENTED)[qualname]
+    for var in TORCHRUN_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)
+    report = in_fork(_doctest_failures, qualname, obj)
+    if report:
+        pytest.fail(f"the docstring examples of {qualname} fail:\n{report}", pytrace=False)
+
+
+def _github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_links_into_api_md_name_headings_that_exist():
+    """api.md's headings are generated: a link to an anchor of it must still find one."""
+    anchors = {_github_anchor(line) for line in (DOCS / "api.md").read_text().splitlines()
+               if line.startswith("#")}
+    broken = [f"{path.relative_to(ROOT)}: api.md#{anchor}" for path in MARKDOWN
+              for anchor in re.findall(r"api\.md#([\w\-]+)", path.read_text()) if anchor not in anchors]
+    assert not broken, f"links to headings docs/api.md no longer has: {broken}"

@@ -6,6 +6,12 @@ An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params)
 (clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
 be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
 groups. See docs/optim.md for the optax and torch.optim correspondences.
+
+Pure by default: ``update`` never modifies its inputs. With ``donate=True`` it updates params
+and state in place and returns them (the inputs are consumed, as with JAX's
+``donate_argnums``). A schedule is called with the number of updates already applied (0 for
+the first). ``update`` raises ``ValueError`` when the grads or the state do not match the
+params (naming the leaf) and ``TypeError`` for a state another optimizer made.
 """
 
 from . import schedules as schedules

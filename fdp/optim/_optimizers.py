@@ -295,6 +295,9 @@ def adam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
     Returns:
       An ``Optimizer`` with ``AdamState`` as its state.
 
+    Raises:
+      ValueError: an lr, eps or weight decay below 0, or a beta outside [0, 1).
+
     Example:
       >>> params = {"w": torch.ones(2)}
       >>> opt = fdp.optim.adam(lr=0.1)
@@ -351,6 +354,9 @@ def adagrad(lr: Hyper = 1e-2, lr_decay: float = 0.0, weight_decay: Hyper = 0.0,
     Returns:
       An ``Optimizer`` with ``AdagradState`` as its state.
 
+    Raises:
+      ValueError: an lr, lr_decay, weight decay, eps or initial accumulator value below 0.
+
     Example:
       >>> params = {"w": torch.ones(2)}
       >>> opt = fdp.optim.adagrad(lr=0.1)
@@ -382,6 +388,9 @@ def rmsprop(lr: Hyper = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_dec
 
     Returns:
       An ``Optimizer`` with ``RMSpropState`` as its state.
+
+    Raises:
+      ValueError: an lr, alpha, eps, weight decay or momentum below 0.
 
     Example:
       >>> params = {"w": torch.ones(2)}

@@ -1,4 +1,12 @@
-"""``fdp.optim.schedules``: learning-rate and weight-decay schedules (see ``_schedules``)."""
+"""Learning-rate and weight-decay schedules: functions of the number of updates applied.
+
+Pass one as ``lr=`` or ``weight_decay=`` of an ``fdp.optim`` optimizer. A schedule is called
+with the step count ``t`` (0 for the first update, as ``LambdaLR`` sees it): with an int it
+returns the float torch's scheduler computes in closed form (``scheduler.get_last_lr()`` after
+``t`` calls of ``scheduler.step()``); with a tensor (the optimizer's step counter under
+``torch.compile``) a float64 tensor from the same formula, so a compiled step never
+recompiles. Any ``lambda t: ...`` made of arithmetic works the same way.
+"""
 
 from ._schedules import Schedule as Schedule
 from ._schedules import constant as constant

@@ -308,6 +308,25 @@ class FusedCore:
         return buf.copy_(reduced)
 
 
+def fused_step(cache: dict, fn: Callable, opt: Optimizer, argnums: int, has_aux: bool, accumulate: Any,
+               donate: bool, config: dict) -> FusedStep:
+    """``Reducer.grad_and_update``: a ``FusedStep`` whose core (plan, buffers, state layout) is
+    made on first use and kept in ``cache`` per optimizer, so a step made anew each call (for
+    a new ``accumulate=``) reuses it."""
+    name = "fdp.Reducer.grad_and_update"
+    if argnums != 0:
+        raise ValueError(f"{name}: argnums must be 0 (the params are fn's first argument), got {argnums!r}")
+    split_chain(opt, name)  # refuse an unsupported optimizer now, not at the first step
+
+    def core_for(params: Any) -> FusedCore:
+        entry = cache.get(id(opt))
+        if entry is None or entry[0] is not opt:
+            entry = cache[id(opt)] = (opt, FusedCore(opt, params, name=name, **config))
+        return entry[1]
+
+    return FusedStep(core_for, fn, has_aux, accumulate, donate)
+
+
 class FusedStep:
     """``reducer.grad_and_update(fn, opt, ...)``: gradient, all-reduce and optimizer in one step.
 

@@ -28,13 +28,14 @@ from ._autodiff import local_grads, resolve_engine, select
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
-from ._fused import FusedCore, FusedStep, split_chain
+from ._fused import FusedCore, FusedStep, fused_step
 from ._group import Group, resolve
 from ._log import debug_mode, log
 from ._malloc import keep_freed_memory
 from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
+from ._traced import traced_all_reduce
 from .hooks import CommHook, as_hook
 from .optim import Optimizer
 
@@ -272,22 +273,10 @@ class Reducer:
             for x, y in loader:
                 params, opt_state, (loss, buffers) = step(params, opt_state, buffers, x, y)
         """
-        if argnums != 0:
-            raise ValueError(f"fdp.Reducer.grad_and_update: argnums must be 0 (the params are fn's first "
-                             f"argument), got {argnums!r}")
-        split_chain(opt, "fdp.Reducer.grad_and_update")  # refuse an unsupported optimizer now
-
-        def core_for(params: Any) -> FusedCore:
-            entry = self._fused.get(id(opt))
-            if entry is None or entry[0] is not opt:
-                core = FusedCore(opt, params, group=self.group, hook=self.hook, caps=self.plan.caps,
-                                 wire=self._wire_dtype, debug=self.debug, hook_threshold_bytes=self._hook_threshold,
-                                 engine=self._engine, skip_nonfinite=self.skip_nonfinite,
-                                 name="fdp.Reducer.grad_and_update")
-                entry = self._fused[id(opt)] = (opt, core)
-            return entry[1]
-
-        return FusedStep(core_for, fn, has_aux, accumulate, donate)
+        config = dict(group=self.group, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
+                      debug=self.debug, hook_threshold_bytes=self._hook_threshold, engine=self._engine,
+                      skip_nonfinite=self.skip_nonfinite)
+        return fused_step(self._fused, fn, opt, argnums, has_aux, accumulate, donate, config)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
         """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).
@@ -314,7 +303,10 @@ class Reducer:
           tensor([1., 1., 1.])
         """
         if _tree.compiling():
-            return self._all_reduce_traced(grads, active)
+            if self.skip_nonfinite or self.debug:
+                raise RuntimeError("fdp.Reducer: skip_nonfinite and debug read values on the host; "
+                                   "they are not supported under torch.compile")
+            return traced_all_reduce(grads, self.plan, self.hook, self._wire, self.group, active)
         return self.all_reduce_async(grads, active=active).wait()
 
     def all_reduce_async(self, grads: Any, *, active: bool | None = None) -> Pending:
@@ -445,33 +437,3 @@ class Reducer:
         flats = self._buffers.grads(results, step.flats)
         self._last = StepRecord(step.n, step.kind, finite, step.timeline())
         return flats
-
-    def _all_reduce_traced(self, grads: Any, active: bool | None) -> Any:
-        """``all_reduce`` inside ``torch.compile``: the same buckets, through the hook's traced form.
-
-        Each bucket becomes ``cat -> scale/cast -> all_reduce -> wait`` nodes of the graph, so
-        Inductor sees the communication and can overlap it with compute (see docs). The
-        Python bookkeeping of the eager path (timeline, step checks, debug fingerprints) is
-        not traced.
-        """
-        if active is not None:
-            raise RuntimeError("fdp.Reducer.all_reduce(active=...) counts active ranks with a "
-                               "data-dependent collective; it is not supported under torch.compile")
-        if not self.hook.traceable:
-            raise RuntimeError(f"fdp.Reducer: comm hook {self.hook.name} is not traceable (it declares "
-                               "no CommHook(traced=...)); under torch.compile use allreduce, bf16_compress, "
-                               "fp16_compress or a hook that declares one")
-        if self.skip_nonfinite or self.debug:
-            raise RuntimeError("fdp.Reducer: skip_nonfinite and debug read values on the host; "
-                               "they are not supported under torch.compile")
-        leaves = self.plan.leaves_of(grads, "all_reduce grads")
-        treedef = _tree.structure(grads)
-        scale = self._scale(1.0 / self.group.size)
-        outs = []
-        for b, wire in zip(self.plan.buckets, self._wire):
-            flat = torch.cat([leaves[i].reshape(-1) for i in b.leaves])
-            if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
-                compute = torch.promote_types(torch.promote_types(b.dtype, wire), torch.float32)
-                flat = flat.to(compute) * scale
-            outs.append(self.hook.traced(flat.to(wire), self.group).to(b.dtype))
-        return self.plan.views(outs, treedef)

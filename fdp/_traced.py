@@ -1,0 +1,41 @@
+"""``Reducer.all_reduce`` inside ``torch.compile``: the same buckets, as graph nodes.
+
+Each bucket becomes ``cat -> scale/cast -> all_reduce -> wait`` nodes of the graph (through
+the comm hook's declared traced form, ``CommHook.traced``), so Inductor sees the
+communication and can overlap it with compute (docs/compile.md). The Python bookkeeping of
+the eager path (timeline, step status, debug fingerprints) is not traced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _tree
+from ._bucket import BucketPlan
+from ._group import Group
+from .hooks import CommHook
+
+
+def traced_all_reduce(grads: Any, plan: BucketPlan, hook: CommHook, wire: list[torch.dtype], group: Group,
+                      active: bool | None) -> Any:
+    """The mean of ``grads`` over ``group``, traceable; ``wire`` is each bucket's wire dtype."""
+    if active is not None:
+        raise RuntimeError("fdp.Reducer.all_reduce(active=...) counts active ranks with a "
+                           "data-dependent collective; it is not supported under torch.compile")
+    if not hook.traceable:
+        raise RuntimeError(f"fdp.Reducer: comm hook {hook.name} is not traceable (it declares "
+                           "no CommHook(traced=...)); under torch.compile use allreduce, bf16_compress, "
+                           "fp16_compress or a hook that declares one")
+    leaves = plan.leaves_of(grads, "all_reduce grads")
+    treedef = _tree.structure(grads)
+    scale = 1.0 / group.size if hook.prescale and group.size > 1 else None
+    outs = []
+    for b, dtype in zip(plan.buckets, wire):
+        flat = torch.cat([leaves[i].reshape(-1) for i in b.leaves])
+        if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
+            compute = torch.promote_types(torch.promote_types(b.dtype, dtype), torch.float32)
+            flat = flat.to(compute) * scale
+        outs.append(hook.traced(flat.to(dtype), group).to(b.dtype))
+    return plan.views(outs, treedef)

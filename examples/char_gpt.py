@@ -17,9 +17,11 @@ The recipe is nanoGPT's train.py (karpathy/nanoGPT), written with fdp:
 * a linear warm-up, then cosine decay to lr / 10: ``fdp.optim.schedules.warmup_cosine``, a
   function of the optimizer's own step count (so it resumes with the state);
 * gradient accumulation over --micro-batches: local ``torch.func.grad`` for all but the last
-  micro-batch, then ``reducer.grad(..., accumulate=acc)`` whose all-reduce overlaps the last
-  backward (DDP's ``no_sync()``, as a call-site choice);
-* an evaluation every --eval-every steps: the validation loss averaged over ranks;
+  micro-batch, then the fused step ``reducer.grad_and_update(..., accumulate=acc)``, whose
+  all-reduce overlaps the last backward (DDP's ``no_sync()``, as a call-site choice) and
+  whose AdamW runs on the flat buckets (after the last one: clipping needs the global norm);
+* an evaluation every --eval-every steps: the validation loss averaged over ranks
+  (``fdp.pmean``);
 * a checkpoint of the whole train state every --ckpt-every steps; --resume continues from it
   bit for bit (the batches are a function of the step, the schedule of the saved count).
 
@@ -36,7 +38,6 @@ import random
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -65,15 +66,6 @@ args = p.parse_args()
 group = fdp.init()  # torchrun's env -> gloo (nccl on GPUs); plain python -> world of one
 device = group.device
 torch.manual_seed(args.seed)  # same model init everywhere (and broadcast below anyway)
-
-
-def mean_over_ranks(value: float) -> float:
-    """The mean of a metric over ranks (a world of one needs no communication)."""
-    if group.size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, group=group.process_group)
-    return t.item() / group.size
 
 
 # --------------------------------------------------------------------------- data
@@ -183,7 +175,7 @@ def evaluate(params, buffers, batches: int = 4) -> float:
     """Validation loss: the same windows on every run, a different share on each rank."""
     losses = [F.cross_entropy(apply(params, buffers, x)[0].view(-1, vocab), y.view(-1)).item()
               for x, y in (get_batch(val_data, 10_000 + 97 * i + group.rank) for i in range(batches))]
-    return mean_over_ranks(sum(losses) / len(losses))
+    return fdp.pmean(sum(losses) / len(losses))  # the same number on every rank
 
 
 # --------------------------------------------------------------------------- train state
@@ -193,7 +185,11 @@ if args.resume and os.path.exists(args.ckpt):
     state = fdp.load(args.ckpt, like=state)
     if group.is_main:
         print(f"resumed from {args.ckpt} at step {state['step']}", flush=True)
-params, buffers, opt_state, start = state["params"], state["buffers"], state["opt"], state["step"]
+params, buffers, start = state["params"], state["buffers"], state["step"]
+# The fused step: params, grads and AdamW's state in flat buckets, one kernel call per bucket.
+# Its state is flat; checkpoints hold opt.init's per-leaf layout (loads into any plan or world).
+fused = reducer.grad_and_update(loss_fn, opt, has_aux=True)
+opt_state = fused.state_from_tree(state["opt"], params)
 first_val = evaluate(params, buffers)
 if group.is_main:
     print(f"world {group.size}: vocab {vocab}, {sum(v.numel() for v in params.values()):,} params; "
@@ -208,9 +204,8 @@ for step in range(start, args.steps):
         acc = g if acc is None else {n: acc[n] + g[n] for n in g}
     # Micro-batch k: its backward adds `acc` into the buckets and all-reduces them as it runs.
     x, y = get_batch(train_data, batch_seed(step, k - 1))
-    grad_fn = reducer.grad_and_value(loss_fn, has_aux=True, accumulate=acc)  # cheap to build
-    grads, (loss, buffers) = grad_fn(params, buffers, x, y)
-    params, opt_state = opt.update(grads, opt_state, params)
+    step_fn = reducer.grad_and_update(loss_fn, opt, has_aux=True, accumulate=acc)  # cheap to build
+    params, opt_state, (loss, buffers) = step_fn(params, opt_state, buffers, x, y)
 
     done = step + 1
     if group.is_main and (step % 25 == 0 or done == args.steps):
@@ -222,7 +217,8 @@ for step in range(start, args.steps):
             print(f"step {done:5d}  val loss {val:.4f} (mean over {group.size} ranks)", flush=True)
     if done % args.ckpt_every == 0 or done == args.steps or done == args.stop_at:
         os.makedirs(os.path.dirname(os.path.abspath(args.ckpt)), exist_ok=True)
-        state = {"params": params, "buffers": buffers, "opt": opt_state, "step": done, "meta": state["meta"]}
+        state = {"params": params, "buffers": buffers, "opt": fused.state_to_tree(opt_state, params),
+                 "step": done, "meta": state["meta"]}
         fdp.save(args.ckpt, state)
     if done == args.stop_at:
         if group.is_main:

@@ -253,6 +253,19 @@ def _members(cls: type) -> list[tuple[str, object]]:
     return members
 
 
+# Tables kept in a hand-written page and shown in the reference too: (page, "## heading").
+PAGE_SECTIONS = {"fdp.optim": (("optim.md", "## From optax"), ("optim.md", "## From torch.optim"))}
+
+
+def _page_section(page: str, heading: str) -> str:
+    """One ``## heading`` section of ``docs/page``, as a ``###`` section with its link."""
+    lines = (DOCS / page).read_text().splitlines()
+    start = lines.index(heading)
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    body = "\n".join(lines[start + 1:end]).strip()
+    return f"#{heading} (from [{page}]({page}))\n\n{body}\n"
+
+
 def render_entry(qualname: str, obj: object) -> str:
     parts = [f"### `{qualname}`", ""]
     sig = _signature(qualname, obj)
@@ -339,6 +352,7 @@ def render() -> str:
         if modname != "fdp" and modname not in opened:  # a submodule's own docstring opens its section
             opened.add(modname)
             body.append(_markdown(inspect.getdoc(importlib.import_module(modname)) or "") + "\n")
+            body += [_page_section(page, heading) for page, heading in PAGE_SECTIONS.get(modname, ())]
         for qual, obj in entries:
             body.append(render_entry(qual, obj))
     body.append("---\n\n" + OUTRO)

@@ -150,8 +150,8 @@ class Apply:
             return out, new_buffers
         # The same swap functional_call does, minus its per-call bookkeeping: each tensor is
         # put straight into the dicts that hold the module's own (tied names included) and
-        # the originals are put back afterwards. For 2,000 leaves this costs ~0.5 ms where
-        # functional_call costs ~10 ms.
+        # the originals are put back afterwards: a small fraction of functional_call's cost
+        # on many small leaves (docs/performance.md, "functionalize's swap").
         saved = []
         try:
             for tree in (params, new_buffers, self._constants):

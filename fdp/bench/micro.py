@@ -8,6 +8,8 @@ comments in the code cite these rows instead of quoting numbers from one machine
   flatten    optree's flatten of a dict of tensors vs fdp's cached dict structure (fdp/_tree.py)
   views      slicing a flat buffer in Python vs one ``unflatten_dense_tensors`` call (fdp/_bucket.py)
   view(-1)   ``t.view(-1)`` alone, the floor of any per-leaf Python work (kernels/_torch.py)
+  apply      ``torch.func.functional_call`` vs ``fdp.functionalize``'s apply (its parameter
+             swap), on a module of ``--leaves`` parameters (fdp/_functional.py)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import optree
 import torch
 
 from .. import _functorch, _tree, kernels
+from .._functional import functionalize
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -31,6 +34,17 @@ def _time(fn: Callable[[], object], reps: int) -> float:
         fn()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs)
+
+
+class _Many(torch.nn.Module):
+    """``n`` parameters and a forward that does nothing: only the swap in and out is timed."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4, bias=False) for _ in range(n))
+
+    def forward(self) -> None:
+        return None
 
 
 def rows(leaves: int, reps: int) -> list[tuple[str, str, float, str, float]]:
@@ -60,6 +74,11 @@ def rows(leaves: int, reps: int) -> list[tuple[str, str, float, str, float]]:
          "kernels.views", _time(lambda: kernels.views(flat, meta), reps) * per),
         ("view(-1)", "t.view(-1)", _time(lambda: [t.view(-1) for t in ts], reps) * per, "-", 0.0),
     ]
+    module = _Many(leaves)
+    apply, params, buffers = functionalize(module)
+    call = {**params, **buffers}
+    out.append(("apply", "functional_call", _time(lambda: torch.func.functional_call(module, call, ()), reps) * per,
+                "fdp apply", _time(lambda: apply(params, buffers), reps) * per))
     return out
 
 

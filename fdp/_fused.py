@@ -158,7 +158,10 @@ class FusedCore:
     def init(self, params: Any) -> FusedState:
         leaves = self.plan.leaves_of(params, f"{self.name}: init params")
         del leaves
-        count = self._template(params).step.clone()
+        # The optimizer's own count (its dtype differs between optimizers), from an init over
+        # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
+        empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
+        count = self._template(empty).step.clone()
         buffers = {f: [torch.full((b.numel,), self.kernel.init_value, dtype=b.dtype, device=b.device)
                        for b in self.plan.buckets] for f in self.kernel.fields}
         return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms))

@@ -321,8 +321,9 @@ def table(results: dict, cfg: argparse.Namespace) -> str:
             lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
                          f"{'' if faults is None else f'{faults:7.0f}':>7} "
                          f"{'' if mem is None else f'{mem:9.1f}':>9}")
-        lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets; "
-                     f"fdp timeline exposed comm {r['fdp_timeline_exposed']:.2f} ms)")
+        tl = r["fdp_timeline_exposed"]
+        lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets"
+                     + ("" if tl is None else f"; fdp timeline exposed comm {tl:.2f} ms") + ")")
     if results.get("sweep"):
         lines.append("")
         lines.append(f"bucket cap sweep ({cfg.sweep_model}): cap MiB, buckets, ddp ms, fdp ms, fdp/ddp")

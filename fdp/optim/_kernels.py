@@ -33,6 +33,7 @@ from torch.optim.sgd import sgd as _torch_sgd
 __all__ = ["adagrad_group", "adam_group", "adamw_group", "rmsprop_group", "sgd_group"]
 
 Scalar = float | Tensor
+_FIRST_STEP_SLICE = 8  # tensors per kernel call on SGD's first step (see sgd_group)
 
 
 def _steps(step: Tensor, n: int) -> list[Tensor]:
@@ -57,6 +58,15 @@ def sgd_group(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[
         that when handed ``None``, and the result is copied into ``momentum_buffers``.
       lr, momentum, dampening, nesterov, weight_decay, maximize: as ``torch.optim.SGD``.
     """
+    if first and momentum != 0 and len(params) > _FIRST_STEP_SLICE:
+        # The first step makes each buffer as a fresh clone before it is copied into place:
+        # a slice at a time keeps those clones small (a fused bucket arrives as many chunks).
+        for lo in range(0, len(params), _FIRST_STEP_SLICE):
+            hi = lo + _FIRST_STEP_SLICE
+            sgd_group(params[lo:hi], grads[lo:hi], momentum_buffers[lo:hi], first=True, lr=lr,
+                      momentum=momentum, dampening=dampening, nesterov=nesterov,
+                      weight_decay=weight_decay, maximize=maximize)
+        return
     bufs: list[Tensor | None] = [None] * len(params) if first and momentum != 0 else list(momentum_buffers)
     # The foreach kernel adds the momentum into the grads list in place when nesterov is on
     # and neither maximize nor weight decay made a fresh copy first: copy the grads then.

@@ -162,6 +162,7 @@ class FusedCore:
         # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
         empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
         count = self._template(empty).step.clone()
+        self.broken = None  # a fresh state: a failed step's partial update is behind us
         buffers = {f: [torch.full((b.numel,), self.kernel.init_value, dtype=b.dtype, device=b.device)
                        for b in self.plan.buckets] for f in self.kernel.fields}
         return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms))
@@ -206,6 +207,7 @@ class FusedCore:
                                 f"{type(tree_state).__name__}")
             transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
         buffers = {f: self.plan.flatten(getattr(tree_state, f)) for f in self.kernel.fields}
+        self.broken = None
         return FusedState(tree_state.step.clone(), buffers, transforms)
 
     # ------------------------------------------------------------------ one step

@@ -2,9 +2,11 @@
 
 Two policies (the Reducer's ``grad_views``):
 
-* fresh (default): a bucket filled in the gradients' own dtype is a new tensor every step,
-  and once reduced it *becomes* the returned gradients (views into it, no copy); the caller
-  owns it from then on.
+* handed over (default): a bucket filled in the gradients' own dtype, once reduced,
+  *becomes* the returned gradients (views into it, no copy); the caller owns it from then
+  on. Its memory is filled again for a later step only once the caller has dropped every
+  view of it (``held_elsewhere``), so a loop that rebinds ``grads`` each step cycles through
+  two sets of buffers and allocates nothing in steady state, as DDP reuses its buckets.
 * reuse (``grad_views=True``, DDP's ``gradient_as_bucket_view``): every buffer is allocated
   once and reused each step; the returned gradients are views into it, valid until the next
   call.
@@ -34,6 +36,31 @@ def held_elsewhere(t: torch.Tensor) -> bool:
     return _use_count(t.untyped_storage()._cdata) > 2
 
 
+# Handed-over buffers tracked per bucket: the one the caller holds while the next step runs
+# (``grads`` is rebound only after the call returns) and the one that step fills.
+POOL_SIZE = 2
+
+
+class Pool:
+    """Flat buffers handed out to callers, filled again once nothing outside refers to them."""
+
+    __slots__ = ("numel", "dtype", "device", "held")
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.held: list[torch.Tensor] = []
+
+    def take(self) -> torch.Tensor:
+        for t in self.held:
+            if not held_elsewhere(t):
+                return t
+        t = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.held.append(t)
+        if len(self.held) > POOL_SIZE:  # the caller keeps old gradients: stop tracking the oldest
+            self.held.pop(0)
+        return t
+
+
 class BucketBuffers:
     """Flat buffers for ``plan``'s buckets, travelling in ``wire`` dtypes (one per bucket)."""
 
@@ -41,6 +68,8 @@ class BucketBuffers:
         self.plan, self.wire_dtypes, self.reuse = plan, list(wire), reuse
         self._wire: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._results: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self._handed = [Pool(b.numel, w, b.device) for b, w in zip(plan.buckets, self.wire_dtypes)]
+        self._casts = [Pool(b.numel, b.dtype, b.device) for b in plan.buckets]
 
     def wire(self, b: int) -> torch.Tensor:
         """The 1-D buffer bucket ``b`` is filled in this step."""
@@ -52,7 +81,7 @@ class BucketBuffers:
             if buf is None:
                 buf = self._wire[b] = torch.empty(n, dtype=dtype, device=bucket.device)
             return buf
-        return torch.empty(n, dtype=dtype, device=bucket.device)
+        return self._handed[b].take()
 
     def grads(self, results: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per bucket, the flat tensor in the gradients' dtype that the returned gradients view."""
@@ -62,8 +91,9 @@ class BucketBuffers:
             if r.dtype == bucket.dtype and ours:
                 outs.append(r)  # fresh this step (handed over), or the reused buffer itself
             elif not self.reuse:
-                # A hook's own memory is never handed out (it may reuse it); a cast is fresh.
-                outs.append(r.clone() if r.dtype == bucket.dtype else r.to(bucket.dtype))
+                # A hook's own memory is never handed out (it may reuse it), nor is the wire
+                # buffer of a cast: the values go into a buffer of the caller's own.
+                outs.append(self._casts[b].take().copy_(r))
             else:
                 res = self._results[b]
                 if res is None:

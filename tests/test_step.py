@@ -249,3 +249,19 @@ def test_configuration_is_fixed_at_construction():
         fdp.Reducer({"w": torch.ones(2)}, engine="jax")
     with pytest.raises(ValueError, match="hook_threshold_bytes"):
         fdp.Reducer({"w": torch.ones(2)}, hook_threshold_bytes=-1)
+
+
+def test_handed_over_gradients_are_never_overwritten_and_dropped_ones_are_reused():
+    params = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    reducer = fdp.Reducer(params)
+    grad_fn = reducer.grad(lambda p, s: ((p["w"] @ p["b"]) * s).sum())
+    kept = grad_fn(params, 1.0)
+    snapshot = {k: v.clone() for k, v in kept.items()}
+    ptrs = set()
+    for s in (2.0, 3.0, 4.0, 5.0):
+        g = grad_fn(params, s)  # the previous g is dropped when rebound
+        ptrs.add(g["w"].data_ptr())
+    for k in kept:
+        assert torch.equal(kept[k], snapshot[k]), f"kept gradient {k!r} was overwritten"
+    assert len(ptrs) <= 2, f"{len(ptrs)} distinct buffers over 4 steps: dropped gradients were not reused"
+    assert torch.equal(g["b"], (params["w"].t() @ torch.full((256,), 5.0)))

@@ -240,3 +240,21 @@ def test_reducer_grad_under_compile_says_what_to_use_instead():
     if keeps and _TRACES_FDP:
         assert "cannot be traced by torch.compile" in error and "reducer.all_reduce" in error, error
         assert "vmap/grad/jvp" not in error, error
+
+
+def _fused_under_compile_error():
+    params = {"w": torch.ones(3)}
+    step = fdp.Reducer(params).grad_and_update(lambda p: p["w"].square().sum(), fdp.optim.sgd(lr=0.1))
+    state = step.init(params)
+    try:
+        torch.compile(lambda w: step({"w": w}, state)[0]["w"], fullgraph=True, backend="eager")(torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - the message is checked by the caller
+        return _dynamo_keeps_user_exception_messages(), f"{type(e).__name__}: {e}"
+    return True, None
+
+
+def test_the_fused_step_refuses_torch_compile_and_names_the_alternative():
+    keeps, error = _in_child(_fused_under_compile_error)
+    assert error is not None, "the fused step compiled"
+    if keeps and _TRACES_FDP:
+        assert "cannot be traced by torch.compile" in error and "opt.update" in error, error

@@ -27,13 +27,24 @@ from ._bucket import BucketPlan
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _count(t: torch.Tensor) -> int:
+    # The storage object is kept alive across the call: on torch 2.4 a temporary one is freed
+    # (and its reference dropped) as soon as ``._cdata`` is read; on 2.13 it is kept anyway.
+    storage = t.untyped_storage()
+    return _use_count(storage._cdata)
+
+
+# References a tensor that nothing else refers to shows (``t`` and the storage object held
+# in ``_count``): measured, not assumed, as it has changed between torch releases.
+_ALONE = _count(torch.empty(1)) if _use_count is not None else 0
+
+
 def held_elsewhere(t: torch.Tensor) -> bool:
     """Whether anything besides ``t`` itself refers to its memory (a view, a detached alias,
     a numpy array): then fdp must not write into it. True when torch cannot tell."""
     if _use_count is None:
         return True
-    # The temporary storage object made by this call holds one reference, ``t`` another.
-    return _use_count(t.untyped_storage()._cdata) > 2
+    return _count(t) > _ALONE
 
 
 # Handed-over buffers tracked per bucket: the one the caller holds while the next step runs

@@ -74,6 +74,23 @@ def _probe_unflatten_keeps_empty_shapes() -> bool:
 
 
 _CHUNK_CAT_STRIDED = _probe_chunk_cat_strided()
+_CHUNK_CAT_DTYPES: dict[torch.dtype, bool] = {}
+
+
+def _chunk_cat_takes(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``_chunk_cat`` copies ``dtype`` on ``device`` (torch 2.4's CPU kernel has no
+    float8: "cat_serial_kernel" not implemented for 'Float8_e4m3fn'). Probed once per dtype."""
+    if device.type != "cpu":
+        return True
+    ok = _CHUNK_CAT_DTYPES.get(dtype)
+    if ok is None:
+        try:
+            torch._chunk_cat([torch.zeros(1, dtype=dtype)], 0, 1, out=torch.empty(1, 1, dtype=dtype))
+            ok = True
+        except RuntimeError:
+            ok = False
+        _CHUNK_CAT_DTYPES[dtype] = ok
+    return ok
 _UNFLATTEN_KEEPS_EMPTY_SHAPES = _probe_unflatten_keeps_empty_shapes()
 
 
@@ -255,7 +272,15 @@ def flatten(srcs: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None
         tmp = flatten(srcs, torch.empty(out.shape, dtype=out.dtype, device=out.device), scale)
         return out.copy_(tmp)
     with torch.no_grad():
-        if scale is None:
+        if not _chunk_cat_takes(srcs[0].dtype, out.device):
+            # A dtype cat cannot gather here: one copy per leaf into its view of ``out``
+            # (scaled in the widened dtype first, as _scaled computes it).
+            if scale is not None:
+                compute = torch.promote_types(torch.promote_types(srcs[0].dtype, out.dtype), torch.float32)
+                srcs = [t.to(compute) for t in srcs]
+                torch._foreach_mul_(srcs, scale)
+            torch._foreach_copy_(unflatten_views(out, srcs), list(srcs))
+        elif scale is None:
             if all(map(torch.Tensor.is_contiguous, srcs)):
                 _copy(plan, srcs, out)
             else:  # strided leaves are read in place (_chunk_cat would copy each one first)

@@ -122,7 +122,7 @@ def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tm
     assert "resumed from ckpt/gpt.pt at step 4" in out, out
     import torch
 
-    a, b = torch.load(tmp_path / "straight.pt"), torch.load(resumed / "resumed.pt")
+    a, b = torch.load(tmp_path / "straight.pt", weights_only=True), torch.load(resumed / "resumed.pt", weights_only=True)
     for k in a:
         assert torch.equal(a[k], b[k]), f"params[{k!r}] after resume differs from the straight run"
 

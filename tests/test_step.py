@@ -265,3 +265,14 @@ def test_handed_over_gradients_are_never_overwritten_and_dropped_ones_are_reused
         assert torch.equal(kept[k], snapshot[k]), f"kept gradient {k!r} was overwritten"
     assert len(ptrs) <= 2, f"{len(ptrs)} distinct buffers over 4 steps: dropped gradients were not reused"
     assert torch.equal(g["b"], (params["w"].t() @ torch.full((256,), 5.0)))
+
+
+def test_a_single_kept_gradient_is_never_overwritten():
+    # One leaf, one view of its bucket held: the count of references must not be misread
+    # (torch 2.4 drops a temporary storage object's reference before its count is read).
+    params = {"w": torch.randn(64)}
+    grad_fn = fdp.Reducer(params).grad(lambda p, s: (p["w"] * s).sum())
+    kept = grad_fn(params, 1.0)["w"]
+    for s in (2.0, 3.0, 4.0):
+        grad_fn(params, s)
+    assert torch.equal(kept, torch.ones(64)), "the kept gradient was overwritten by a later step"

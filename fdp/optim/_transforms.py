@@ -26,6 +26,8 @@ __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "
            "partition"]
 
 _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+if _get_total_norm is None:  # torch < 2.6
+    from torch.utils import _foreach_utils
 _device = operator.attrgetter("device")
 _dtype = operator.attrgetter("dtype")
 
@@ -61,18 +63,25 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
     if _get_total_norm is not None:
         return _get_total_norm(leaves, norm_type, error_if_nonfinite)
     # torch < 2.6: torch.nn.utils.clip_grad_norm_'s own steps (per-tensor norms grouped by
-    # (device, dtype) in first-seen order, then the norm of their stack).
+    # (device, dtype) in first-seen order, then the norm of their stack), with no Python per
+    # leaf: the grouping is one C++ call, the norms one _foreach_norm per group.
     if not leaves:
         return torch.tensor(0.0)
-    groups: dict[tuple, list[Tensor]] = {}
-    for t in leaves:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    norms = [torch.linalg.vector_norm(t, norm_type) for group in groups.values() for t in group]
+    norm_type = float(norm_type)
     first = leaves[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+    stacks = []
+    for (device, _), ([group], _) in _foreach_utils._group_tensors_by_device_and_dtype([leaves]).items():
+        if _foreach_utils._has_foreach_support(group, device):
+            norms = torch._foreach_norm(group, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in group]
+        stacks.append(torch.stack(norms).to(first))
+    total = torch.linalg.vector_norm(torch.cat(stacks), norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients is "
-                           "non-finite, so it cannot be clipped")
+        raise RuntimeError(  # torch 2.4's clip_grad_norm_ message, word for word
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+            "so it cannot be clipped. To disable this error and scale the gradients by the "
+            "non-finite norm anyway, set `error_if_nonfinite=False`")
     return total
 
 

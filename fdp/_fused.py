@@ -156,8 +156,7 @@ class FusedCore:
 
     # ------------------------------------------------------------------ state
     def init(self, params: Any) -> FusedState:
-        leaves = self.plan.leaves_of(params, f"{self.name}: init params")
-        del leaves
+        self.plan.leaves_of(params, f"{self.name}: init params")  # checked against the plan
         # The optimizer's own count (its dtype differs between optimizers), from an init over
         # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
         empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
@@ -231,14 +230,14 @@ class FusedCore:
             acc = plan.leaves_of(accumulate, f"{self.name} accumulate")
         early = self.elementwise and not self.skip_nonfinite
         if not given:
-            step = machine.start("grad", acc=acc, scale=self._scale(self.group.size, machine), what=self.name)
+            step = machine.start("grad", acc=acc, scale=machine.scale_for(self.group.size), what=self.name)
         else:
             n = count_and_check_active(active, self.group, f"{self.name}: active-rank count")
             if n == 0:
                 raise ValueError(f"{self.name}: no rank is active; stop the loop when fdp.any_rank(has_data) is False")
             is_active = active is None or bool(active)
             glist = plan.leaves_of(grads, f"{self.name} grads") if is_active else None
-            step = machine.start("all_reduce", scale=self._scale(n, machine), active=is_active, what=self.name)
+            step = machine.start("all_reduce", scale=machine.scale_for(n), active=is_active, what=self.name)
         updated = bytearray(len(plan.buckets))
         count = state.step
         tstates = list(state.transforms)
@@ -298,9 +297,6 @@ class FusedCore:
         out = FusedState(count, state.buffers, tuple(tstates))
         self.last = StepRecord(step.n, step.kind, finite, step.timeline())
         return plan.views(self.cur.flats), out, value
-
-    def _scale(self, n: int, machine: StepMachine) -> float | None:
-        return None if not machine.hook.prescale or n == 1 else 1.0 / n
 
     def _grad(self, b: int, reduced: torch.Tensor) -> torch.Tensor:
         """Bucket ``b``'s averaged gradient in the params' dtype (a cast wire is cast once)."""

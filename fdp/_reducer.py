@@ -314,7 +314,7 @@ class Reducer:
 
         One step at a time: wait on it before this reducer's next call. As ``all_reduce``.
         """
-        self._idle("all_reduce")
+        self._machine.check_idle("all_reduce")
         n = count_and_check_active(active, self.group, "fdp.Reducer.all_reduce: active-rank count")
         if n == 0:
             raise ValueError("fdp.Reducer.all_reduce: no rank is active; stop the loop when "
@@ -324,7 +324,7 @@ class Reducer:
         if is_active:
             leaves = self.plan.leaves_of(grads, "all_reduce grads")
             self.plan.check_devices(leaves, "all_reduce grads")
-        step = self._reduce(leaves, scale=1.0 / n, kind="all_reduce")
+        step = self._reduce(leaves, n=n, kind="all_reduce")
         return Pending(lambda: self.plan.views(self._complete(step)))
 
     @property
@@ -361,23 +361,9 @@ class Reducer:
                 f"overlap={self.overlap})")
 
     # ------------------------------------------------------------------ the steps
-    def _idle(self, what: str) -> None:
-        cur = self._machine.in_flight
-        if cur is not None:
-            raise RuntimeError(
-                f"fdp.Reducer: {what} called while step {cur.n} ({cur.kind}) is still in flight: a "
-                "reducer runs one step at a time (was grad_fn called inside the loss function, from "
-                "two threads, or an all_reduce_async handle not waited?)"
-            )
-
-    def _scale(self, scale: float) -> float | None:
-        if not self.hook.prescale or scale == 1.0:
-            return None
-        return scale
-
     def _grad_step(self, fn: Callable, argnums: Any, has_aux: bool, accumulate: Any,
                    args: tuple, kwargs: dict) -> Any:
-        self._idle("grad")
+        self._machine.check_idle("grad")
         if _tree.compiling():
             raise RuntimeError(
                 "fdp.Reducer.grad cannot be traced by torch.compile: its overlapped backward runs "
@@ -401,10 +387,10 @@ class Reducer:
                                        None, None)
             if acc is not None:
                 grads = torch._foreach_add(acc, grads)
-            step = self._reduce(grads, scale=1.0 / self.group.size, kind="grad")
+            step = self._reduce(grads, n=self.group.size, kind="grad")
             return plan.views(self._complete(step)), value
         machine = self._machine
-        step = machine.start("grad", acc=acc, scale=self._scale(1.0 / self.group.size), what="grad")
+        step = machine.start("grad", acc=acc, scale=machine.scale_for(self.group.size), what="grad")
         try:
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        machine.leaf_hooks[engine], step.on_backward_start)
@@ -414,10 +400,11 @@ class Reducer:
             raise
         return plan.views(self._complete(step)), value
 
-    def _reduce(self, leaves: list[torch.Tensor] | None, *, scale: float, kind: str) -> Step:
-        """Launch every bucket of ``leaves`` (None: an inactive rank, contributing zeros)."""
+    def _reduce(self, leaves: list[torch.Tensor] | None, *, n: int, kind: str) -> Step:
+        """Launch every bucket of ``leaves`` for a mean over ``n`` ranks (None: an inactive
+        rank, contributing zeros)."""
         machine = self._machine
-        step = machine.start(kind, scale=self._scale(scale), active=leaves is not None, what=kind)
+        step = machine.start(kind, scale=machine.scale_for(n), active=leaves is not None, what=kind)
         try:
             if leaves is not None:
                 step.give(leaves)

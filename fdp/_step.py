@@ -124,6 +124,13 @@ class StepMachine:
               active: bool = True, what: str = "a step") -> Step:
         """Begin a step: ``kind`` names it in messages, ``acc`` is added to the local gradients,
         ``scale`` is fused into the fill, ``active=False`` contributes zeros."""
+        self.check_idle(what)
+        step = Step(self, kind, acc, scale, active)
+        self._live.step = step
+        return step
+
+    def check_idle(self, what: str) -> None:
+        """Raise unless no step is in flight (a reducer runs one step at a time)."""
         cur = self._live.step
         if cur is not None:
             raise RuntimeError(
@@ -131,9 +138,11 @@ class StepMachine:
                 "reducer runs one step at a time (was grad_fn called inside the loss function, from "
                 "two threads, or an all_reduce_async handle not waited?)"
             )
-        step = Step(self, kind, acc, scale, active)
-        self._live.step = step
-        return step
+
+    def scale_for(self, n: int) -> float | None:
+        """The factor fused into the fill for a mean over ``n`` ranks (None: none needed, or
+        the hook divides itself)."""
+        return None if not self.hook.prescale or n == 1 else 1.0 / n
 
     def finish(self, step: Step) -> list[torch.Tensor]:
         """Launch what is left, wait for every bucket, and return the reduced flats (wire dtype)."""

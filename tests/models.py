@@ -1,9 +1,37 @@
 """Small models and per-rank synthetic data for the tests, from explicit generators (so a
 test's data does not depend on what else drew from the global RNG before it)."""
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class FailOnce(torch.autograd.Function):
+    """Identity whose backward raises once after ``FailOnce.arm()`` (a bug in one rank's
+    backward). Armed per thread: simulated ranks may be threads of one process."""
+
+    state = threading.local()
+
+    @staticmethod
+    def arm(on: bool = True) -> None:
+        FailOnce.state.armed = on
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        if getattr(FailOnce.state, "armed", False):
+            FailOnce.state.armed = False
+            raise RuntimeError("injected failure in the backward")
+        return g
 
 
 def init_(module: nn.Module, seed: int) -> nn.Module:

@@ -4,7 +4,7 @@ as DDP + torch.optim, with params, grads and state in flat buckets."""
 import pytest
 import torch
 import torch.nn.functional as F
-from models import batch, mlp
+from models import FailOnce, batch, mlp
 from torch import nn
 
 import fdp
@@ -315,36 +315,20 @@ def test_unsupported_optimizers_and_argnums_are_refused_with_the_way_out():
         step(params, fdp.optim.sgd(lr=0.1).init(params))
 
 
-class _Boom(torch.autograd.Function):
-    """Identity whose backward raises (a failure after the first buckets were updated)."""
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("injected")
-
-
 def test_a_step_that_failed_after_updating_some_buckets_refuses_its_state_until_a_fresh_one():
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
     apply, params, buffers = fdp.functionalize(model)
     reducer = fdp.Reducer(params, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, hook_threshold_bytes=0)
 
     def loss(p, x, fail):
-        if fail:
-            p = {**p, "0.weight": _Boom.apply(p["0.weight"])}  # its backward runs last
+        p = {**p, "0.weight": FailOnce.apply(p["0.weight"])}  # its backward runs last
         return apply(p, buffers, x)[0].square().mean()
 
     opt = fdp.optim.sgd(lr=0.1, momentum=0.9)
     step = reducer.grad_and_update(loss, opt)
     state = step.init(params)
     x = torch.randn(8, 64)
+    FailOnce.arm()
     with pytest.raises(RuntimeError, match="injected"):
         step(params, state, x, True)
     with pytest.raises(RuntimeError, match="had updated the optimizer state in place"):

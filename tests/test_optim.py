@@ -1,11 +1,10 @@
 """fdp.optim: sgd and adamw give torch.optim's numbers bit for bit, purely or in place."""
 
 import importlib
-import os
-import sys
 
 import pytest
 import torch
+from lines import fdp_lines
 
 import fdp
 import fdp._tree
@@ -226,24 +225,7 @@ def fdp_lines_in_one_update(make, kw, n_leaves, donate):
     grads = {k: torch.ones(2) for k in params}
     opt = make(**kw, donate=donate)
     params, state = opt.update(grads, opt.init(params), params)  # past the first step
-    package = os.path.dirname(fdp.__file__)
-    lines = 0
-
-    def count(frame, event, arg):
-        nonlocal lines
-        lines += event == "line"
-        return count
-
-    def on_call(frame, event, arg):
-        return count if frame.f_code.co_filename.startswith(package) else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        opt.update(grads, state, params)
-    finally:
-        sys.settrace(previous)
-    return lines
+    return fdp_lines(lambda: opt.update(grads, state, params))
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])

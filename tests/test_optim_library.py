@@ -13,6 +13,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
+from lines import fdp_lines
 
 import fdp
 import fdp._tree
@@ -423,30 +424,13 @@ def test_old_type_name_still_imports():
     assert isinstance(fdp.optim.sgd(0.1), fdp.optim.Optimizer)
 
 
-def fdp_lines(opt, n_leaves):
+def fdp_lines_in_one_update(opt, n_leaves):
     """Python lines run inside the fdp package during one update past the first."""
-    import os
-    import sys
-
     params = {f"layer{i}.{'weight' if i % 2 else 'bias'}": torch.randn(2, 2) if i % 2 else torch.randn(2)
               for i in range(n_leaves)}
     grads = fdp._tree.tree_map(torch.ones_like, params)
     params, state = opt.update(grads, opt.init(params), params)
-    package = os.path.dirname(fdp.__file__)
-    lines = 0
-
-    def count(frame, event, arg):
-        nonlocal lines
-        lines += event == "line"
-        return count
-
-    previous = sys.gettrace()
-    sys.settrace(lambda f, e, a: count if f.f_code.co_filename.startswith(package) else None)
-    try:
-        opt.update(grads, state, params)
-    finally:
-        sys.settrace(previous)
-    return lines
+    return fdp_lines(lambda: opt.update(grads, state, params))
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
@@ -454,7 +438,7 @@ def test_chain_with_a_mask_runs_no_python_per_leaf(donate):
     def make():
         return fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(
             S.warmup_cosine(1e-2, 2, 10), mask=lambda path, p: p.dim() >= 2, donate=donate))
-    small, large = fdp_lines(make(), 10), fdp_lines(make(), 1000)
+    small, large = fdp_lines_in_one_update(make(), 10), fdp_lines_in_one_update(make(), 1000)
     assert small == large, f"fdp ran {small} Python lines for 10 leaves but {large} for 1,000"
 
 

@@ -7,12 +7,12 @@ on ``del``, and capability-declared hooks.
 """
 
 import gc
-import threading
 import time
 import weakref
 
 import pytest
 import torch
+from models import FailOnce
 from torch import nn
 
 import fdp
@@ -87,28 +87,6 @@ def test_ranks_with_different_wire_dtypes_get_a_named_error_at_construction(kind
 # ---------------------------------------------------------------------------- failed steps
 
 
-class _FailOnce(torch.autograd.Function):
-    """Identity whose backward raises once when armed (a bug in one rank's backward).
-    Armed per thread: simulated ranks may be threads of one process."""
-
-    state = threading.local()
-
-    @staticmethod
-    def forward(x):
-        return x.clone()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        if getattr(_FailOnce.state, "armed", False):
-            _FailOnce.state.armed = False
-            raise RuntimeError("injected failure in the backward")
-        return g
-
-
 def fail_then_retry(group):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
@@ -118,13 +96,13 @@ def fail_then_retry(group):
     reducer = fdp.Reducer(params, group, bucket_cap_mb=0.001, first_bucket_cap_mb=0.001, hook_threshold_bytes=0)
 
     def loss(p, x):
-        p = {**p, "0.weight": _FailOnce.apply(p["0.weight"])}  # its backward runs last
+        p = {**p, "0.weight": FailOnce.apply(p["0.weight"])}  # its backward runs last
         out, _ = apply(p, buffers, x)
         return out.square().mean()
 
     xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * group.rank + i)) for i in range(2)]
     outcome = []
-    _FailOnce.state.armed = group.rank == 1
+    FailOnce.arm(group.rank == 1)
     try:
         reducer.grad(loss)(params, xs[0])
         outcome.append("ok")

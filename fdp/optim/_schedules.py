@@ -16,6 +16,7 @@ input, so a compiled train step runs every step without recompiling. A user's ow
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 
@@ -25,7 +26,7 @@ from torch import Tensor
 __all__ = ["Schedule", "constant", "cosine", "join", "linear", "step_decay", "warmup_cosine"]
 
 
-class Schedule:
+class Schedule(abc.ABC):
     """Base of fdp's schedules: ``schedule(t)`` for an int ``t`` (float) or a tensor ``t``
     (float64 tensor). Subclasses implement ``host`` and ``traced``."""
 
@@ -34,11 +35,13 @@ class Schedule:
             return self.traced(t.to(torch.float64))
         return self.host(int(t))
 
-    def host(self, t: int) -> float:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def host(self, t: int) -> float:
+        """The value at step ``t`` on the host (eager)."""
 
-    def traced(self, t: Tensor) -> Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def traced(self, t: Tensor) -> Tensor:
+        """The value at step ``t`` as tensor math (under ``torch.compile``)."""
 
 
 class _Constant(Schedule):

@@ -45,14 +45,16 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # Python, the thread must take the GIL to free it, and at interpreter shutdown it cannot: the
 # process aborts ("terminate called without an active exception"; see
 # fdp._group.keep_until_exit for the stack). Holding them here makes the main thread the one
-# that frees them. Large tensors (buckets) are held by their owners anyway.
+# that frees them. Large tensors (buckets) are held by their owners anyway; the bound (64 KiB
+# each, 2 MiB in all) covers the RNG states of fdp.rng_state (about 5 KB), which nothing
+# else holds once the gather returns.
 _RECENT: collections.deque = collections.deque(maxlen=32)
-_SMALL = 4096  # elements
+_SMALL_BYTES = 64 * 1024
 
 
 def _hold(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if t.numel() <= _SMALL:
+        if t.numel() * t.element_size() <= _SMALL_BYTES:
             _RECENT.append(t)
 
 

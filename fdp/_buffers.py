@@ -75,8 +75,14 @@ class Pool:
 class BucketBuffers:
     """Flat buffers for ``plan``'s buckets, travelling in ``wire`` dtypes (one per bucket)."""
 
-    def __init__(self, plan: BucketPlan, wire: list[torch.dtype], *, reuse: bool) -> None:
+    def __init__(self, plan: BucketPlan, wire: list[torch.dtype], *, reuse: bool,
+                 padded: list[int] | None = None) -> None:
         self.plan, self.wire_dtypes, self.reuse = plan, list(wire), reuse
+        # Wire lengths: the buckets' own, or (a sharded step) rounded up to a multiple of the
+        # shard group's size; the padding is zeros, never filled (only with ``reuse``).
+        self.padded = padded if padded is not None else [b.numel for b in plan.buckets]
+        if padded is not None and not reuse:
+            raise ValueError("BucketBuffers: padded buffers must be reused (their padding stays zero)")
         self._wire: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._results: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._handed = [Pool(b.numel, w, b.device) for b, w in zip(plan.buckets, self.wire_dtypes)]
@@ -86,11 +92,12 @@ class BucketBuffers:
         """The 1-D buffer bucket ``b`` is filled in this step."""
         bucket = self.plan.buckets[b]
         dtype = self.wire_dtypes[b]
-        n = bucket.numel
+        n = self.padded[b]
         if self.reuse or dtype != bucket.dtype:
             buf = self._wire[b]
             if buf is None:
-                buf = self._wire[b] = torch.empty(n, dtype=dtype, device=bucket.device)
+                make = torch.zeros if n != bucket.numel else torch.empty
+                buf = self._wire[b] = make(n, dtype=dtype, device=bucket.device)
             return buf
         return self._handed[b].take()
 

@@ -41,6 +41,7 @@ from . import _comm, _tree
 from ._errors import CheckpointError
 from ._group import Group, resolve
 from ._rng import is_per_rank, mark_per_rank, rng_state, set_rng_state
+from ._shard import is_shard
 
 __all__ = ["load", "rng_state", "save", "set_rng_state"]
 
@@ -182,6 +183,13 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
         raise CheckpointError(f"fdp.save: two leaves share a path in {paths}")
     out: dict[str, Any] = {}
     for p, leaf in zip(paths, leaves):
+        if is_shard(leaf):
+            raise CheckpointError(
+                f"fdp.save: leaf {p} is this rank's slice of a sharded optimizer state "
+                "(Reducer(shard=True)), and rank 0's slices alone are not the state; save "
+                "step.state_to_tree(opt_state, params) instead (gathered, per leaf: it loads into "
+                "any world size, and step.state_from_tree slices it again)"
+            )
         if isinstance(leaf, torch.Tensor):
             out[p] = _compact_cpu(leaf)
         elif type(leaf) in _PLAIN:

@@ -102,12 +102,14 @@ def wait(work: Any, group: Group, what: str) -> None:
         raise collective_error(group, what, e) from e
 
 
-def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False) -> Any:
-    """SUM all-reduce of ``t`` in place. Returns a work handle when ``async_op``."""
+def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False, op: str = "sum") -> Any:
+    """All-reduce of ``t`` in place (``op``: ``"sum"`` or ``"max"``). Returns a work handle
+    when ``async_op``."""
     if group.process_group is None:
         return DONE if async_op else None
     try:
-        work = dist.all_reduce(t, group=group.process_group, async_op=True)
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        work = dist.all_reduce(t, op=reduce_op, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
     _hold(t)
@@ -131,6 +133,33 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         return work
     wait(work, group, what)
     return None
+
+
+def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Group, what: str) -> Any:
+    """Launch a SUM reduce-scatter of the 1-D ``flat`` (its length a multiple of the group's
+    size) into ``out`` (this rank's slice; may be a view into ``flat``). Returns the work."""
+    try:
+        return dist.reduce_scatter_tensor(out, flat, group=group.process_group, async_op=True)
+    except Exception as e:
+        raise collective_error(group, what, e) from e
+
+
+def all_to_all(out: torch.Tensor, flat: torch.Tensor, group: Group, what: str) -> Any:
+    """Launch an all-to-all of equal slices: slice ``j`` of ``flat`` goes to rank ``j``, and
+    ``out``'s slice ``i`` receives rank ``i``'s. Returns the work."""
+    try:
+        return dist.all_to_all_single(out, flat, group=group.process_group, async_op=True)
+    except Exception as e:
+        raise collective_error(group, what, e) from e
+
+
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Group, what: str) -> Any:
+    """Launch an all-gather of every rank's ``mine`` into ``out`` in rank order (``mine`` may be
+    this rank's slice of ``out``). Returns the work."""
+    try:
+        return _all_gather_single(out, mine, group=group.process_group, async_op=True)
+    except Exception as e:
+        raise collective_error(group, what, e) from e
 
 
 def all_gather(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:

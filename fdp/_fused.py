@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -34,13 +34,14 @@ from . import _functorch, _tree, kernels
 from ._autodiff import local_grads
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers, held_elsewhere
-from ._comm import count_and_check_active
-from ._group import Group
+from ._comm import all_reduce, count_and_check_active, count_ranks, wait
+from ._fused_state import FusedState, StateLayout, split_chain
+from ._shard import Mesh, Scatter, Shards
 from ._step import StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord
 from .hooks import CommHook
-from .optim import ChainState, GradientTransform, Optimizer
+from .optim import Optimizer
 
 __all__ = ["FusedState", "FusedStep"]
 
@@ -53,41 +54,6 @@ __all__ = ["FusedState", "FusedStep"]
 CHUNK = 128 * 1024
 
 
-class FusedState(NamedTuple):
-    """The fused step's optimizer state, flat per bucket (save it with ``fdp.save``).
-
-    Attributes:
-      step: the optimizer's count of updates applied (the tensor the per-leaf state holds).
-      buffers: per state field (e.g. ``"exp_avg"``), one flat tensor per bucket.
-      transforms: the states of the chain's gradient transforms (e.g. a ``ClipState``).
-    """
-
-    step: torch.Tensor
-    buffers: dict[str, list[torch.Tensor]]
-    transforms: tuple
-
-
-def split_chain(opt: Optimizer, name: str) -> tuple[tuple[GradientTransform, ...], Optimizer]:
-    """(gradient transforms, optimizer with a leaf kernel), or a ``TypeError`` saying why not."""
-    if not isinstance(opt, Optimizer):
-        raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
-    transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
-    if optimizer.leaf_kernel is None:
-        raise TypeError(
-            f"{name}: the fused step runs a torch.optim kernel per bucket, so it needs sgd, adam, adamw, "
-            "adagrad or rmsprop (optionally in a chain after gradient transforms); for other optimizers "
-            "(partition, your own) use reducer.grad and opt.update"
-        )
-    for t in transforms:
-        if t.update_in_place is None:
-            raise TypeError(
-                f"{name}: every gradient transform of the chain must work in place on the reduced "
-                "buckets (fdp.optim's clip_by_global_norm and clip_by_value do; GradientTransform("
-                "update_in_place=...) declares it for your own); for others use reducer.grad and opt.update"
-            )
-    return transforms, optimizer
-
-
 class ParamSet:
     """One set of flat param buffers and the data pointers of the leaves' views into it."""
 
@@ -98,34 +64,46 @@ class ParamSet:
 
 
 class FusedCore:
-    """What a (Reducer, optimizer) pair keeps across steps: plan, machine, param sets, state."""
+    """What a (Reducer, optimizer) pair keeps across steps: plan, machine, param sets, state layout."""
 
-    def __init__(self, opt: Optimizer, params: Any, *, group: Group, hook: CommHook, caps: tuple[int, ...],
-                 wire: torch.dtype | None, debug: bool, hook_threshold_bytes: int, engine: str,
-                 skip_nonfinite: bool, name: str) -> None:
+    def __init__(self, opt: Optimizer, params: Any, *, mesh: Mesh, shard: bool, hook: CommHook,
+                 caps: tuple[int, ...], wire: torch.dtype | None, debug: bool, hook_threshold_bytes: int,
+                 engine: str, skip_nonfinite: bool, name: str) -> None:
         self.opt, self.name = opt, name
-        self.transforms, optimizer = split_chain(opt, name)
+        self.transforms, optimizer = split_chain(opt, name, sharded=shard)
         self.kernel = optimizer.leaf_kernel
-        self.group, self.engine, self.skip_nonfinite = group, engine, skip_nonfinite
+        self.mesh, self.group = mesh, mesh.full
+        self.engine, self.skip_nonfinite = engine, skip_nonfinite
         self.groups = [int(g) for g in self.kernel.groups(params)]
         self.plan = BucketPlan.from_caps(params, caps, groups=self.groups)
+        sg = mesh.shard
+        self.shards = Shards(self.plan, sg.size, sg.rank) if shard else Shards(self.plan, 1, 0)
+        self.scatter: Scatter | None = None
+        if shard:  # (the Reducer has checked that the hook sums in place)
+            scatter = self.scatter = Scatter(self.shards, sg)
+            hook = CommHook(lambda bucket, flat, group: scatter.launch(bucket.index, flat), dtype=hook.dtype,
+                            name=f"{hook.name}, sharded", in_place=True)
         wires = [wire or b.dtype for b in self.plan.buckets]
-        self.machine = StepMachine(self.plan, group, hook, BucketBuffers(self.plan, wires, reuse=True),
-                                   debug=debug, hook_threshold_bytes=hook_threshold_bytes)
+        buffers = BucketBuffers(self.plan, wires, reuse=True, padded=self.shards.padded)
+        self.machine = StepMachine(self.plan, self.group, hook, buffers, debug=debug,
+                                   hook_threshold_bytes=hook_threshold_bytes)
+        self.layout = StateLayout(opt, self.transforms, self.plan, self.shards, sg, name)
         self.elementwise = all(t.elementwise for t in self.transforms)
         self.sets: list[ParamSet] = []    # param sets in use (at most two are tracked)
         self.cur: ParamSet | None = None  # the set holding the current params
         self.scratch: list[torch.Tensor | None] = [None] * len(self.plan.buckets)  # fp32 grads of a cast wire
         self.broken: str | None = None
         self.last: StepRecord | None = None
+        where = "" if not shard else (f", sharded over {sg.size} ranks" + (
+            f" x {mesh.replicate.size} replicas" if mesh.replicate is not None else ""))
         verify_layout(
-            [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in self.plan.slots], group, name,
-            extra=f"param groups {self.groups}, bucket caps {list(caps)}, {hook.describe()}",
+            [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in self.plan.slots], self.group, name,
+            extra=f"param groups {self.groups}, bucket caps {list(caps)}, {hook.describe()}{where}",
         )
 
     # ------------------------------------------------------------------ params
     def _new_set(self) -> ParamSet:
-        flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.plan.buckets]
+        flats = [torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.shards.padded)]
         ptrs = [flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size() for s in self.plan.slots]
         new = ParamSet(flats, ptrs)
         self.sets.append(new)
@@ -139,7 +117,7 @@ class FusedCore:
             return self.cur
         target = self.free_set(avoid=self.cur)  # the tree may still hold views of the current set
         for b, flat in zip(self.plan.buckets, target.flats):
-            kernels.flatten([leaves[i] for i in b.leaves], flat)
+            kernels.flatten([leaves[i] for i in b.leaves], flat[:b.numel])
         self.cur = target
         return target
 
@@ -156,58 +134,24 @@ class FusedCore:
 
     # ------------------------------------------------------------------ state
     def init(self, params: Any) -> FusedState:
-        self.plan.leaves_of(params, f"{self.name}: init params")  # checked against the plan
-        # The optimizer's own count (its dtype differs between optimizers), from an init over
-        # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
-        empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
-        count = self._template(empty).step.clone()
+        state = self.layout.init(params)
         self.broken = None  # a fresh state: a failed step's partial update is behind us
-        buffers = {f: [torch.full((b.numel,), self.kernel.init_value, dtype=b.dtype, device=b.device)
-                       for b in self.plan.buckets] for f in self.kernel.fields}
-        return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms))
-
-    def _template(self, params: Any) -> Any:
-        state = self.opt.init(params)
-        return state.optimizer if isinstance(state, ChainState) else state
+        return state
 
     def check_state(self, state: Any) -> FusedState:
         if self.broken is not None:
             raise RuntimeError(f"{self.name}: {self.broken}")
-        if not isinstance(state, FusedState):
-            raise TypeError(f"{self.name}: opt_state must be the FusedState of step.init(params) (or "
-                            f"step.state_from_tree), got {type(state).__name__}")
-        if set(state.buffers) != set(self.kernel.fields) or len(state.transforms) != len(self.transforms):
-            raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
-                             f"{len(state.transforms)} transform states; this optimizer keeps "
-                             f"{sorted(self.kernel.fields)} and {len(self.transforms)}")
-        for f, flats in state.buffers.items():
-            if len(flats) != len(self.plan.buckets) or any(
-                    t.numel() != b.numel or t.dtype != b.dtype or t.device != b.device
-                    for t, b in zip(flats, self.plan.buckets)):
-                raise ValueError(f"{self.name}: opt_state.buffers[{f!r}] does not match this step's "
-                                 f"{len(self.plan.buckets)} buckets (a state made for another plan? "
-                                 "convert it with step.state_to_tree / step.state_from_tree)")
-        return state
-
-    def state_to_tree(self, state: FusedState, params: Any) -> Any:
-        state = self.check_state(state)
-        template = self._template(params)
-        fields = {f: _tree.tree_map(torch.clone, self.plan.views(state.buffers[f])) for f in self.kernel.fields}
-        tree = template._replace(step=state.step.clone(), **fields)
-        if self.opt.parts:
-            return ChainState(tuple(state.transforms), tree)
-        return tree
+        return self.layout.check(state)
 
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
-        transforms = ()
-        if self.opt.parts:
-            if not isinstance(tree_state, ChainState):
-                raise TypeError(f"{self.name}: expected the ChainState of opt.init(params), got "
-                                f"{type(tree_state).__name__}")
-            transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
-        buffers = {f: self.plan.flatten(getattr(tree_state, f)) for f in self.kernel.fields}
+        state = self.layout.from_tree(tree_state, params)
         self.broken = None
-        return FusedState(tree_state.step.clone(), buffers, transforms)
+        return state
+
+    def reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """Combine ``t`` over the shard group in place (``update_sharded``'s ``reduce``)."""
+        all_reduce(t, self.mesh.shard, f"{self.name}: combining a transform's per-slice values", op=op)
+        return t
 
     # ------------------------------------------------------------------ one step
     def run(self, fn: Callable, has_aux: bool, params: Any, state: Any, rest: tuple, kwargs: dict,
@@ -223,12 +167,10 @@ class FusedCore:
         state = self.check_state(state)
         plan, machine = self.plan, self.machine
         src = self.current(plan.leaves_of(params, f"{self.name} params"))
-        leaves = plan.views(src.flats)  # the params as a tree in the plan's order
         dst = src if donate else self.free_set(avoid=src)
         acc = None
         if accumulate is not None:
             acc = plan.leaves_of(accumulate, f"{self.name} accumulate")
-        early = self.elementwise and not self.skip_nonfinite
         if not given:
             step = machine.start("grad", acc=acc, scale=machine.scale_for(self.group.size), what=self.name)
         else:
@@ -238,31 +180,11 @@ class FusedCore:
             is_active = active is None or bool(active)
             glist = plan.leaves_of(grads, f"{self.name} grads") if is_active else None
             step = machine.start("all_reduce", scale=machine.scale_for(n), active=is_active, what=self.name)
-        updated = bytearray(len(plan.buckets))
-        count = state.step
-        tstates = list(state.transforms)
-
-        def update(b: int, reduced: torch.Tensor) -> None:
-            t0 = time.perf_counter()
-            g = self._grad(b, reduced)
-            if early:
-                for i, t in enumerate(self.transforms):
-                    tstates[i] = t.update_in_place([g], tstates[i])
-            p = dst.flats[b]
-            if dst is not src:
-                p.copy_(src.flats[b])
-            # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
-            # chunk-sized rather than bucket-sized (CHUNK's comment).
-            self.kernel.step(plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
-                             [list(state.buffers[f][b].split(CHUNK)) for f in self.kernel.fields], count)
-            updated[b] = 1
-            times = step.times[b]
-            times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
-
-        if early:
-            step.on_ready = update
+        run = Run(self, step, state, src, dst)
+        step.on_ready = run.arrive
         try:
             if not given:
+                leaves = plan.views(src.flats)  # (the padding of a sharded step's flats is left out)
                 local, value = local_grads(self.engine, fn, 0, has_aux, (leaves, *rest), kwargs,
                                            _tree.leaves(leaves), plan.treedef, machine.leaf_hooks[self.engine],
                                            step.on_backward_start)
@@ -272,41 +194,163 @@ class FusedCore:
                 if glist is not None:
                     step.give(glist)
                 step.launch_ready(force=True)
-            results = machine.finish(step)
+            machine.finish(step)
+            run.reduced()
         except BaseException as e:
             if machine.in_flight is step:  # failed before finish: keep the ranks in step
                 machine.abort(step, e)
-            if any(updated):
-                self.broken = (f"step {step.n} failed after {sum(updated)} of {len(plan.buckets)} buckets "
+            run.drain()
+            if any(run.updated):
+                self.broken = (f"step {step.n} failed after {sum(run.updated)} of {len(plan.buckets)} buckets "
                                "had updated the optimizer state in place; load a saved state "
                                "(step.state_from_tree) or make a new one (step.init) to go on")
             raise
-        finite = True
-        if self.skip_nonfinite:
-            finite = all_finite(results)
+        finite = run.finish()
         if finite:
-            if not early:
-                gs = [self._grad(b, r) for b, r in enumerate(results)]
-                for i, t in enumerate(self.transforms):
-                    tstates[i] = t.update_in_place(gs, tstates[i])
-            for b, r in enumerate(results):
-                if not updated[b]:
-                    update(b, r)
-            count.add_(1)
+            state.step.add_(1)
             self.cur = dst
-        out = FusedState(count, state.buffers, tuple(tstates))
+        out = FusedState(state.step, state.buffers, tuple(run.tstates))
         self.last = StepRecord(step.n, step.kind, finite, step.timeline())
         return plan.views(self.cur.flats), out, value
 
-    def _grad(self, b: int, reduced: torch.Tensor) -> torch.Tensor:
-        """Bucket ``b``'s averaged gradient in the params' dtype (a cast wire is cast once)."""
+    def grad_of(self, b: int, reduced: torch.Tensor) -> torch.Tensor:
+        """Bucket ``b``'s (slice of the) averaged gradient in the params' dtype (a cast wire is
+        cast once)."""
         bucket = self.plan.buckets[b]
         if reduced.dtype == bucket.dtype:
             return reduced
         buf = self.scratch[b]
         if buf is None:
-            buf = self.scratch[b] = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            buf = self.scratch[b] = torch.empty(reduced.numel(), dtype=bucket.dtype, device=bucket.device)
         return buf.copy_(reduced)
+
+
+class Run:
+    """One fused step's per-bucket progress after the step machine: a bucket *arrives* when
+    its collective lands (this rank's slice summed, and all-reduced over the replicas of a
+    2-D mesh), is *updated* (its slice of the params, with its slice of the state), and,
+    sharded, its params are *gathered* from every rank. Updates run on arrival when every
+    transform is elementwise and no finite check is asked for; otherwise once every bucket
+    has arrived (a global norm, the finite verdict)."""
+
+    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "updated", "gathers",
+                 "tstates", "early")
+
+    def __init__(self, core: FusedCore, step: Any, state: FusedState, src: ParamSet, dst: ParamSet) -> None:
+        nb = len(core.plan.buckets)
+        self.core, self.step, self.state, self.src, self.dst = core, step, state, src, dst
+        self.slices: list[torch.Tensor | None] = [None] * nb  # reduced gradient slices (wire dtype)
+        self.rep: list[Any] = [None] * nb  # replicate all-reduces in flight (2-D meshes)
+        self.next_rep = 0
+        self.updated = bytearray(nb)
+        self.gathers: list[Any] = []
+        self.tstates = list(state.transforms)
+        self.early = core.elementwise and not core.skip_nonfinite
+
+    def arrive(self, b: int, flat: torch.Tensor) -> None:
+        """``Step.on_ready``: bucket ``b``'s collective has landed in ``flat``."""
+        core = self.core
+        self.slices[b] = core.scatter.finish(b, flat) if core.scatter is not None else flat
+        if core.mesh.replicate is not None and core.scatter is not None:
+            self._launch_replicas()
+            return
+        if self.early:
+            self.update(b)
+
+    def _launch_replicas(self, force: bool = False) -> None:
+        """All-reduce the arrived slices over the replicas, in bucket order (zeros if ``force``
+        finds a slice missing: a failed step, whose values every rank discards)."""
+        core, nb = self.core, len(self.slices)
+        while self.next_rep < nb and (force or self.slices[self.next_rep] is not None):
+            b = self.next_rep
+            if self.slices[b] is None:
+                self.slices[b] = core.shards.mine(b, core.machine.buffers.wire(b)).zero_()
+            self.rep[b] = all_reduce(self.slices[b], core.mesh.replicate, f"replica all-reduce of bucket {b}",
+                                     async_op=True)
+            self.next_rep += 1
+        if force:
+            return
+        for b in range(nb):  # update the ones that have landed (in order: they complete in order)
+            work = self.rep[b]
+            if work is None or work is True:
+                continue
+            if not work.is_completed():
+                break
+            self.rep[b] = True
+            if self.early:
+                self.update(b)
+
+    def reduced(self) -> None:
+        """The step machine finished: wait for the replica all-reduces still in flight."""
+        core = self.core
+        if core.mesh.replicate is None or core.scatter is None:
+            return
+        for b, work in enumerate(self.rep):
+            if work is not None and work is not True:
+                wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
+                self.rep[b] = True
+                if self.early:
+                    self.update(b)
+
+    def drain(self) -> None:
+        """The step failed on this rank or another: issue this rank's share of whatever
+        collectives the others may be waiting in (2-D: the replica all-reduces), then return."""
+        core = self.core
+        if core.mesh.replicate is None or core.scatter is None:
+            return
+        self._launch_replicas(force=True)
+        for b, work in enumerate(self.rep):
+            if work is not None and work is not True:
+                try:
+                    wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
+                except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                    pass
+
+    def update(self, b: int) -> None:
+        core, step = self.core, self.step
+        t0 = time.perf_counter()
+        g = core.grad_of(b, self.slices[b])
+        if self.early:
+            for i, t in enumerate(core.transforms):
+                self.tstates[i] = t.update_in_place([g], self.tstates[i])
+        s = core.shards
+        p = s.mine(b, self.dst.flats[b])
+        if self.dst is not self.src:
+            p.copy_(s.mine(b, self.src.flats[b]))
+        # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
+        # chunk-sized rather than bucket-sized (CHUNK's comment).
+        core.kernel.step(core.plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
+                         [list(self.state.buffers[f][b].split(CHUNK)) for f in core.kernel.fields], self.state.step)
+        self.updated[b] = 1
+        times = step.times[b]
+        times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
+
+    def finish(self) -> bool:
+        """Update what is left (after the global transforms and the finite check), gather the
+        params of a sharded step; returns the finite verdict (False: nothing was updated)."""
+        core = self.core
+        sharded = core.scatter is not None
+        if core.skip_nonfinite:
+            finite = all_finite(self.slices)
+            if sharded:  # each rank checked its slices: the verdict is every rank's
+                finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
+            if not finite:
+                return False
+        if not self.early:
+            gs = [core.grad_of(b, r) for b, r in enumerate(self.slices)]
+            for i, t in enumerate(core.transforms):
+                if sharded and not t.elementwise:
+                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
+                else:
+                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
+        for b in range(len(self.slices)):
+            if not self.updated[b]:
+                self.update(b)
+            if sharded:  # bucket b's params gather while bucket b + 1 updates
+                self.gathers.append(core.scatter.gather(b, self.dst.flats[b]))
+        for b, work in enumerate(self.gathers):
+            wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
+        return True
 
 
 def fused_step(cache: dict, fn: Callable, opt: Optimizer, argnums: int, has_aux: bool, accumulate: Any,
@@ -317,7 +361,7 @@ def fused_step(cache: dict, fn: Callable, opt: Optimizer, argnums: int, has_aux:
     name = "fdp.Reducer.grad_and_update"
     if argnums != 0:
         raise ValueError(f"{name}: argnums must be 0 (the params are fn's first argument), got {argnums!r}")
-    split_chain(opt, name)  # refuse an unsupported optimizer now, not at the first step
+    split_chain(opt, name, sharded=config["shard"])  # refuse an unsupported optimizer now, not at the first step
 
     def core_for(params: Any) -> FusedCore:
         entry = cache.get(id(opt))
@@ -341,6 +385,12 @@ class FusedStep:
     The numbers equal ``reducer.grad`` + ``opt.update`` bit for bit, except with
     ``clip_by_global_norm``, whose norm is summed per bucket instead of per leaf (a different
     summation order: the clip coefficient differs in the last bits).
+
+    Sharded (``Reducer(..., shard=True)``), each rank keeps only its slice of every bucket's
+    optimizer state (``FusedState.buffers`` holds slices): a bucket's gradients are
+    reduce-scattered, each rank updates its slice of the params, and the params are
+    all-gathered (docs/concepts.md, "Sharded optimizer state"). On two ranks the numbers equal
+    the unsharded step's bit for bit; on more, the gradient sums may round differently.
     """
 
     def __init__(self, core_for: Callable[[Any], FusedCore], fn: Callable, has_aux: bool, accumulate: Any,
@@ -369,8 +419,12 @@ class FusedStep:
         return out[0], out[1]
 
     def state_to_tree(self, opt_state: FusedState, params: Any) -> Any:
-        """The per-leaf optimizer state, as ``opt.init(params)`` lays it out (a copy)."""
-        return self._core_for(params).state_to_tree(opt_state, params)
+        """The per-leaf optimizer state, as ``opt.init(params)`` lays it out (a copy). Sharded
+        (``Reducer(shard=True)``), a collective: every rank's slices are gathered, and every
+        rank gets the whole state (save it with ``fdp.save``; it loads into any world size,
+        plan, or the unsharded step)."""
+        core = self._core_for(params)
+        return core.layout.to_tree(core.check_state(opt_state), params)
 
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""

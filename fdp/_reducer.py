@@ -29,9 +29,10 @@ from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
 from ._fused import FusedCore, FusedStep, fused_step
-from ._group import Group, resolve
+from ._group import Group
 from ._log import debug_mode, log
 from ._malloc import keep_freed_memory
+from ._shard import resolve_mesh
 from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._sync import verify_layout
 from ._timeline import StepRecord, Timeline
@@ -85,6 +86,11 @@ class Reducer:
       hook_threshold_bytes: trailing buckets whose leaves average fewer bytes than this get
         no leaf hooks and launch when the backward returns (a hook costs more than an early
         launch of thousands of tiny leaves gains). ``0`` hooks every bucket.
+      shard: shard the optimizer state of ``grad_and_update`` over the ranks (ZeRO-1/2): each
+        bucket is reduce-scattered, each rank updates its slice with its slice of the state,
+        and the params are all-gathered (docs/concepts.md). ``group`` may then be a 2-D
+        ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP: slices are also all-reduced
+        over ``replicate``). ``grad``/``all_reduce`` are unchanged (a 2-D mesh: over all its ranks).
 
     Attributes:
       plan: the ``fdp.BucketPlan`` built from ``params``' layout.
@@ -136,8 +142,11 @@ class Reducer:
         skip_nonfinite: bool = False,
         engine: str = "auto",
         hook_threshold_bytes: int = HOOK_MEAN_BYTES,
+        shard: bool = False,
     ) -> None:
-        self.group = resolve(group)
+        self._mesh = resolve_mesh(group)
+        self.group = self._mesh.full
+        self.shard = bool(shard)
         keep_freed_memory()  # no page faults per step from memory handed back to the kernel
         self.plan = BucketPlan.build(
             params, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
@@ -160,6 +169,10 @@ class Reducer:
             )
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
+        if shard and not self.hook.in_place:
+            raise TypeError(f"fdp.Reducer: shard=True reduce-scatters buckets in the comm hook's wire dtype, "
+                            f"which needs a summing hook (allreduce, fp16_compress, bf16_compress, or "
+                            f"CommHook(in_place=True)); {self.hook.name} is not one")
         self._engine = resolve_engine(engine)
         self._hook_threshold = hook_threshold_bytes
         self._fused: dict[int, tuple[Any, FusedCore]] = {}
@@ -184,7 +197,8 @@ class Reducer:
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in self.plan.slots],
             self.group, "fdp.Reducer",
             extra=(f"bucket caps {list(self.plan.caps)} bytes, {self.hook.describe()}, "
-                   f"reduce dtype {wire_name}, debug={self.debug}"),
+                   f"reduce dtype {wire_name}, debug={self.debug}, shard={self.shard} "
+                   f"(shard group of {self._mesh.shard.size})"),
         )
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
@@ -273,7 +287,7 @@ class Reducer:
             for x, y in loader:
                 params, opt_state, (loss, buffers) = step(params, opt_state, buffers, x, y)
         """
-        config = dict(group=self.group, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
+        config = dict(mesh=self._mesh, shard=self.shard, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
                       debug=self.debug, hook_threshold_bytes=self._hook_threshold, engine=self._engine,
                       skip_nonfinite=self.skip_nonfinite)
         return fused_step(self._fused, fn, opt, argnums, has_aux, accumulate, donate, config)

@@ -282,6 +282,8 @@ class Step:
                 self.stash[i] = None
             if self.acc is not None:
                 srcs = torch._foreach_add([self.acc[i] for i in bucket.leaves], srcs)
+            if flat.numel() != bucket.numel:  # a sharded step's padded buffer: the padding stays zero
+                flat = flat[:bucket.numel]
             kernels.flatten(srcs, flat, scale=self.scale)
 
     def _launch(self, b: int) -> None:

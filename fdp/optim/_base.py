@@ -104,6 +104,13 @@ class GradientTransform(NamedTuple):
         one). When every transform of a ``chain`` has one, the chain runs them on a scratch
         copy of the grads that it reuses from step to step, so clipping allocates no fresh
         memory per step (as ``clip_grad_norm_`` scales ``.grad`` in place).
+      update_sharded: optional ``update_sharded(grad_slices, state, reduce) -> new_state``
+        for a whole-tree transform under a sharded fused step (``Reducer(shard=True)``):
+        ``grad_slices`` is this rank's part of the gradients (flat slices, overwritten in
+        place), and ``reduce(t, op)`` combines a tensor over the ranks holding the other
+        parts (``op``: ``"sum"`` or ``"max"``, in place; returns ``t``). ``clip_by_global_norm``
+        has one; a sharded step refuses a whole-tree transform without it (its result on a
+        slice alone would be wrong). Elementwise transforms need none.
 
     Example:
       >>> halve = fdp.optim.GradientTransform(
@@ -119,6 +126,7 @@ class GradientTransform(NamedTuple):
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     elementwise: bool = False
     update_in_place: Callable[[list[Tensor], Any], Any] | None = None
+    update_sharded: Callable[[list[Tensor], Any, Callable[[Tensor, str], Tensor]], Any] | None = None
 
 
 class ChainState(NamedTuple):

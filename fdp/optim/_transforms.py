@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -142,10 +143,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             clipped = [c.to(t.dtype) for c, t in zip(clipped, leaves)]
         return _tree.unflatten(treedef, clipped), ClipState(total.detach())
 
-    def update_in_place(grads: list[Tensor], state: ClipState) -> ClipState:
-        if not grads:
-            return state
-        total = global_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite)
+    def clip_with(grads: list[Tensor], total: Tensor) -> ClipState:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         devices = set(map(_device, grads))  # torch's _clip_grads_with_norm_, per device
         if len(devices) == 1:
@@ -155,7 +153,27 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
                 torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         return ClipState(total.detach())
 
-    return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place)
+    def update_in_place(grads: list[Tensor], state: ClipState) -> ClipState:
+        if not grads:
+            return state
+        return clip_with(grads, global_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite))
+
+    def update_sharded(grads: list[Tensor], state: ClipState, reduce: Callable[[Tensor, str], Tensor]) -> ClipState:
+        # The norm of the whole is the p-norm of the parts' norms: sum their p-th powers over
+        # the ranks (max for the inf-norm). Every rank then clips its part by the same coefficient.
+        p = float(norm_type)
+        local = global_norm(grads, p) if grads else state.norm.new_zeros(())
+        local = local.to(state.norm.dtype).reshape(1)
+        if p == float("inf"):
+            total = reduce(local, "max")[0]
+        else:
+            total = reduce(local.pow(p), "sum")[0].pow(1.0 / p)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            global_norm([total.reshape(1)], p, error_if_nonfinite=True)  # torch's own message
+        return clip_with(grads, total) if grads else ClipState(total.detach())
+
+    return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place,
+                             update_sharded=update_sharded)
 
 
 def clip_by_value(min_value: float, max_value: float) -> GradientTransform:

@@ -1,0 +1,175 @@
+"""Sharding the fused step over its buckets (ZeRO-1/2): layout, groups and collectives.
+
+``Reducer(params, group, shard=True)``: each bucket of the fused step is padded to a multiple
+of the shard group's size ``n`` and cut into ``n`` equal slices; rank ``r`` owns slice ``r``::
+
+    bucket b, padded:  [ leaf 0 | leaf 1 | leaf 2 ...      | pad ]
+    slices:            [ rank 0     | rank 1     | rank 2     ]
+                         S elements   S elements   S elements    (S = padded / n)
+
+A step fills the bucket as the unsharded step does (local gradients, prescaled by 1/world),
+then *reduce-scatters* it: rank ``r`` receives the sum of slice ``r`` over the ranks. It
+updates only its slice of the flat params, with only its slice of the optimizer state (one
+kernel call per chunk of the slice), and then *all-gathers* the params: every rank ends the
+step with the whole updated params, and holds ``1/n`` of the optimizer state. A
+reduce-scatter plus an all-gather move the bytes of one all-reduce.
+
+Leaves may straddle slices (a slice is a byte range of the bucket, not a set of leaves), as
+in Megatron's distributed optimizer. The padding's params, gradients and state are zeros
+and stay zeros under every fdp optimizer (a zero gradient on a zero param changes nothing).
+
+A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP) reduce-scatters within
+``shard``, all-reduces the slice over ``replicate``, updates, and all-gathers within
+``shard``; the optimizer state is ``1/shard`` of the whole on every rank.
+
+Order of collectives: a process group needs every rank to issue the same collectives in the
+same order. The reduce-scatters are issued in bucket order from the backward's hooks; the
+all-gathers are issued only after the last reduce-scatter (and the step's status), in bucket
+order, so no rank interleaves them differently from another, however its backward and its
+updates are timed. The replicate all-reduces (2-D) have a process group of their own and are
+issued in bucket order too.
+
+The reduce-scatter: NCCL has a native one. gloo implements ``reduce_scatter_tensor`` as a
+whole all-reduce followed by a copy (the bytes of an all-reduce, then more), so on gloo (and
+the threaded test group) fdp sends each slice to its owner with one ``all_to_all_single``
+and sums the ``n`` received slices itself, in rank order (``python -m fdp.bench micro``
+measures both).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _comm
+from ._bucket import BucketPlan
+from ._group import Group, resolve
+
+__all__ = ["Mesh", "Shards", "is_shard", "mark_shard", "resolve_mesh", "Scatter"]
+
+
+class Shards:
+    """How each bucket of ``plan`` is cut over ``size`` ranks, from ``rank``'s point of view.
+
+    ``padded[b]``: the bucket's length rounded up to a multiple of ``size``; ``lo[b]:hi[b]``:
+    this rank's slice of it. ``Shards(plan, 1, 0)`` is the unsharded layout (the whole bucket).
+    """
+
+    __slots__ = ("size", "rank", "padded", "lo", "hi")
+
+    def __init__(self, plan: BucketPlan, size: int, rank: int) -> None:
+        self.size, self.rank = size, rank
+        self.padded = [-(-b.numel // size) * size for b in plan.buckets]
+        per = [p // size for p in self.padded]
+        self.lo = [rank * s for s in per]
+        self.hi = [(rank + 1) * s for s in per]
+
+    @property
+    def sharded(self) -> bool:
+        return self.size > 1
+
+    def numel(self, b: int) -> int:
+        """Elements of bucket ``b``'s slice (the per-rank optimizer state's length)."""
+        return self.hi[b] - self.lo[b]
+
+    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of bucket ``b``'s padded flat tensor (a view)."""
+        return flat[self.lo[b]:self.hi[b]]
+
+
+class Mesh(NamedTuple):
+    """The groups a (possibly sharded) fused step talks over.
+
+    ``full``: every rank (the mean's denominator, the step status, the plan checks);
+    ``shard``: the ranks a bucket is cut over (``full`` for a 1-D group); ``replicate``: the
+    ranks holding the same slice (2-D meshes), else None.
+    """
+
+    full: Group
+    shard: Group
+    replicate: Group | None
+
+
+def resolve_mesh(group: Any) -> Mesh:
+    """The ``Mesh`` for a Reducer's ``group=``: a 2-D ``DeviceMesh`` with dims (replicate,
+    shard), or anything ``fdp.Group`` accepts (then every rank is in one shard group)."""
+    if hasattr(group, "get_group") and hasattr(group, "mesh") and group.ndim == 2:
+        names = tuple(group.mesh_dim_names or ("replicate", "shard"))
+        if set(names) != {"replicate", "shard"}:
+            raise ValueError(
+                f"fdp.Reducer: a 2-D DeviceMesh must name its dims ('replicate', 'shard') (HSDP: "
+                f"buckets are cut over 'shard' and the slices all-reduced over 'replicate'); got {names}"
+            )
+        shard = Group.from_mesh(group, "shard")
+        replicate = Group.from_mesh(group, "replicate")
+        if group.size() == dist.get_world_size():
+            full = Group.from_process_group(None, device=shard.device)
+        else:  # the mesh is part of a larger job: its ranks as one group (made by torch, cached)
+            full = Group.from_mesh(group._flatten(), 0)
+        return Mesh(full, shard, replicate)
+    full = resolve(group)
+    return Mesh(full, full, None)
+
+
+# ---------------------------------------------------------------------------- shard marks
+# Tensors that hold this rank's slices of a sharded state, by id (held weakly): ``fdp.save``
+# refuses them, as rank 0's slices alone are not the state.
+_marked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def mark_shard(t: torch.Tensor) -> torch.Tensor:
+    """Remember ``t`` as one rank's slice of a sharded state; returns ``t``."""
+    _marked[id(t)] = t
+    return t
+
+
+def is_shard(t: Any) -> bool:
+    """Whether ``t`` is a slice of a sharded optimizer state (``Reducer(shard=True)``)."""
+    return isinstance(t, torch.Tensor) and _marked.get(id(t)) is t
+
+
+# ---------------------------------------------------------------------------- collectives
+class Scatter:
+    """The reduce-scatter of a bucket over the shard group, and the all-gather back.
+
+    ``launch(b, flat)`` starts summing the padded ``flat`` over the shard group into this
+    rank's slice of it (returns a work handle); ``finish(b, flat)`` completes the sum once
+    that work is done (gloo: adds the received slices). ``gather(b, flat)`` starts the
+    all-gather of every rank's slice of the padded ``flat`` into the whole of it.
+    """
+
+    def __init__(self, shards: Shards, group: Group) -> None:
+        self.shards, self.group = shards, group
+        self.native = group.backend == "nccl"
+        self.recv: list[torch.Tensor | None] = [None] * len(shards.padded)
+
+    def launch(self, b: int, flat: torch.Tensor) -> Any:
+        s, group = self.shards, self.group
+        what = f"reduce-scatter of bucket {b}"
+        if group.process_group is None:
+            return _comm.DONE
+        if self.native:
+            return _comm.reduce_scatter(s.mine(b, flat), flat, group, what)
+        recv = self.recv[b]
+        if recv is None or recv.dtype != flat.dtype:
+            recv = self.recv[b] = torch.empty_like(flat)
+        return _comm.all_to_all(recv, flat, group, what)
+
+    def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's reduced slice (in ``flat``), once ``launch``'s work has completed."""
+        s = self.shards
+        mine = s.mine(b, flat)
+        if self.native or self.group.process_group is None:
+            return mine
+        # Slice r of every rank, in rank order: sum them (one pass; for two ranks the same
+        # a + b as the all-reduce computes, so the unsharded step's bits).
+        return torch.sum(self.recv[b].view(s.size, -1), dim=0, out=mine)
+
+    def gather(self, b: int, flat: torch.Tensor) -> Any:
+        if self.group.process_group is None:
+            return _comm.DONE
+        return _comm.all_gather_into(flat, self.shards.mine(b, flat), self.group,
+                                     f"all-gather of bucket {b}'s params")

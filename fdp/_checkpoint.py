@@ -78,7 +78,8 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
     Raises:
       CheckpointError: on every rank if rank 0 could not write the file (a leaf of another
         type, a missing folder, a full disk or file-size limit...); rank 0's error names the
-        cause (for a full disk: the space needed and the space left).
+        cause (for a full disk: the space needed and the space left). On every rank, before
+        anything is written, for a sharded ``FusedState`` (save ``step.state_to_tree``).
       CollectiveError: a rank did not reach the barrier within the group's timeout.
 
     Example:
@@ -89,6 +90,7 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
     """
     group = resolve(group)
     path = os.fspath(path)
+    _refuse_shards(tree)  # on every rank, before any collective: each holds slices
     error: Exception | None = None
     if group.rank == 0:
         try:
@@ -177,12 +179,8 @@ def load(
 # ------------------------------------------------------------------------------- helpers
 
 
-def _payload(tree: Any, world_size: int) -> dict[str, Any]:
-    paths, leaves, _ = _tree.flatten_with_paths(tree)
-    if len(set(paths)) != len(paths):
-        raise CheckpointError(f"fdp.save: two leaves share a path in {paths}")
-    out: dict[str, Any] = {}
-    for p, leaf in zip(paths, leaves):
+def _refuse_shards(tree: Any) -> None:
+    for p, leaf in zip(*_tree.flatten_with_paths(tree)[:2]):
         if is_shard(leaf):
             raise CheckpointError(
                 f"fdp.save: leaf {p} is this rank's slice of a sharded optimizer state "
@@ -190,6 +188,14 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
                 "step.state_to_tree(opt_state, params) instead (gathered, per leaf: it loads into "
                 "any world size, and step.state_from_tree slices it again)"
             )
+
+
+def _payload(tree: Any, world_size: int) -> dict[str, Any]:
+    paths, leaves, _ = _tree.flatten_with_paths(tree)
+    if len(set(paths)) != len(paths):
+        raise CheckpointError(f"fdp.save: two leaves share a path in {paths}")
+    out: dict[str, Any] = {}
+    for p, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor):
             out[p] = _compact_cpu(leaf)
         elif type(leaf) in _PLAIN:

@@ -202,8 +202,8 @@ class FusedCore:
             run.drain()
             if any(run.updated):
                 self.broken = (f"step {step.n} failed after {sum(run.updated)} of {len(plan.buckets)} buckets "
-                               "had updated the optimizer state in place; load a saved state "
-                               "(step.state_from_tree) or make a new one (step.init) to go on")
+                               "had updated the optimizer state in place (and with donate=True the params); load "
+                               "a saved state (step.state_from_tree) or make a new one (step.init) to go on")
             raise
         finite = run.finish()
         if finite:

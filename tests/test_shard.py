@@ -1,0 +1,289 @@
+"""The sharded fused step (``Reducer(shard=True)``, ZeRO-1/2): the unsharded step's numbers
+(bit for bit on two ranks), 1/world of the optimizer state per rank, on 1-D groups and on a
+2-D (replicate, shard) mesh, with every feature of the unsharded step."""
+
+import pytest
+import torch
+from models import FailOnce, batch, mlp
+from test_fused import CAPS, OPTIMIZERS, fused_vs_ddp, loss_of
+from torch import nn
+
+import fdp
+
+
+def state_numel(state):
+    return sum(t.numel() for ts in state.buffers.values() for t in ts)
+
+
+def both(group, name, *, steps=4, donate=False, mesh=None, hook=None, seed=0):
+    """The unsharded and the sharded fused step from the same start, on the same batches."""
+    apply, params, buffers = fdp.functionalize(mlp(seed=seed))
+    loss = loss_of(apply, buffers)
+    out = []
+    for g, shard in ((group, False), (mesh() if mesh else group, True)):
+        reducer = fdp.Reducer(params, g, shard=shard, comm_hook=hook, hook_threshold_bytes=0, **CAPS)
+        step = reducer.grad_and_update(loss, OPTIMIZERS[name](), donate=donate)
+        state = step.init(params)
+        p = {k: v.clone() for k, v in params.items()}
+        for i in range(steps):
+            p, state, _ = step(p, state, *batch(group.rank, i))
+        out.append((p, step.state_to_tree(state, p), state_numel(state), len(step._core.plan.buckets)))
+    return out
+
+
+def assert_trees_equal(a, b, what):
+    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
+    bad = [i for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
+    assert len(la) == len(lb) and not bad, f"{what}: leaves {bad} differ"
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_two_ranks_equal_the_unsharded_step_bit_for_bit_with_half_the_state(name, donate):
+    for rank, ((p, st, n, _), (sp, sst, sn, nb)) in enumerate(fdp.testing.run(both, 2, args=(name,),)):
+        assert_trees_equal(p, sp, f"rank {rank} params")
+        assert_trees_equal(st, sst, f"rank {rank} optimizer state (gathered)")
+        fields = max(1, len(fdp._tree.leaves(st)) // len(p) - 1)  # state tensors per param, besides step
+        assert sn <= n / 2 + fields * nb, f"rank {rank}: {sn} state elements of {n}"
+
+
+def more_ranks(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {"1-D": both(group, "adamw-mask-schedule", steps=5)}
+    if group.size == 4:
+        mesh = lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # noqa: E731
+        out["2x2"] = both(group, "adamw-mask-schedule", steps=5, mesh=mesh)
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(world):
+    # More than two addends: the sharded sum (received slices added in rank order) and gloo's
+    # ring all-reduce add in different orders, so the last bits of a gradient may differ.
+    results = fdp.testing.run(more_ranks, world, backend="gloo", timeout=120)
+    for kind in results[0]:
+        for rank, ((p, _, n, nb), (sp, _, sn, _)) in enumerate(r[kind] for r in results):
+            for k in p:
+                torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"{kind} rank {rank} {k!r}")
+                assert torch.equal(sp[k], results[0][kind][1][0][k]), f"{kind}: rank {rank} is not a replica"
+            shard = world if kind == "1-D" else 2
+            assert sn <= n / shard + 2 * nb * shard, f"{kind} rank {rank}: {sn} state elements of {n}"
+
+
+def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks():
+    for rank, (fused, ddp) in enumerate(fdp.testing.run(fused_vs_ddp, 2, backend="gloo", timeout=120,
+                                                        args=(5, True))):
+        for k in ddp:
+            assert torch.equal(fused[k], ddp[k]), f"rank {rank}, param {k!r}"
+
+
+def clipped(group, norm_type):
+    apply, params, buffers = fdp.functionalize(mlp(seed=3))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05, norm_type), fdp.optim.adamw(lr=1e-2))
+    out = []
+    for shard in (False, True):
+        step = fdp.Reducer(params, group, shard=shard, **CAPS).grad_and_update(loss, opt)
+        state, p = step.init(params), dict(params)
+        for i in range(5):
+            p, state, _ = step(p, state, *batch(group.rank, i))
+        out.append((p, state.transforms[0].norm))
+    return out
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+def test_global_norm_clipping_combines_the_slices_norms(norm_type):
+    # The whole norm from the slices' norms (their p-th powers summed over the ranks, or their
+    # max): another summation order than the unsharded step's per-bucket norms, so the clip
+    # coefficient may differ in its last bits; with the inf-norm it cannot.
+    for rank, ((p, norm), (sp, snorm)) in enumerate(fdp.testing.run(clipped, 2, args=(norm_type,))):
+        assert norm > 0.05, "the test must clip"
+        if norm_type == float("inf"):
+            assert torch.equal(snorm, norm)
+        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
+        for k in p:
+            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+
+
+def nonfinite_in_one_slice(group):
+    # One bucket of two leaves: rank 0's slice is all of "a", rank 1's all of "b". Only rank 1
+    # sees the inf locally; no rank may update.
+    params = {"a": torch.zeros(8), "b": torch.zeros(8)}
+    reducer = fdp.Reducer(params, group, shard=True, skip_nonfinite=True)
+    step = reducer.grad_and_update(lambda p, s: (p["a"] * 2).sum() + (p["b"] * s).sum(), fdp.optim.adam(lr=0.1))
+    state = step.init(params)
+    params, state, _ = step(params, state, torch.ones(8))
+    before = {k: v.clone() for k, v in params.items()}
+    s = torch.ones(8)
+    if group.rank == 1:
+        s[3] = float("inf")
+    params, state, _ = step(params, state, s)
+    return before, params, int(state.step), step.last_step.finite, step._core.shards.lo
+
+
+def test_a_nonfinite_gradient_in_one_ranks_slice_updates_nothing_on_any_rank():
+    for rank, (before, after, count, finite, lo) in enumerate(fdp.testing.run(nonfinite_in_one_slice, 2)):
+        assert lo == [8 * rank], "the layout this test relies on"
+        assert not finite and count == 1, f"rank {rank}"
+        for k in before:
+            assert torch.equal(before[k], after[k]), f"rank {rank}, param {k!r} moved on a skipped step"
+
+
+def features(group):
+    """Accumulation, a bf16 wire, uneven inputs: the sharded step against the unsharded one."""
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adamw(lr=1e-2)
+    out = []
+    for shard in (False, True):
+        reducer = fdp.Reducer(params, group, shard=shard, comm_hook=fdp.hooks.bf16_compress, **CAPS)
+        state, p = None, dict(params)
+        for i in range(4):
+            x, y = batch(group.rank, i)
+            if i < 2:  # two micro-batches, the first accumulated locally
+                acc = torch.func.grad(loss)(p, *batch(group.rank, 100 + i))
+                step = reducer.grad_and_update(loss, opt, accumulate=acc)
+                state = step.init(p) if state is None else state
+                p, state, _ = step(p, state, x, y)
+            else:  # uneven inputs: rank 1 has no data at step 3
+                active = not (group.rank == 1 and i == 3)
+                g = torch.func.grad(loss)(p, x, y) if active else None
+                p, state = step.update(g, state, p, active=active)
+            assert p["0.weight"].dtype == torch.float32
+        out.append(p)
+    return out
+
+
+def test_accumulation_bf16_wire_and_uneven_inputs_equal_the_unsharded_step():
+    for rank, (p, sp) in enumerate(fdp.testing.run(features, 2, backend="gloo", timeout=120)):
+        assert_trees_equal(p, sp, f"rank {rank}")
+
+
+def test_a_world_of_one_shards_over_itself():
+    ((p, st, n, _), (sp, sst, sn, _)), = fdp.testing.run(both, 1, args=("adam",))
+    assert_trees_equal(p, sp, "params")
+    assert_trees_equal(st, sst, "state")
+    assert sn == n
+
+
+def saved(group, tmp):
+    apply, params, buffers = fdp.functionalize(mlp(seed=10))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
+    step = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss, opt)
+    state = step.init(params)
+    for i in range(2):
+        params, state, _ = step(params, state, *batch(0, i))  # every rank the same data
+    with pytest.raises(fdp.CheckpointError, match="slice of a sharded optimizer state"):
+        fdp.save(f"{tmp}/wrong.pt", {"opt": state}, group)
+    fdp.save(f"{tmp}/ckpt.pt", {"params": params, "opt": step.state_to_tree(state, params)}, group)
+    for i in range(2, 4):
+        params, state, _ = step(params, state, *batch(0, i))
+    return params
+
+
+def resumed(group, tmp, shard):
+    apply, params, buffers = fdp.functionalize(mlp(seed=10))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
+    step = fdp.Reducer(params, group, shard=shard, bucket_cap_mb=1).grad_and_update(loss, opt)  # another plan
+    loaded = fdp.load(f"{tmp}/ckpt.pt", like={"params": params, "opt": opt.init(params)}, group=group)
+    params = loaded["params"]
+    state = step.state_from_tree(loaded["opt"], params)
+    for i in range(2, 4):
+        params, state, _ = step(params, state, *batch(0, i))
+    return params
+
+
+def test_a_sharded_checkpoint_resumes_bit_exactly_unsharded_and_on_another_world_size(tmp_path):
+    straight = fdp.testing.run(saved, 2, args=(str(tmp_path),))[0]
+    for world, shard in ((1, False), (4, True)):
+        for rank, again in enumerate(fdp.testing.run(resumed, world, args=(str(tmp_path), shard))):
+            assert_trees_equal(straight, again, f"resumed on {world} ranks (shard={shard}), rank {rank}")
+
+
+def disagree(group):
+    params = {"w": torch.zeros(4)}
+    return fdp.Reducer(params, group, shard=group.rank == 0)
+
+
+def test_ranks_that_disagree_on_sharding_are_named_at_construction():
+    with pytest.raises(fdp.ReplicaMismatchError, match="shard=True"):
+        fdp.testing.run(disagree, 2)
+
+
+def test_what_cannot_shard_is_refused_with_the_way_out():
+    params = {"w": torch.zeros(4)}
+    with pytest.raises(TypeError, match="summing hook"):
+        fdp.Reducer(params, shard=True, comm_hook=fdp.hooks.powersgd(1))
+    halve_by_norm = fdp.optim.GradientTransform(
+        init=lambda p: (), update=lambda g, s, p: (g, s), update_in_place=lambda gs, s: s)
+    with pytest.raises(TypeError, match="update_sharded"):
+        fdp.Reducer(params, shard=True).grad_and_update(lambda p: p["w"].sum(),
+                                                        fdp.optim.chain(halve_by_norm, fdp.optim.sgd(lr=0.1)))
+
+
+def failing(group, use_mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    apply, params, buffers = fdp.functionalize(model)
+    g = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if use_mesh else group
+    reducer = fdp.Reducer(params, g, shard=True, hook_threshold_bytes=0, **CAPS)
+
+    def loss(p, x, fail):
+        p = {**p, "0.weight": FailOnce.apply(p["0.weight"])}  # its backward runs last
+        return apply(p, buffers, x)[0].square().mean()
+
+    step = reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+    state = step.init(params)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(group.rank))
+    FailOnce.arm(group.rank == 1)
+    try:
+        step(params, state, x, True)
+        raised = None
+    except Exception as e:  # noqa: BLE001
+        raised = type(e).__name__
+    # Ranks that did not fail may have updated some slices on arrival: a fresh state (as the
+    # unsharded step asks); the params passed in (pure) are untouched.
+    state = step.init(params)
+    params, state, _ = step(params, state, x, False)  # the ranks are still in step
+    return raised, params
+
+
+@pytest.mark.parametrize("use_mesh", [False, True], ids=["1-D", "2x2"])
+def test_a_rank_failing_mid_step_fails_the_step_everywhere_and_the_next_one_runs(use_mesh):
+    results = fdp.testing.run(failing, 4, backend="gloo", timeout=120, args=(use_mesh,))
+    for rank, (raised, params) in enumerate(results):
+        assert raised == ("RuntimeError" if rank == 1 else "CollectiveError"), f"rank {rank}: {raised}"
+        assert_trees_equal(params, results[0][1], f"rank {rank} is not a replica")
+
+
+def test_mesh_dims_must_be_named_replicate_and_shard():
+    def bad(group):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        return fdp.Reducer({"w": torch.zeros(2)}, mesh, shard=True)
+
+    with pytest.raises(ValueError, match="'replicate', 'shard'"):
+        fdp.testing.run(bad, 2, backend="gloo", timeout=60)
+
+
+def test_reduce_scatters_overlap_the_backward_and_elementwise_updates_run_on_arrival():
+    def timed(group):
+        model = nn.Sequential(nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 10))
+        apply, params, buffers = fdp.functionalize(model)
+        reducer = fdp.Reducer(params, group, shard=True, bucket_cap_mb=0.05, first_bucket_cap_mb=0.05,
+                              hook_threshold_bytes=0)
+        step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.adamw(lr=1e-3))
+        state = step.init(params)
+        for _ in range(2):
+            params, state, _ = step(params, state, torch.randn(32, 128), torch.randint(0, 10, (32,)))
+        return step.last_step.timeline
+
+    for tl in fdp.testing.run(timed, 2):
+        assert len(tl.buckets) >= 2
+        assert tl.buckets[0].launch < tl.backward_end, "the first reduce-scatter waited for the backward"
+        assert all(b.update_start is not None for b in tl.buckets)

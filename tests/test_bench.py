@@ -17,14 +17,17 @@ def test_model_benchmark_prints_every_kind_with_ratio_exposed_and_memory(tmp_pat
     text = capsys.readouterr().out
     assert code == 0
     header = text.splitlines()[0].split()
-    assert header == ["model", "step", "ms", "vs", "ddp", "exposed", "ms", "faults", "peak", "MiB"]
+    assert header == ["model", "step", "ms", "vs", "ddp", "exposed", "ms", "faults", "peak", "MiB", "opt", "MiB"]
     rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny1000")}
     assert set(rows) == set(models_bench.KINDS)
     assert float(rows["ddp"][3]) == 1.0  # the ratio column is relative to DDP
     for kind, row in rows.items():
         assert float(row[2]) > 0
-        assert float(row[-1]) > 0, f"{kind}: no peak memory"
-        assert float(row[-2]) >= 0, f"{kind}: no page-fault count"
+        assert float(row[-2]) > 0, f"{kind}: no peak memory"
+        assert float(row[-3]) >= 0, f"{kind}: no page-fault count"
+    # SGD with momentum keeps one buffer per param; sharded over 2 ranks, half of it per rank
+    assert float(rows["fused"][-1]) == float(rows["ddp"][-1]) > 0
+    assert abs(float(rows["sharded"][-1]) * 2 - float(rows["fused"][-1])) <= 0.02  # printed to 0.01 MiB
     results = json.loads(out_json.read_text())
     assert set(models_bench.KINDS) <= set(results["models"]["tiny1000"])
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")

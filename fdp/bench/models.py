@@ -14,6 +14,8 @@ step by step (the order rotates) in one process group, warm-up excluded:
   fused      ``reducer.grad_and_update`` with ``donate=True``: params, grads and optimizer state
              in flat buckets, each bucket's update as soon as its all-reduce lands;
   fused-pure the same, pure (the new params in a second set of flat buffers);
+  sharded    the fused step of ``Reducer(shard=True)``, donated: each rank updates and keeps
+             1/world of the optimizer state (reduce-scatter, slice update, all-gather);
   compiled   (``--compiled``) ``torch.compile(fullgraph=True)`` of the ``func-ar`` step:
              collectives inside the graph.
 
@@ -24,7 +26,8 @@ models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; 
 DDP's, the exposed communication (median step minus median local step), the minor page
 faults per step (``getrusage``: memory the allocator took from the kernel) and the peak memory
 of the step, measured separately per kind in a fresh world (peak RSS over the RSS before the
-first step on CPU; ``max_memory_allocated`` on CUDA).
+first step on CPU; ``max_memory_allocated`` on CUDA), and the optimizer state one rank
+holds ("opt MiB").
 
 Runs by itself (it forks its own 2-rank gloo world on 127.0.0.1) or under torchrun.
 """
@@ -50,7 +53,8 @@ import fdp
 
 from .zoo import MODELS, loss
 
-KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar", "fused", "fused-pure")
+KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar", "fused", "fused-pure", "sharded")
+FUSED = ("fused", "fused-pure", "sharded")
 LR = 0.01
 
 
@@ -116,11 +120,14 @@ class Steps:
         self.loss_fn = loss_fn
         self.grad_fn = self.reducer.grad(loss_fn, has_aux=True)
         self.fused: dict[str, Any] = {}
-        for kind in ("fused", "fused-pure"):
+        for kind in FUSED:
             if kind in kinds:
                 st = self.state[kind]
-                self.fused[kind] = self.reducer.grad_and_update(loss_fn, st[3], has_aux=True,
-                                                                donate=kind == "fused")
+                reducer = self.reducer if kind != "sharded" else fdp.Reducer(
+                    params, group, bucket_cap_mb=cfg.bucket_cap_mb, first_bucket_cap_mb=first_cap,
+                    comm_hook=getattr(fdp.hooks, cfg.hook), shard=True)
+                self.fused[kind] = reducer.grad_and_update(loss_fn, st[3], has_aux=True,
+                                                           donate=kind != "fused-pure")
         for kind, st in self.state.items():
             st[2] = self.fused[kind].init(st[0]) if kind in self.fused else st[3].init(st[0])
         self.func_grad = torch.func.grad(loss_fn, has_aux=True)
@@ -146,6 +153,11 @@ class Steps:
             buffers = fdp.sync_buffers(buffers, group=self.group)
         params, opt_state = opt.update(grads, opt_state, params)
         return params, buffers, opt_state
+
+    def state_mib(self, kind: str) -> float:
+        """The optimizer state this rank holds for ``kind`` (MiB)."""
+        state = self.ddp_opt.state if kind == "ddp" else self.state[kind][2]
+        return sum(t.numel() * t.element_size() for t in _tensors(state)) / 2**20
 
     def batch(self) -> tuple:
         b = self.batches[self.i % len(self.batches)]
@@ -180,6 +192,17 @@ class Steps:
             buffers = fdp.sync_buffers(buffers, group=self.group)
         params, opt_state = opt.update(grads, opt_state, params)
         self.state[kind] = [params, buffers, opt_state, opt]
+
+
+def _tensors(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _tensors(v)
 
 
 def _ddp_bf16(state: Any, bucket: Any) -> Any:
@@ -220,6 +243,7 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
     out = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out["iqr"] = {k: [q * 1000 for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1}
     out["faults"] = {k: statistics.median(v) for k, v in faults.items() if v}
+    out["state_mib"] = {k: steps.state_mib(k) for k in kinds}
     out["fdp_timeline_exposed"] = statistics.median(exposed) * 1000 if exposed else None
     out["buckets"] = len(steps.reducer.plan.buckets)
     out["leaves"] = len(steps.reducer.plan.slots)
@@ -310,7 +334,8 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
 
 
 def table(results: dict, cfg: argparse.Namespace) -> str:
-    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'faults':>7} {'peak MiB':>9}"]
+    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'faults':>7} {'peak MiB':>9} "
+             f"{'opt MiB':>8}"]
     for name, r in results["models"].items():
         for kind in cfg.kinds:
             ms = r[kind]
@@ -320,7 +345,8 @@ def table(results: dict, cfg: argparse.Namespace) -> str:
             faults = r.get("faults", {}).get(kind)
             lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
                          f"{'' if faults is None else f'{faults:7.0f}':>7} "
-                         f"{'' if mem is None else f'{mem:9.1f}':>9}")
+                         f"{'' if mem is None else f'{mem:9.1f}':>9} "
+                         f"{r.get('state_mib', {}).get(kind, 0):8.2f}")
         tl = r["fdp_timeline_exposed"]
         lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets"
                      + ("" if tl is None else f"; fdp timeline exposed comm {tl:.2f} ms") + ")")

@@ -347,10 +347,17 @@ class Run:
             if not self.updated[b]:
                 self.update(b)
             if sharded:  # bucket b's params gather while bucket b + 1 updates
-                self.gathers.append(core.scatter.gather(b, self.dst.flats[b]))
-        for b, work in enumerate(self.gathers):
-            wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
+                if self.gathers:  # one in flight at a time: its staging buffer serves the next
+                    self._gathered(*self.gathers.pop())
+                self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+        for b, work in self.gathers:
+            self._gathered(b, work)
         return True
+
+    def _gathered(self, b: int, work: Any) -> None:
+        core = self.core
+        wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
+        core.scatter.gathered(b)
 
 
 def fused_step(cache: dict, fn: Callable, opt: Optimizer, argnums: int, has_aux: bool, accumulate: Any,

@@ -138,25 +138,49 @@ class Scatter:
     ``launch(b, flat)`` starts summing the padded ``flat`` over the shard group into this
     rank's slice of it (returns a work handle); ``finish(b, flat)`` completes the sum once
     that work is done (gloo: adds the received slices). ``gather(b, flat)`` starts the
-    all-gather of every rank's slice of the padded ``flat`` into the whole of it.
+    all-gather of every rank's slice of the padded ``flat`` into the whole of it;
+    ``gathered(b)`` once that work is done.
+
+    On gloo both go through ``all_to_all_single``: gloo's ``all_gather_into_tensor`` makes a
+    bucket-sized temporary on every call (fresh memory, page faults, every step), and its
+    ``reduce_scatter_tensor`` is a whole all-reduce. The all-to-all needs a bucket-sized
+    staging buffer (the received slices; or this rank's slice repeated, one per rank); those
+    are pooled, each the largest bucket's size, as many as are ever in flight at once (the
+    all-gathers go one at a time: bucket b's overlaps bucket b + 1's update).
     """
 
     def __init__(self, shards: Shards, group: Group) -> None:
         self.shards, self.group = shards, group
         self.native = group.backend == "nccl"
-        self.recv: list[torch.Tensor | None] = [None] * len(shards.padded)
+        self.staged: list[torch.Tensor | None] = [None] * len(shards.padded)  # per bucket in flight
+        self.spare: list[torch.Tensor] = []
+
+    def _stage(self, b: int, like: torch.Tensor) -> torch.Tensor:
+        """A staging buffer shaped like ``like`` for bucket ``b`` (a view of a pooled one)."""
+        n = like.numel()
+        fits = [i for i, t in enumerate(self.spare) if t.numel() >= n and t.dtype == like.dtype]
+        if fits:  # the smallest that fits (popped by index: tensors compare elementwise)
+            buf = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
+        else:  # the largest bucket's size: any bucket can use it later
+            buf = torch.empty(max(self.shards.padded), dtype=like.dtype, device=like.device)
+        self.staged[b] = buf
+        return buf[:n]
+        return buf
+
+    def _unstage(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer back to the pool; returns the view ``_stage`` gave."""
+        buf, self.staged[b] = self.staged[b], None
+        self.spare.append(buf)
+        return buf[:self.shards.padded[b]]
 
     def launch(self, b: int, flat: torch.Tensor) -> Any:
-        s, group = self.shards, self.group
+        group = self.group
         what = f"reduce-scatter of bucket {b}"
         if group.process_group is None:
             return _comm.DONE
         if self.native:
-            return _comm.reduce_scatter(s.mine(b, flat), flat, group, what)
-        recv = self.recv[b]
-        if recv is None or recv.dtype != flat.dtype:
-            recv = self.recv[b] = torch.empty_like(flat)
-        return _comm.all_to_all(recv, flat, group, what)
+            return _comm.reduce_scatter(self.shards.mine(b, flat), flat, group, what)
+        return _comm.all_to_all(self._stage(b, flat), flat, group, what)
 
     def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
         """This rank's reduced slice (in ``flat``), once ``launch``'s work has completed."""
@@ -166,10 +190,21 @@ class Scatter:
             return mine
         # Slice r of every rank, in rank order: sum them (one pass; for two ranks the same
         # a + b as the all-reduce computes, so the unsharded step's bits).
-        return torch.sum(self.recv[b].view(s.size, -1), dim=0, out=mine)
+        torch.sum(self._unstage(b).view(s.size, -1), dim=0, out=mine)
+        return mine
 
     def gather(self, b: int, flat: torch.Tensor) -> Any:
-        if self.group.process_group is None:
+        group, s = self.group, self.shards
+        what = f"all-gather of bucket {b}'s params"
+        if group.process_group is None:
             return _comm.DONE
-        return _comm.all_gather_into(flat, self.shards.mine(b, flat), self.group,
-                                     f"all-gather of bucket {b}'s params")
+        mine = s.mine(b, flat)
+        if self.native:
+            return _comm.all_gather_into(flat, mine, group, what)
+        send = self._stage(b, flat)
+        send.view(s.size, -1).copy_(mine.expand(s.size, -1))  # this rank's slice, for every rank
+        return _comm.all_to_all(flat, send, group, what)
+
+    def gathered(self, b: int) -> None:
+        if self.staged[b] is not None:
+            self._unstage(b)

@@ -287,3 +287,23 @@ def test_reduce_scatters_overlap_the_backward_and_elementwise_updates_run_on_arr
         assert len(tl.buckets) >= 2
         assert tl.buckets[0].launch < tl.backward_end, "the first reduce-scatter waited for the backward"
         assert all(b.update_start is not None for b in tl.buckets)
+
+
+def test_steady_state_reuses_the_staging_buffers_of_the_all_to_alls():
+    # gloo's own all-gather makes a bucket-sized temporary per call; fdp's all-to-all path
+    # stages through pooled buffers, so after the first step no bucket-sized memory is new.
+    def steps(group):
+        apply, params, buffers = fdp.functionalize(mlp(seed=1, width=64))
+        step = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss_of(apply, buffers),
+                                                                              fdp.optim.adamw(lr=1e-3))
+        state = step.init(params)
+        seen = []
+        for i in range(5):
+            params, state, _ = step(params, state, *batch(group.rank, i))
+            seen.append(sorted(t.data_ptr() for t in step._core.scatter.spare))
+        return seen, len(step._core.plan.buckets)
+
+    for seen, nb in fdp.testing.run(steps, 2):
+        assert nb >= 3
+        assert seen[1:] == seen[:1] * 4, "staging buffers were made anew after the first step"
+        assert len(seen[0]) <= 2, f"{len(seen[0])} staging buffers for {nb} buckets"

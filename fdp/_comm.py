@@ -153,6 +153,36 @@ def all_to_all(out: torch.Tensor, flat: torch.Tensor, group: Group, what: str) -
         raise collective_error(group, what, e) from e
 
 
+class Batch:
+    """Work handles of several point-to-point operations, completed and waited as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout)
+        return True
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group,
+             what: str, tag: int) -> Batch:
+    """Launch a send of each ``(tensor, peer)`` of ``sends`` and a receive into each of ``recvs``
+    (peers are group ranks; ``tag`` tells concurrent exchanges apart). Returns one handle."""
+    pg = group.process_group
+    try:
+        works = [dist.isend(t, dist.get_global_rank(pg, j), group=pg, tag=tag) for t, j in sends]
+        works += [dist.irecv(t, dist.get_global_rank(pg, j), group=pg, tag=tag) for t, j in recvs]
+    except Exception as e:
+        raise collective_error(group, what, e) from e
+    return Batch(works)
+
+
 def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Group, what: str) -> Any:
     """Launch an all-gather of every rank's ``mine`` into ``out`` in rank order (``mine`` may be
     this rank's slice of ``out``). Returns the work."""

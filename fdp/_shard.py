@@ -137,21 +137,26 @@ class Scatter:
 
     ``launch(b, flat)`` starts summing the padded ``flat`` over the shard group into this
     rank's slice of it (returns a work handle); ``finish(b, flat)`` completes the sum once
-    that work is done (gloo: adds the received slices). ``gather(b, flat)`` starts the
-    all-gather of every rank's slice of the padded ``flat`` into the whole of it;
-    ``gathered(b)`` once that work is done.
+    that work is done (adds the received slices where the backend has no native
+    reduce-scatter). ``gather(b, flat)`` starts the all-gather of every rank's slice of the
+    padded ``flat`` into the whole of it; ``gathered(b)`` once that work is done.
 
-    On gloo both go through ``all_to_all_single``: gloo's ``all_gather_into_tensor`` makes a
-    bucket-sized temporary on every call (fresh memory, page faults, every step), and its
-    ``reduce_scatter_tensor`` is a whole all-reduce. The all-to-all needs a bucket-sized
-    staging buffer (the received slices; or this rank's slice repeated, one per rank); those
-    are pooled, each the largest bucket's size, as many as are ever in flight at once (the
-    all-gathers go one at a time: bucket b's overlaps bucket b + 1's update).
+    Three ways, by backend. NCCL: its native reduce-scatter and all-gather. gloo: its
+    ``reduce_scatter_tensor`` is a whole all-reduce and a copy, and its
+    ``all_gather_into_tensor`` makes a bucket-sized temporary on every call (8,195 page
+    faults per 32 MiB gather, measured), so fdp exchanges the slices point to point: each
+    rank sends slice ``j`` of its bucket to rank ``j`` and receives the others' copies of its
+    own slice (a staging buffer of ``world - 1`` slices), then adds them; for the gather it
+    sends its updated slice to every rank and receives theirs straight into the bucket (no
+    staging). Other backends (the threaded test group has no point-to-point): one
+    ``all_to_all_single`` each way through a bucket-sized staging buffer. Staging buffers
+    are pooled, each the largest bucket's size, as many as are ever in flight at once.
     """
 
     def __init__(self, shards: Shards, group: Group) -> None:
         self.shards, self.group = shards, group
-        self.native = group.backend == "nccl"
+        self.mode = {"nccl": "native", "gloo": "p2p"}.get(group.backend, "all_to_all")
+        self.peers = [j for j in range(shards.size) if j != shards.rank]
         self.staged: list[torch.Tensor | None] = [None] * len(shards.padded)  # per bucket in flight
         self.spare: list[torch.Tensor] = []
 
@@ -165,32 +170,43 @@ class Scatter:
             buf = torch.empty(max(self.shards.padded), dtype=like.dtype, device=like.device)
         self.staged[b] = buf
         return buf[:n]
-        return buf
 
-    def _unstage(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s staging buffer back to the pool; returns the view ``_stage`` gave."""
+    def _unstage(self, b: int, n: int) -> torch.Tensor:
+        """Bucket ``b``'s staging buffer back to the pool; returns its first ``n`` elements."""
         buf, self.staged[b] = self.staged[b], None
         self.spare.append(buf)
-        return buf[:self.shards.padded[b]]
+        return buf[:n]
+
+    def _slice(self, b: int, flat: torch.Tensor, j: int) -> torch.Tensor:
+        size = self.shards.numel(b)
+        return flat[j * size:(j + 1) * size]
 
     def launch(self, b: int, flat: torch.Tensor) -> Any:
-        group = self.group
+        group, s = self.group, self.shards
         what = f"reduce-scatter of bucket {b}"
         if group.process_group is None:
             return _comm.DONE
-        if self.native:
-            return _comm.reduce_scatter(self.shards.mine(b, flat), flat, group, what)
-        return _comm.all_to_all(self._stage(b, flat), flat, group, what)
+        if self.mode == "native":
+            return _comm.reduce_scatter(s.mine(b, flat), flat, group, what)
+        if self.mode == "all_to_all":
+            return _comm.all_to_all(self._stage(b, flat), flat, group, what)
+        got = self._stage(b, flat).narrow(0, 0, len(self.peers) * s.numel(b)).view(len(self.peers), -1)
+        return _comm.exchange([(self._slice(b, flat, j), j) for j in self.peers],
+                              list(zip(got.unbind(0), self.peers)), group, what, tag=2 * b)
 
     def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
         """This rank's reduced slice (in ``flat``), once ``launch``'s work has completed."""
         s = self.shards
         mine = s.mine(b, flat)
-        if self.native or self.group.process_group is None:
+        if self.mode == "native" or self.group.process_group is None:
             return mine
-        # Slice r of every rank, in rank order: sum them (one pass; for two ranks the same
-        # a + b as the all-reduce computes, so the unsharded step's bits).
-        torch.sum(self._unstage(b).view(s.size, -1), dim=0, out=mine)
+        if self.mode == "all_to_all":  # slice r of every rank, in rank order
+            torch.sum(self._unstage(b, s.padded[b]).view(s.size, -1), dim=0, out=mine)
+            return mine
+        # this rank's own part, then the others' in rank order (for two ranks: a + b, the
+        # all-reduce's one addition, so the unsharded step's bits)
+        for part in self._unstage(b, len(self.peers) * s.numel(b)).view(len(self.peers), -1):
+            mine.add_(part)
         return mine
 
     def gather(self, b: int, flat: torch.Tensor) -> Any:
@@ -199,12 +215,15 @@ class Scatter:
         if group.process_group is None:
             return _comm.DONE
         mine = s.mine(b, flat)
-        if self.native:
+        if self.mode == "native":
             return _comm.all_gather_into(flat, mine, group, what)
-        send = self._stage(b, flat)
-        send.view(s.size, -1).copy_(mine.expand(s.size, -1))  # this rank's slice, for every rank
-        return _comm.all_to_all(flat, send, group, what)
+        if self.mode == "all_to_all":
+            send = self._stage(b, flat)
+            send.view(s.size, -1).copy_(mine.expand(s.size, -1))  # this rank's slice, for every rank
+            return _comm.all_to_all(flat, send, group, what)
+        return _comm.exchange([(mine, j) for j in self.peers], [(self._slice(b, flat, j), j) for j in self.peers],
+                              group, what, tag=2 * b + 1)
 
     def gathered(self, b: int) -> None:
         if self.staged[b] is not None:
-            self._unstage(b)
+            self._unstage(b, 0)

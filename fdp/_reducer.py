@@ -96,6 +96,7 @@ class Reducer:
       plan: the ``fdp.BucketPlan`` built from ``params``' layout.
       group: the ``fdp.Group`` the gradients are averaged over.
       hook: the ``fdp.hooks.CommHook`` every bucket goes through.
+      shard: whether ``grad_and_update`` shards the optimizer state over the ranks.
       nonfinite_steps: with ``skip_nonfinite=True``, how many steps had a non-finite
         averaged gradient (a reducer-level counter, the same on every rank).
 

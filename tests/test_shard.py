@@ -54,6 +54,8 @@ def more_ranks(group):
     if group.size == 4:
         mesh = lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # noqa: E731
         out["2x2"] = both(group, "adamw-mask-schedule", steps=50, mesh=mesh)
+        g = {"w": torch.full((5,), float(group.rank))}  # the plain path over a 2-D mesh: all its ranks
+        out["mean"] = fdp.Reducer(g, mesh()).all_reduce(g)["w"]
     return out
 
 
@@ -70,6 +72,9 @@ def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(worl
     # rank order) and gloo's ring all-reduce add in different orders, so the last bits of a
     # gradient may differ; after 50 steps the params still agree to 1e-6.
     results = fdp.testing.run(more_ranks, world, backend="gloo", timeout=120)
+    for r in results:
+        if world == 4:
+            assert torch.equal(r.pop("mean"), torch.full((5,), 1.5))
     for kind in results[0]:
         for rank, ((p, _, n, nb), (sp, _, sn, _)) in enumerate(r[kind] for r in results):
             for k in p:

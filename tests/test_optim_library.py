@@ -253,6 +253,26 @@ def test_clip_then_adamw_with_masks_and_warmup_cosine_equals_torch():
         assert_equal(params, want, f"clip + adamw + warm-up cosine, step {t + 1}")
 
 
+def test_donate_grads_clips_the_callers_grads_in_place_as_clip_grad_norm_does():
+    params = make_params()
+    ref = TorchLoop(torch.optim.AdamW, params, lr=1e-2)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(lr=1e-2, donate=True),
+                          donate_grads=True)
+    state = opt.init(params)
+    params = {k: v.clone() for k, v in params.items()}
+    for t in range(4):
+        grads = grads_for(params, t, scale=2.0)
+        holders = {k: torch.zeros_like(v, requires_grad=True) for k, v in grads.items()}
+        for k, h in holders.items():
+            h.grad = grads[k].clone()
+        torch.nn.utils.clip_grad_norm_(list(holders.values()), 1.0)
+        clipped = {k: h.grad for k, h in holders.items()}  # what torch leaves in .grad
+        want = ref.step(grads, clip=lambda ps: torch.nn.utils.clip_grad_norm_(ps, 1.0))
+        params, state = opt.update(grads, state, params)
+        assert_equal(params, want, f"step {t + 1}")
+        assert_equal(grads, clipped, f"the donated grads hold the clipped values after step {t + 1}")
+
+
 # ------------------------------------------------------------------------ schedules
 
 

@@ -163,11 +163,17 @@ def stateless(fn: Callable[[Any, Any], Any], *, elementwise: bool = False) -> Gr
     return GradientTransform(init, update, elementwise)
 
 
-def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
+def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> Optimizer:
     """Gradient transforms applied in order, then one optimizer (torch's clip-then-step).
 
     Args:
       *parts: zero or more ``GradientTransform`` s followed by exactly one ``Optimizer``.
+      donate_grads: when every transform works in place (``update_in_place``: fdp's
+        clipping transforms do), let them overwrite the gradients passed in, as
+        ``clip_grad_norm_`` scales ``.grad``, instead of a copy the chain keeps (one pass
+        over the gradients less per step). The caller's gradients are then consumed:
+        after ``update`` they hold the transformed values. Default False: inputs are never
+        modified.
 
     Returns:
       An ``Optimizer`` whose state is a ``ChainState``.
@@ -207,7 +213,7 @@ def chain(*parts: GradientTransform | Optimizer) -> Optimizer:
             # The transforms' output never leaves the chain (the optimizer returns params),
             # so it can live in one reused buffer: no fresh memory per step.
             leaves, treedef = _tree.flatten(grads)
-            work = scratch.copy_of(leaves)
+            work = leaves if donate_grads else scratch.copy_of(leaves)
             for t, s in zip(transforms, state.transforms):
                 new_states.append(t.update_in_place(work, s))
             grads = _tree.unflatten(treedef, work)

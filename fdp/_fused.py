@@ -24,7 +24,6 @@ at all: pytorch #71595, #124523).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +33,11 @@ from . import _functorch, _tree, kernels
 from ._autodiff import local_grads
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers, held_elsewhere
-from ._comm import all_reduce, count_and_check_active, count_ranks, wait
+from ._comm import all_reduce, count_and_check_active
+from ._fused_run import Run
 from ._fused_state import FusedState, StateLayout, split_chain
 from ._shard import Mesh, Scatter, Shards
-from ._step import StepMachine, all_finite
+from ._step import StepMachine
 from ._sync import verify_layout
 from ._timeline import StepRecord
 from .hooks import CommHook
@@ -45,13 +45,14 @@ from .optim import Optimizer
 
 __all__ = ["FusedState", "FusedStep"]
 
-# Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
-# passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
-# whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
-# block, while over chunks that fit in the cache the passes stay there (CUDA's
-# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). The
-# figures behind the choice are in docs/performance.md ("The fused step").
-CHUNK = 128 * 1024
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 class ParamSet:
@@ -109,15 +110,26 @@ class FusedCore:
         self.sets.append(new)
         return new
 
-    def current(self, leaves: list[torch.Tensor]) -> ParamSet:
+    def current(self, leaves: list[torch.Tensor], donate: bool) -> ParamSet:
         """The set holding ``leaves``: the current set when they are its views (no copy),
-        else a set they are packed into (a tree the caller changed or made)."""
+        else a set they are packed into (a tree the caller changed or made).
+
+        Donated, the caller's tensors are consumed: each packed leaf is re-pointed at its
+        place in the set (``Tensor.set_``), so its old memory is freed now if nothing else
+        holds it (a tree loaded from a checkpoint), rather than living beside the set."""
         ptrs = list(map(torch.Tensor.data_ptr, leaves))
         if self.cur is not None and ptrs == self.cur.ptrs:
             return self.cur
         target = self.free_set(avoid=self.cur)  # the tree may still hold views of the current set
         for b, flat in zip(self.plan.buckets, target.flats):
             kernels.flatten([leaves[i] for i in b.leaves], flat[:b.numel])
+            if donate:
+                storage = flat.untyped_storage()
+                for i, off in zip(b.leaves, b.offsets):
+                    t = leaves[i]
+                    # (not a view: set_ would leave its autograd view metadata pointing at the base)
+                    if type(t) is torch.Tensor and not t.requires_grad and t._base is None and t.dtype == flat.dtype:
+                        t.set_(storage, off, t.shape, _contiguous_strides(t.shape))
         self.cur = target
         return target
 
@@ -166,7 +178,7 @@ class FusedCore:
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
         state = self.check_state(state)
         plan, machine = self.plan, self.machine
-        src = self.current(plan.leaves_of(params, f"{self.name} params"))
+        src = self.current(plan.leaves_of(params, f"{self.name} params"), donate)
         dst = src if donate else self.free_set(avoid=src)
         acc = None
         if accumulate is not None:
@@ -223,141 +235,6 @@ class FusedCore:
         if buf is None:
             buf = self.scratch[b] = torch.empty(reduced.numel(), dtype=bucket.dtype, device=bucket.device)
         return buf.copy_(reduced)
-
-
-class Run:
-    """One fused step's per-bucket progress after the step machine: a bucket *arrives* when
-    its collective lands (this rank's slice summed, and all-reduced over the replicas of a
-    2-D mesh), is *updated* (its slice of the params, with its slice of the state), and,
-    sharded, its params are *gathered* from every rank. Updates run on arrival when every
-    transform is elementwise and no finite check is asked for; otherwise once every bucket
-    has arrived (a global norm, the finite verdict)."""
-
-    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "updated", "gathers",
-                 "tstates", "early")
-
-    def __init__(self, core: FusedCore, step: Any, state: FusedState, src: ParamSet, dst: ParamSet) -> None:
-        nb = len(core.plan.buckets)
-        self.core, self.step, self.state, self.src, self.dst = core, step, state, src, dst
-        self.slices: list[torch.Tensor | None] = [None] * nb  # reduced gradient slices (wire dtype)
-        self.rep: list[Any] = [None] * nb  # replicate all-reduces in flight (2-D meshes)
-        self.next_rep = 0
-        self.updated = bytearray(nb)
-        self.gathers: list[Any] = []
-        self.tstates = list(state.transforms)
-        self.early = core.elementwise and not core.skip_nonfinite
-
-    def arrive(self, b: int, flat: torch.Tensor) -> None:
-        """``Step.on_ready``: bucket ``b``'s collective has landed in ``flat``."""
-        core = self.core
-        self.slices[b] = core.scatter.finish(b, flat) if core.scatter is not None else flat
-        if core.mesh.replicate is not None and core.scatter is not None:
-            self._launch_replicas()
-            return
-        if self.early:
-            self.update(b)
-
-    def _launch_replicas(self, force: bool = False) -> None:
-        """All-reduce the arrived slices over the replicas, in bucket order (zeros if ``force``
-        finds a slice missing: a failed step, whose values every rank discards)."""
-        core, nb = self.core, len(self.slices)
-        while self.next_rep < nb and (force or self.slices[self.next_rep] is not None):
-            b = self.next_rep
-            if self.slices[b] is None:
-                self.slices[b] = core.shards.mine(b, core.machine.buffers.wire(b)).zero_()
-            self.rep[b] = all_reduce(self.slices[b], core.mesh.replicate, f"replica all-reduce of bucket {b}",
-                                     async_op=True)
-            self.next_rep += 1
-        if force:
-            return
-        for b in range(nb):  # update the ones that have landed (in order: they complete in order)
-            work = self.rep[b]
-            if work is None or work is True:
-                continue
-            if not work.is_completed():
-                break
-            self.rep[b] = True
-            if self.early:
-                self.update(b)
-
-    def reduced(self) -> None:
-        """The step machine finished: wait for the replica all-reduces still in flight."""
-        core = self.core
-        if core.mesh.replicate is None or core.scatter is None:
-            return
-        for b, work in enumerate(self.rep):
-            if work is not None and work is not True:
-                wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
-                self.rep[b] = True
-                if self.early:
-                    self.update(b)
-
-    def drain(self) -> None:
-        """The step failed on this rank or another: issue this rank's share of whatever
-        collectives the others may be waiting in (2-D: the replica all-reduces), then return."""
-        core = self.core
-        if core.mesh.replicate is None or core.scatter is None:
-            return
-        self._launch_replicas(force=True)
-        for b, work in enumerate(self.rep):
-            if work is not None and work is not True:
-                try:
-                    wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
-                except Exception:  # noqa: BLE001 - the step's own error is the one to raise
-                    pass
-
-    def update(self, b: int) -> None:
-        core, step = self.core, self.step
-        t0 = time.perf_counter()
-        g = core.grad_of(b, self.slices[b])
-        if self.early:
-            for i, t in enumerate(core.transforms):
-                self.tstates[i] = t.update_in_place([g], self.tstates[i])
-        s = core.shards
-        p = s.mine(b, self.dst.flats[b])
-        if self.dst is not self.src:
-            p.copy_(s.mine(b, self.src.flats[b]))
-        # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
-        # chunk-sized rather than bucket-sized (CHUNK's comment).
-        core.kernel.step(core.plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
-                         [list(self.state.buffers[f][b].split(CHUNK)) for f in core.kernel.fields], self.state.step)
-        self.updated[b] = 1
-        times = step.times[b]
-        times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
-
-    def finish(self) -> bool:
-        """Update what is left (after the global transforms and the finite check), gather the
-        params of a sharded step; returns the finite verdict (False: nothing was updated)."""
-        core = self.core
-        sharded = core.scatter is not None
-        if core.skip_nonfinite:
-            finite = all_finite(self.slices)
-            if sharded:  # each rank checked its slices: the verdict is every rank's
-                finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
-            if not finite:
-                return False
-        if not self.early:
-            gs = [core.grad_of(b, r) for b, r in enumerate(self.slices)]
-            for i, t in enumerate(core.transforms):
-                if sharded and not t.elementwise:
-                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
-                else:
-                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
-        for b in range(len(self.slices)):
-            if not self.updated[b]:
-                self.update(b)
-            if sharded:  # bucket b's params gather while bucket b + 1 updates
-                if self.gathers:  # one in flight at a time: its staging buffer serves the next
-                    self._gathered(*self.gathers.pop())
-                self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
-        for b, work in self.gathers:
-            self._gathered(b, work)
-        return True
-
-    def _gathered(self, b: int, work: Any) -> None:
-        core = self.core
-        wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
-        core.scatter.gathered(b)
 
 
 def fused_step(cache: dict, fn: Callable, opt: Optimizer, argnums: int, has_aux: bool, accumulate: Any,

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._malloc import keep_freed_memory
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -210,6 +212,7 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"fdp/attempt-{attempt}", store)
+    keep_freed_memory()  # before the backend's threads start: it caps the malloc arenas too
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _install_shutdown()
     group = Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)

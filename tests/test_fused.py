@@ -238,6 +238,32 @@ def test_kept_params_are_never_overwritten_and_a_changed_tree_is_repacked():
     assert torch.equal(got["0.weight"], want["0.weight"]), "the replaced leaf was ignored"
 
 
+def test_a_donated_tree_is_repointed_into_the_flat_set_and_its_old_memory_freed():
+    import weakref
+
+    apply, params, buffers = fdp.functionalize(mlp(seed=9))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.sgd(lr=0.1)
+    reducer = fdp.Reducer(params, **CAPS)
+    x, y = batch(0, 0)
+    want = opt.update(reducer.grad(loss)(params, x, y), opt.init(params), params)[0]
+    loaded = {k: v.clone() for k, v in params.items()}  # e.g. fresh from fdp.load: nothing else holds it
+    old = weakref.ref(loaded["0.weight"].untyped_storage())
+    assert old() is not None  # alive while the tensor holds it
+    step = reducer.grad_and_update(loss, opt, donate=True)
+    state = step.init(loaded)
+    out, state, _ = step(loaded, state, x, y)
+    assert old() is None, "the donated tree's memory outlived the pack"
+    for k in out:
+        assert loaded[k].data_ptr() == out[k].data_ptr(), f"{k!r} was not re-pointed"
+        assert torch.equal(out[k], want[k]), f"param {k!r}"
+    kept = {k: v.clone() for k, v in params.items()}
+    pure = reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+    pure(params, pure.init(params), x, y)
+    for k in kept:  # pure: the caller's tensors keep their own memory and values
+        assert torch.equal(params[k], kept[k]), f"pure step changed {k!r}"
+
+
 def test_steady_state_allocates_no_new_param_sets():
     apply, params, buffers = fdp.functionalize(mlp(seed=9))
     loss = loss_of(apply, buffers)

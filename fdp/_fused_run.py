@@ -1,0 +1,163 @@
+"""One fused step's per-bucket progress after the step machine (``fdp/_fused.py``'s ``Run``).
+
+A bucket *arrives* when its collective lands, is *updated* by the optimizer's kernel on its
+(slice of the) flat params, gradients and state, and, sharded, its params are *gathered*
+from every rank. ``FusedCore.run`` makes one ``Run`` per step and hands it the core (plan,
+kernel, transforms, shards, mesh) and the step's param sets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ._comm import all_reduce, count_ranks, wait
+from ._fused_state import FusedState
+from ._step import all_finite
+
+__all__ = ["CHUNK", "Run"]
+
+# Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
+# passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
+# whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
+# block, while over chunks that fit in the cache the passes stay there (CUDA's
+# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). The
+# figures behind the choice are in docs/performance.md ("The fused step").
+CHUNK = 128 * 1024
+
+
+class Run:
+    """One fused step's per-bucket progress after the step machine: a bucket *arrives* when
+    its collective lands (this rank's slice summed, and all-reduced over the replicas of a
+    2-D mesh), is *updated* (its slice of the params, with its slice of the state), and,
+    sharded, its params are *gathered* from every rank. Updates run on arrival when every
+    transform is elementwise and no finite check is asked for; otherwise once every bucket
+    has arrived (a global norm, the finite verdict)."""
+
+    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "updated", "gathers",
+                 "tstates", "early")
+
+    def __init__(self, core: Any, step: Any, state: FusedState, src: Any, dst: Any) -> None:
+        nb = len(core.plan.buckets)
+        self.core, self.step, self.state, self.src, self.dst = core, step, state, src, dst
+        self.slices: list[torch.Tensor | None] = [None] * nb  # reduced gradient slices (wire dtype)
+        self.rep: list[Any] = [None] * nb  # replicate all-reduces in flight (2-D meshes)
+        self.next_rep = 0
+        self.updated = bytearray(nb)
+        self.gathers: list[Any] = []
+        self.tstates = list(state.transforms)
+        self.early = core.elementwise and not core.skip_nonfinite
+
+    def arrive(self, b: int, flat: torch.Tensor) -> None:
+        """``Step.on_ready``: bucket ``b``'s collective has landed in ``flat``."""
+        core = self.core
+        self.slices[b] = core.scatter.finish(b, flat) if core.scatter is not None else flat
+        if core.mesh.replicate is not None and core.scatter is not None:
+            self._launch_replicas()
+            return
+        if self.early:
+            self.update(b)
+
+    def _launch_replicas(self, force: bool = False) -> None:
+        """All-reduce the arrived slices over the replicas, in bucket order (zeros if ``force``
+        finds a slice missing: a failed step, whose values every rank discards)."""
+        core, nb = self.core, len(self.slices)
+        while self.next_rep < nb and (force or self.slices[self.next_rep] is not None):
+            b = self.next_rep
+            if self.slices[b] is None:
+                self.slices[b] = core.shards.mine(b, core.machine.buffers.wire(b)).zero_()
+            self.rep[b] = all_reduce(self.slices[b], core.mesh.replicate, f"replica all-reduce of bucket {b}",
+                                     async_op=True)
+            self.next_rep += 1
+        if force:
+            return
+        for b in range(nb):  # update the ones that have landed (in order: they complete in order)
+            work = self.rep[b]
+            if work is None or work is True:
+                continue
+            if not work.is_completed():
+                break
+            self.rep[b] = True
+            if self.early:
+                self.update(b)
+
+    def reduced(self) -> None:
+        """The step machine finished: wait for the replica all-reduces still in flight."""
+        core = self.core
+        if core.mesh.replicate is None or core.scatter is None:
+            return
+        for b, work in enumerate(self.rep):
+            if work is not None and work is not True:
+                wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
+                self.rep[b] = True
+                if self.early:
+                    self.update(b)
+
+    def drain(self) -> None:
+        """The step failed on this rank or another: issue this rank's share of whatever
+        collectives the others may be waiting in (2-D: the replica all-reduces), then return."""
+        core = self.core
+        if core.mesh.replicate is None or core.scatter is None:
+            return
+        self._launch_replicas(force=True)
+        for b, work in enumerate(self.rep):
+            if work is not None and work is not True:
+                try:
+                    wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
+                except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                    pass
+
+    def update(self, b: int) -> None:
+        core, step = self.core, self.step
+        t0 = time.perf_counter()
+        g = core.grad_of(b, self.slices[b])
+        if self.early:
+            for i, t in enumerate(core.transforms):
+                self.tstates[i] = t.update_in_place([g], self.tstates[i])
+        s = core.shards
+        p = s.mine(b, self.dst.flats[b])
+        if self.dst is not self.src:
+            p.copy_(s.mine(b, self.src.flats[b]))
+        # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
+        # chunk-sized rather than bucket-sized (CHUNK's comment).
+        core.kernel.step(core.plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
+                         [list(self.state.buffers[f][b].split(CHUNK)) for f in core.kernel.fields], self.state.step)
+        self.updated[b] = 1
+        times = step.times[b]
+        times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
+
+    def finish(self) -> bool:
+        """Update what is left (after the global transforms and the finite check), gather the
+        params of a sharded step; returns the finite verdict (False: nothing was updated)."""
+        core = self.core
+        sharded = core.scatter is not None
+        if core.skip_nonfinite:
+            finite = all_finite(self.slices)
+            if sharded:  # each rank checked its slices: the verdict is every rank's
+                finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
+            if not finite:
+                return False
+        if not self.early:
+            gs = [core.grad_of(b, r) for b, r in enumerate(self.slices)]
+            for i, t in enumerate(core.transforms):
+                if sharded and not t.elementwise:
+                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
+                else:
+                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
+        for b in range(len(self.slices)):
+            if not self.updated[b]:
+                self.update(b)
+            if sharded:  # bucket b's params gather while bucket b + 1 updates
+                if self.gathers:  # one in flight at a time: its staging buffer serves the next
+                    self._gathered(*self.gathers.pop())
+                self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+        for b, work in self.gathers:
+            self._gathered(b, work)
+        return True
+
+    def _gathered(self, b: int, work: Any) -> None:
+        core = self.core
+        wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
+        core.scatter.gathered(b)

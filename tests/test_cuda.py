@@ -83,3 +83,24 @@ def test_triton_kernels_on_cuda_match_the_torch_path_bitwise(dst):
     kernels.unflatten(a, outs_a, impl="triton")
     kernels.unflatten(a, outs_b, impl="torch")
     assert all(torch.equal(x, y) for x, y in zip(outs_a, outs_b))
+
+
+def test_sharded_fused_step_on_nccl_runs_the_native_collectives_and_equals_the_unsharded(nccl_world):
+    # A world of one still issues NCCL's reduce_scatter_tensor and all_gather_into_tensor
+    # (the native path of fdp/_shard.py), so this checks their layout on device memory.
+    apply, params, buffers = fdp.functionalize(mlp(width=256, seed=3).cuda())
+    x, y = (t.cuda() for t in batch(0, n=64))
+
+    def loss_fn(p):
+        return F.cross_entropy(apply(p, buffers, x)[0], y)
+
+    out = []
+    for shard in (False, True):
+        reducer = fdp.Reducer(params, nccl_world, shard=shard, bucket_cap_mb=0.05, first_bucket_cap_mb=0.05)
+        step = reducer.grad_and_update(loss_fn, fdp.optim.adamw(lr=1e-3, weight_decay=0.1))
+        state, p = step.init(params), {k: v.clone() for k, v in params.items()}
+        for _ in range(3):
+            p, state, _ = step(p, state)
+        out.append(p)
+    for k in out[0]:
+        assert out[1][k].is_cuda and torch.equal(out[0][k], out[1][k]), k

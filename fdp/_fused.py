@@ -122,14 +122,16 @@ class FusedCore:
             return self.cur
         target = self.free_set(avoid=self.cur)  # the tree may still hold views of the current set
         for b, flat in zip(self.plan.buckets, target.flats):
-            kernels.flatten([leaves[i] for i in b.leaves], flat[:b.numel])
-            if donate:
-                storage = flat.untyped_storage()
-                for i, off in zip(b.leaves, b.offsets):
-                    t = leaves[i]
-                    # (not a view: set_ would leave its autograd view metadata pointing at the base)
-                    if type(t) is torch.Tensor and not t.requires_grad and t._base is None and t.dtype == flat.dtype:
-                        t.set_(storage, off, t.shape, _contiguous_strides(t.shape))
+            if not donate:
+                kernels.flatten([leaves[i] for i in b.leaves], flat[:b.numel])
+                continue
+            storage = flat.untyped_storage()
+            for i, off, n in zip(b.leaves, b.offsets, b.numels):  # leaf by leaf: one leaf's memory extra at most
+                t = leaves[i]
+                flat[off:off + n].view(t.shape).copy_(t)
+                # (not a view: set_ would leave its autograd view metadata pointing at the base)
+                if type(t) is torch.Tensor and not t.requires_grad and t._base is None and t.dtype == flat.dtype:
+                    t.set_(storage, off, t.shape, _contiguous_strides(t.shape))
         self.cur = target
         return target
 

@@ -231,6 +231,17 @@ def test_ranks_that_disagree_on_sharding_are_named_at_construction():
         fdp.testing.run(disagree, 2)
 
 
+def test_ranks_that_disagree_on_the_mesh_are_named_at_construction():
+    def mixed(group):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # every rank makes it
+        return fdp.Reducer({"w": torch.zeros(4)}, mesh if group.rank == 0 else group, shard=True)
+
+    with pytest.raises(fdp.ReplicaMismatchError, match="shard group of"):
+        fdp.testing.run(mixed, 4, backend="gloo", timeout=60)
+
+
 def test_what_cannot_shard_is_refused_with_the_way_out():
     params = {"w": torch.zeros(4)}
     with pytest.raises(TypeError, match="summing hook"):

@@ -63,8 +63,9 @@ class Reducer:
     Args:
       params: the pytree being differentiated (e.g. ``params`` from ``fdp.functionalize``);
         only its layout is used. Floating-point leaves on one device; may be empty.
-      group: an ``fdp.Group``, a ProcessGroup, a 1-D DeviceMesh, or None for the world (a
-        world of one without torch.distributed).
+      group: an ``fdp.Group``, a ProcessGroup, a 1-D DeviceMesh, a 2-D DeviceMesh with dims
+        ``("replicate", "shard")`` (see ``shard``), or None for the world (a world of one
+        without torch.distributed).
       bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb: bucket sizes in MiB, as
         ``fdp.BucketPlan.build`` (DDP's defaults: 25 and a 1 MiB first bucket).
       reduce_dtype: dtype the buckets are filled and reduced in (default: the gradients').

@@ -29,11 +29,9 @@ order, so no rank interleaves them differently from another, however its backwar
 updates are timed. The replicate all-reduces (2-D) have a process group of their own and are
 issued in bucket order too.
 
-The reduce-scatter: NCCL has a native one. gloo implements ``reduce_scatter_tensor`` as a
-whole all-reduce followed by a copy (the bytes of an all-reduce, then more), so on gloo (and
-the threaded test group) fdp sends each slice to its owner with one ``all_to_all_single``
-and sums the ``n`` received slices itself, in rank order (``python -m fdp.bench micro``
-measures both).
+How the slices move depends on the backend (``Scatter``): NCCL's own reduce-scatter and
+all-gather; point-to-point exchanges on gloo; ``all_to_all_single`` elsewhere. The figures
+behind the choice are in docs/performance.md ("The sharded step").
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return max(0.0, (sy - slope * sx) / sw), slope
 
 
-def measure_link(group: Group, sizes: Sequence[int] = (4096, 256 * 1024, 2 * MiB), repeats: int = 5) -> Link:
+def measure_link(group: Group, sizes: Sequence[int] = (4096, 512 * 1024, 8 * MiB), repeats: int = 5) -> Link:
     """Time all-reduces of ``sizes`` bytes on ``group`` and fit a ``Link`` (a collective).
 
     Every rank runs the same collectives; the slowest rank's median per size is used, so
@@ -164,6 +164,8 @@ class StepProfile:
         not observed; taken as the backward's end).
       backward_end: when the backward returned, less the calibration plan's launch overheads.
       tail: seconds from the later of backward end and last collective to the step's end.
+      fill_per_leaf, fill_per_byte: the main thread's cost to fill a bucket (the
+        multi-tensor copy with the scale fused in) per leaf and per byte.
       update_fixed, update_per_byte: the fused step's per-bucket update cost (0: no update).
     """
 
@@ -172,6 +174,8 @@ class StepProfile:
     leaf_ready: tuple[float | None, ...]
     backward_end: float
     tail: float
+    fill_per_leaf: float = 0.0
+    fill_per_byte: float = 0.0
     update_fixed: float = 0.0
     update_per_byte: float = 0.0
 
@@ -187,7 +191,9 @@ class StepProfile:
         leaf_group = tuple(keys.setdefault((s.device.type, s.dtype), len(keys)) for s in plan.slots)
         leaf_bytes = tuple(s.numel * itemsize(s.dtype) for s in plan.slots)
         per_leaf: list[list[float]] = [[] for _ in plan.slots]
-        ends, tails, upd = [], [], []
+        ends, tails, upd, fills = [], [], [], []
+        hooked = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
+        per_byte = copy_seconds_per_byte(plan.slots[0].device) if plan.slots else 0.0
         for tl in timelines:
             prev = tl.backward_start or 0.0
             for b, bt in zip(plan.buckets, tl.buckets):
@@ -202,14 +208,33 @@ class StepProfile:
                 if bt.update_start is not None and bt.update_end is not None:
                     upd.append((b.nbytes, bt.update_end - bt.update_start))
             end = tl.backward_end if tl.backward_end is not None else 0.0
+            prev = end  # buckets without hooks are filled and launched one by one after the backward
+            for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:
+                if bt.launch is not None and tl.backward_end is not None:
+                    fills.append((bt.launch - prev - link.overhead - b.nbytes * per_byte) / len(b.leaves))
+                    prev = bt.launch
             ends.append(end)
             tails.append(max(0.0, tl.end - max(end, tl.comm_done)))
-        hooked = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
-        fixed = per_byte = 0.0
+        fixed = upd_byte = 0.0
         if upd:
-            fixed, per_byte = linear_fit([n for n, _ in upd], [t for _, t in upd])
+            fixed, upd_byte = linear_fit([n for n, _ in upd], [t for _, t in upd])
         return cls(leaf_bytes, leaf_group, tuple(statistics.median(v) if v else None for v in per_leaf),
-                   statistics.median(ends) - hooked * link.overhead, statistics.median(tails), fixed, per_byte)
+                   statistics.median(ends) - hooked * link.overhead, statistics.median(tails),
+                   max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte)
+
+
+def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
+    """Seconds per byte of a scaled copy on ``device`` (what a bucket fill does per byte)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mul(src, 0.5, out=dst)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return min(times) / nbytes
 
 
 def assign(leaf_bytes: Sequence[int], leaf_group: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
@@ -271,12 +296,14 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
     hooked = hooked_count(sizes, hook_threshold_bytes)
     bwd = profile.backward_end + hooked * link.overhead
     launched = wire_free = 0.0
+    after = bwd  # the main thread, once the backward has returned
     done = []
-    for k, (b, (nbytes, _)) in enumerate(zip(leaves, sizes)):
+    for k, (b, (nbytes, count)) in enumerate(zip(leaves, sizes)):
+        fill = profile.fill_per_leaf * count + profile.fill_per_byte * nbytes
         if k < hooked:  # its last leaf's arrival (an unobserved leaf: the backward's end)
-            ready = min(bwd, max(bwd if profile.leaf_ready[i] is None else profile.leaf_ready[i] for i in b))
-        else:
-            ready = bwd + (k - hooked + 1) * link.overhead
+            ready = min(bwd, max(bwd if profile.leaf_ready[i] is None else profile.leaf_ready[i] for i in b)) + fill
+        else:  # filled and issued one by one after the backward
+            after = ready = max(after, launched) + link.overhead + fill
         launched = max(launched, ready)
         wire_free = max(launched, wire_free) + link.all_reduce(nbytes * wire_ratio, world, algorithm)
         done.append(wire_free)

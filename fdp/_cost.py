@@ -1,31 +1,15 @@
 """A cost model of a data-parallel step, and bucket caps chosen from it (``bucket_cap_mb="auto"``).
 
-The step of ``reducer.grad`` is, in time since the call started:
-
-1. the forward, then the backward, which hands each leaf's gradient over at a time measured
-   on this rank (``StepProfile.leaf_ready``; per bucket the latest of its leaves);
-2. each bucket's collective: issued when its last gradient arrives (buckets without leaf
-   hooks: when the backward returns), strictly in bucket order, and on the wire after the
-   previous one, for the collective's alpha-beta cost (``Link``);
-3. the wait for the last bucket and the step's own tail (status check, result views).
-
-So ``predict`` runs that schedule for any caps and world size: the predicted step is
-``max(backward end, last collective done) + tail`` and the exposed communication is what
-runs past the backward. Each issued bucket costs the main thread ``Link.overhead``, which
-lengthens the backward of a plan with more hooked buckets. The fused step's per-bucket
-optimizer update (``StepProfile.update_per_byte``) runs after its bucket's collective, on
-the main thread.
-
-Costs (Thakur, Rabenseifner and Gropp, "Optimization of collective communication
-operations in MPICH", IJHPCA 2005; p ranks, n bytes, alpha per message, beta per byte):
-
-* ring all-reduce (a reduce-scatter then an all-gather): ``2(p-1) alpha + 2(p-1)/p n beta``;
-* ring reduce-scatter, all-gather (n the full buffer): ``(p-1) alpha + (p-1)/p n beta``;
-* tree all-reduce (reduce then broadcast over pipelined binary trees, NCCL's choice at
-  scale): ``2 ceil(log2 p) alpha + 2 n beta``.
-
-gloo on CPU runs ``gloo::allreduce``'s default algorithm, the ring, so fdp assumes the ring
-for gloo and takes the cheaper of the two for NCCL.
+``predict`` replays a ``reducer.grad`` step for any caps and world size: each leaf's
+gradient arrives when this rank's backward produced it (``StepProfile``); a bucket is filled
+and issued when its last leaf arrives (without leaf hooks: after the backward, one by one),
+strictly in order, and goes on the wire after the previous one for its alpha-beta cost
+(``Link``, after Thakur, Rabenseifner and Gropp, IJHPCA 2005: ring all-reduce
+``2(p-1) alpha + 2(p-1)/p n beta``; ring reduce-scatter and all-gather half that; tree
+all-reduce ``2 ceil(log2 p) alpha + 2 n beta``). The step is ``max(backward end, last
+collective done) + tail``; what runs past the backward is the exposed communication. gloo
+on CPU runs ``gloo::allreduce``'s default algorithm, the ring. docs/performance.md, "A cost
+model of the step", gives the inputs and the validation.
 """
 
 from __future__ import annotations
@@ -352,8 +336,17 @@ def choose_caps(profile: StepProfile, link: Link, world: int, *, algorithm: str 
                 candidates_mb: Sequence[float] = CANDIDATE_CAPS_MB) -> Choice:
     """The (first, rest) caps among ``candidates_mb`` pairs with the lowest predicted step.
 
-    Ties go to the larger caps (fewer collectives); DDP's caps are kept unless another pair
-    is predicted at least ``MIN_GAIN`` faster.
+    ``candidates_mb`` defaults to ``fdp.cost.CANDIDATE_CAPS_MB`` (0.125 MiB to 100 MiB and
+    no cap). Ties go to the larger caps (fewer collectives); DDP's caps
+    (``fdp.cost.DDP_CAPS``: 1 MiB, then 25 MiB) are kept unless another pair is predicted
+    at least ``fdp.cost.MIN_GAIN`` (2%) faster.
+
+    Example:
+      >>> ready = tuple(0.002 * (32 - i) for i in range(32))  # 32 x 1 MiB, one every 2 ms
+      >>> prof = fdp.cost.StepProfile((2**20,) * 32, (0,) * 32, ready, backward_end=0.065, tail=0.0)
+      >>> c = fdp.cost.choose_caps(prof, fdp.cost.Link(alpha=1e-5, beta=1.5e-9), world=2)
+      >>> c.caps[-1] < 25 * 2**20, c.gain > 0.2   # smaller buckets hide behind the backward
+      (True, True)
     """
     def run(caps: tuple[int, ...]) -> Prediction:
         return predict(profile, caps, link, world, algorithm=algorithm, wire_ratio=wire_ratio,

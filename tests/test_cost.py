@@ -8,7 +8,16 @@ import torch
 
 import fdp
 from fdp._bucket import MiB
-from fdp.cost import DDP_CAPS, AutoCaps, Link, StepProfile, assign, choose_caps, hooked_count, predict
+from fdp.cost import (
+    DDP_CAPS,
+    AutoCaps,
+    Link,
+    StepProfile,
+    assign,
+    choose_caps,
+    hooked_count,
+    predict,
+)
 
 
 def test_ring_and_tree_costs_match_the_formulas():

@@ -60,7 +60,8 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     link = measure_link(group)
     prof = StepProfile.from_timelines(reducers["calibration"].plan, timelines["calibration"], link)
     rows = {}
-    for k in kinds[:-1]:
+    caps["calibration"] = reducers["calibration"].plan.caps
+    for k in kinds:
         pr = predict(prof, caps[k], link, group.size)
         ms = statistics.median(times[k]) * 1e3
         rows[k] = dict(caps=caps_text(caps[k]), buckets=len(reducers[k].plan.buckets), measured_ms=ms,
@@ -84,9 +85,9 @@ def table(results: dict) -> str:
             lines.append(f"{world:>5} {name:<12} (link: alpha {r['alpha_us']:.0f} us, "
                          f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms)")
             for k, row in r["rows"].items():
-                lines.append(f"{'':>5} {'':<12} {k:>5} {row['caps']:>10} {row['buckets']:>4} "
+                lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
                              f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%}")
-            sweep = [row for k, row in r["rows"].items() if k != "auto"]
+            sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration")]
             med = statistics.median(abs(row["error"]) for row in sweep)
             best = min(row["measured_ms"] for row in sweep)
             auto, ddp = r["rows"]["auto"]["measured_ms"], r["rows"]["25"]["measured_ms"]
@@ -109,9 +110,10 @@ def plot(results: dict, path: str, title: str) -> None:
     for i, w in enumerate(worlds):
         for j, m in enumerate(models):
             ax, rows = axes[i][j], results[w][m]["rows"]
-            xs = [float(k) for k in rows if k != "auto"]
-            ax.plot(xs, [rows[k]["measured_ms"] for k in rows if k != "auto"], "o-", label="measured")
-            ax.plot(xs, [rows[k]["predicted_ms"] for k in rows if k != "auto"], "s--", label="predicted")
+            sweep = [k for k in rows if k not in ("auto", "calibration")]
+            xs = [float(k) for k in sweep]
+            ax.plot(xs, [rows[k]["measured_ms"] for k in sweep], "o-", label="measured")
+            ax.plot(xs, [rows[k]["predicted_ms"] for k in sweep], "s--", label="predicted")
             ax.axhline(rows["auto"]["measured_ms"], color="C2", linewidth=1, label="auto (measured)")
             ax.set_xscale("log")
             ax.set_ylim(bottom=0)

@@ -18,9 +18,8 @@ import math
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,7 +31,7 @@ from ._step import HOOK_MEAN_BYTES
 from ._timeline import Timeline
 
 __all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "choose_caps",
-           "calibrate", "hooked_count", "linear_fit", "measure_link", "predict", "DDP_CAPS",
+           "hooked_count", "linear_fit", "measure_link", "predict", "DDP_CAPS",
            "CANDIDATE_CAPS_MB", "MIN_GAIN"]
 
 # DDP's defaults, the baseline every choice is compared with: 1 MiB first bucket, then 25 MiB.
@@ -207,6 +206,16 @@ class StepProfile:
                    max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte)
 
 
+    @classmethod
+    def slowest(cls, profiles: Sequence[StepProfile]) -> StepProfile:
+        """One profile for a step over ranks: a collective starts when its last rank issues
+        it, so per leaf the latest arrival, and the latest backward end, tail and costs."""
+        ready = zip(*(p.leaf_ready for p in profiles))
+        return replace(profiles[0], leaf_ready=tuple(None if None in r else max(r) for r in ready),
+                       **{f: max(getattr(p, f) for p in profiles) for f in
+                          ("backward_end", "tail", "fill_per_leaf", "fill_per_byte", "update_fixed", "update_per_byte")})
+
+
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
     """Seconds per byte of a scaled copy on ``device`` (what a bucket fill does per byte)."""
     src = torch.ones(nbytes // 4, device=device)
@@ -371,7 +380,8 @@ class AutoCaps:
     The Reducer starts on a fine calibration plan (``CALIBRATION_CAPS_MB``: a bucket per
     64 KiB, so each bucket's ready time says when its leaves arrived). After ``WARMUP``
     steps of ``reducer.grad`` it records ``STEPS`` more; then every rank times a few
-    all-reduces (``measure_link``), rank 0 builds the ``StepProfile``, picks the caps
+    all-reduces (``measure_link``) and builds its ``StepProfile``; rank 0 takes the slowest
+    rank's arrivals (``StepProfile.slowest``), picks the caps
     (``choose_caps``) and broadcasts them with the predictions, and the Reducer freezes the
     plan built from them (fingerprint checked on every rank). The calibration steps are
     ordinary steps with correct averages; only their bucket layout differs.
@@ -409,8 +419,10 @@ class AutoCaps:
             return None
         self.link = measure_link(group)
         msg = torch.zeros(8, dtype=torch.float64, device=group.device)
+        mine = StepProfile.from_timelines(plan, self._timelines, self.link, hook_threshold_bytes)
+        profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
         if group.rank == 0:
-            profile = StepProfile.from_timelines(plan, self._timelines, self.link, hook_threshold_bytes)
+            profile = StepProfile.slowest(profiles)
             c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
                             hook_threshold_bytes=hook_threshold_bytes)
             msg = torch.tensor([c.caps[0], c.caps[-1], c.predicted.step, c.predicted.exposed_comm,
@@ -425,21 +437,3 @@ class AutoCaps:
                  self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,
                  self.choice.describe())
         return self.choice.caps
-
-
-def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,
-              **kwargs: Any) -> Choice:
-    """Run ``reducer.grad(fn, has_aux=has_aux)(*args, **kwargs)`` until an ``"auto"`` reducer
-    has frozen its caps (results discarded); return the choice. For the fused step, whose
-    plan is built from the frozen caps: call this before ``reducer.grad_and_update``."""
-    tuning = reducer.tuning
-    if tuning is None:
-        raise ValueError("fdp.cost.calibrate: the reducer was not built with bucket_cap_mb='auto'")
-    grad_fn = reducer.grad(fn, has_aux=has_aux)
-    for _ in range(max_steps):
-        if tuning.frozen:
-            break
-        grad_fn(*args, **kwargs)
-    if tuning.choice is None:
-        raise RuntimeError(f"fdp.cost.calibrate: caps not chosen after {max_steps} steps")
-    return tuning.choice

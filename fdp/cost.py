@@ -8,6 +8,9 @@ bucket_cap_mb="auto")``), ``calibrate`` (run an ``"auto"`` reducer's calibration
 before the fused step). The model itself: docs/performance.md, "A cost model of the step".
 """
 
+from collections.abc import Callable
+from typing import Any
+
 from ._cost import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
 from ._cost import DDP_CAPS as DDP_CAPS
 from ._cost import MIN_GAIN as MIN_GAIN
@@ -17,7 +20,6 @@ from ._cost import Link as Link
 from ._cost import Prediction as Prediction
 from ._cost import StepProfile as StepProfile
 from ._cost import assign as assign
-from ._cost import calibrate as calibrate
 from ._cost import choose_caps as choose_caps
 from ._cost import hooked_count as hooked_count
 from ._cost import linear_fit as linear_fit
@@ -26,5 +28,23 @@ from ._cost import predict as predict
 
 # The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
 # describes them in ``choose_caps``.
-__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps", "hooked_count", "linear_fit",
-           "measure_link", "predict"]
+__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
+           "hooked_count", "linear_fit", "measure_link", "predict"]
+
+
+def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,
+              **kwargs: Any) -> Choice:
+    """Run ``reducer.grad(fn, has_aux=has_aux)(*args, **kwargs)`` until an ``"auto"`` reducer
+    has frozen its caps (results discarded); return the choice. For the fused step, whose
+    plan is built from the frozen caps: call this before ``reducer.grad_and_update``."""
+    tuning = reducer.tuning
+    if tuning is None:
+        raise ValueError("fdp.cost.calibrate: the reducer was not built with bucket_cap_mb='auto'")
+    grad_fn = reducer.grad(fn, has_aux=has_aux)
+    for _ in range(max_steps):
+        if tuning.frozen:
+            break
+        grad_fn(*args, **kwargs)
+    if tuning.choice is None:
+        raise RuntimeError(f"fdp.cost.calibrate: caps not chosen after {max_steps} steps")
+    return tuning.choice

@@ -175,6 +175,15 @@ def test_profile_from_timelines_interpolates_by_bytes():
     assert prof.leaf_bytes == (4000, 12000, 16000)
 
 
+def test_slowest_profile_takes_the_latest_rank_per_leaf():
+    a = StepProfile((4, 4, 4), (0, 0, 0), (0.030, 0.020, None), backward_end=0.031, tail=0.002)
+    b = StepProfile((4, 4, 4), (0, 0, 0), (0.025, 0.022, 0.010), backward_end=0.035, tail=0.001,
+                    fill_per_leaf=1e-6)
+    s = StepProfile.slowest([a, b])
+    assert s.leaf_ready == (0.030, 0.022, None)  # a leaf one rank did not see stays unknown
+    assert (s.backward_end, s.tail, s.fill_per_leaf) == (0.035, 0.002, 1e-6)
+
+
 # ---------------------------------------------------------------------------- "auto" on ranks
 def auto_run(group, steps):
     torch.manual_seed(0)

@@ -37,6 +37,12 @@ def _barrier(group: fdp.Group) -> None:
         dist.barrier(group=group.process_group)
 
 
+def _all_gather_object(obj: Any, group: fdp.Group) -> list:
+    out: list = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.process_group)
+    return out
+
+
 def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict:
     params, buffers, loss_fn, batches = setup(name, group)
     caps = {f"{c:g}": (DDP_CAPS if c == 25 else (int(min(1, c) * 2**20), int(c * 2**20))) for c in SWEEP}
@@ -58,7 +64,8 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
                 timelines.setdefault(kind, []).append(reducers[kind].last_timeline())
     # The profile comes from the calibration plan's steps, interleaved with the timed ones.
     link = measure_link(group)
-    prof = StepProfile.from_timelines(reducers["calibration"].plan, timelines["calibration"], link)
+    mine = StepProfile.from_timelines(reducers["calibration"].plan, timelines["calibration"], link)
+    prof = StepProfile.slowest([mine] if group.size == 1 else _all_gather_object(mine, group))
     rows = {}
     caps["calibration"] = reducers["calibration"].plan.caps
     for k in kinds:

@@ -71,8 +71,10 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     for k in kinds:
         pr = predict(prof, caps[k], link, group.size)
         ms = statistics.median(times[k]) * 1e3
+        bwd = statistics.median(t.backward_end for t in timelines[k]) * 1e3
         rows[k] = dict(caps=caps_text(caps[k]), buckets=len(reducers[k].plan.buckets), measured_ms=ms,
                        predicted_ms=pr.step * 1e3, predicted_exposed_ms=pr.exposed_comm * 1e3,
+                       measured_backward_ms=bwd, predicted_backward_ms=pr.backward_end * 1e3,
                        error=pr.step * 1e3 / ms - 1)
     return dict(rows=rows, alpha_us=link.alpha * 1e6, gbit_s=(8e-9 / link.beta) if link.beta else None,
                 auto_gain=choice.gain, backward_ms=prof.backward_end * 1e3)
@@ -85,7 +87,7 @@ def _rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
 
 def table(results: dict) -> str:
     lines = [f"{'world':>5} {'model':<12} {'cap':>5} {'caps MiB':>10} {'bkts':>4} {'measured':>9} "
-             f"{'predicted':>9} {'error':>7}"]
+             f"{'predicted':>9} {'error':>7} {'bwd meas':>9} {'bwd pred':>9}"]
     summary = []
     for world, models in results.items():
         for name, r in models.items():
@@ -93,7 +95,8 @@ def table(results: dict) -> str:
                          f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms)")
             for k, row in r["rows"].items():
                 lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
-                             f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%}")
+                             f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%} "
+                             f"{row['measured_backward_ms']:9.1f} {row['predicted_backward_ms']:9.1f}")
             sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration")]
             med = statistics.median(abs(row["error"]) for row in sweep)
             best = min(row["measured_ms"] for row in sweep)

@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -207,13 +208,21 @@ class StepProfile:
 
 
     @classmethod
-    def slowest(cls, profiles: Sequence[StepProfile]) -> StepProfile:
-        """One profile for a step over ranks: a collective starts when its last rank issues
-        it, so per leaf the latest arrival, and the latest backward end, tail and costs."""
+    def combine(cls, profiles: Sequence[StepProfile], how: Any = max) -> StepProfile:
+        """One profile from several, per leaf and per cost: ``how=max`` for one step over
+        ranks (a collective starts when its last rank issues it), ``statistics.median`` over
+        steps. A leaf unobserved in any profile stays unobserved."""
         ready = zip(*(p.leaf_ready for p in profiles))
-        return replace(profiles[0], leaf_ready=tuple(None if None in r else max(r) for r in ready),
-                       **{f: max(getattr(p, f) for p in profiles) for f in
+        return replace(profiles[0], leaf_ready=tuple(None if None in r else how(r) for r in ready),
+                       **{f: how([getattr(p, f) for p in profiles]) for f in
                           ("backward_end", "tail", "fill_per_leaf", "fill_per_byte", "update_fixed", "update_per_byte")})
+
+    @classmethod
+    def over_ranks(cls, per_rank: Sequence[Sequence[StepProfile]]) -> StepProfile:
+        """From each rank's per-step profiles: the slowest rank of each step, then the
+        median step (ranks that take turns being slow make every step as slow as its
+        slowest rank, which the slowest median would miss)."""
+        return cls.combine([cls.combine(step) for step in zip(*per_rank)], statistics.median)
 
 
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
@@ -381,7 +390,7 @@ class AutoCaps:
     64 KiB, so each bucket's ready time says when its leaves arrived). After ``WARMUP``
     steps of ``reducer.grad`` it records ``STEPS`` more; then every rank times a few
     all-reduces (``measure_link``) and builds its ``StepProfile``; rank 0 takes the slowest
-    rank's arrivals (``StepProfile.slowest``), picks the caps
+    rank's arrivals per step (``StepProfile.over_ranks``), picks the caps
     (``choose_caps``) and broadcasts them with the predictions, and the Reducer freezes the
     plan built from them (fingerprint checked on every rank). The calibration steps are
     ordinary steps with correct averages; only their bucket layout differs.
@@ -419,10 +428,10 @@ class AutoCaps:
             return None
         self.link = measure_link(group)
         msg = torch.zeros(8, dtype=torch.float64, device=group.device)
-        mine = StepProfile.from_timelines(plan, self._timelines, self.link, hook_threshold_bytes)
+        mine = [StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in self._timelines]
         profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
         if group.rank == 0:
-            profile = StepProfile.slowest(profiles)
+            profile = StepProfile.over_ranks(profiles)
             c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
                             hook_threshold_bytes=hook_threshold_bytes)
             msg = torch.tensor([c.caps[0], c.caps[-1], c.predicted.step, c.predicted.exposed_comm,

@@ -2,6 +2,7 @@
 choice against hand-computed cases; bucket_cap_mb="auto" freezes one plan on every rank."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -175,13 +176,22 @@ def test_profile_from_timelines_interpolates_by_bytes():
     assert prof.leaf_bytes == (4000, 12000, 16000)
 
 
-def test_slowest_profile_takes_the_latest_rank_per_leaf():
-    a = StepProfile((4, 4, 4), (0, 0, 0), (0.030, 0.020, None), backward_end=0.031, tail=0.002)
-    b = StepProfile((4, 4, 4), (0, 0, 0), (0.025, 0.022, 0.010), backward_end=0.035, tail=0.001,
-                    fill_per_leaf=1e-6)
-    s = StepProfile.slowest([a, b])
+def test_profile_over_ranks_takes_each_steps_slowest_rank_then_the_median_step():
+    def prof(ready, bwd, tail=0.001, **kw):
+        return StepProfile((4, 4, 4), (0, 0, 0), ready, backward_end=bwd, tail=tail, **kw)
+
+    a = prof((0.030, 0.020, None), 0.031, tail=0.002)
+    b = prof((0.025, 0.022, 0.010), 0.035, fill_per_leaf=1e-6)
+    s = StepProfile.combine([a, b])
     assert s.leaf_ready == (0.030, 0.022, None)  # a leaf one rank did not see stays unknown
     assert (s.backward_end, s.tail, s.fill_per_leaf) == (0.035, 0.002, 1e-6)
+    # two ranks take turns being slow: every step is as slow as its slow rank (0.050),
+    # which the slower of the two medians (0.040) would miss
+    fast, slow = prof((0.02, 0.01, 0.005), 0.030), prof((0.04, 0.03, 0.02), 0.050)
+    rank0, rank1 = [fast, slow], [slow, fast]
+    assert StepProfile.over_ranks([rank0, rank1]).backward_end == 0.050
+    medians = [StepProfile.combine(r, statistics.median).backward_end for r in (rank0, rank1)]
+    assert max(medians) < 0.050
 
 
 # ---------------------------------------------------------------------------- "auto" on ranks

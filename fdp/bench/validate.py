@@ -64,8 +64,8 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
                 timelines.setdefault(kind, []).append(reducers[kind].last_timeline())
     # The profile comes from the calibration plan's steps, interleaved with the timed ones.
     link = measure_link(group)
-    mine = StepProfile.from_timelines(reducers["calibration"].plan, timelines["calibration"], link)
-    prof = StepProfile.slowest([mine] if group.size == 1 else _all_gather_object(mine, group))
+    mine = [StepProfile.from_timelines(reducers["calibration"].plan, [tl], link) for tl in timelines["calibration"]]
+    prof = StepProfile.over_ranks([mine] if group.size == 1 else _all_gather_object(mine, group))
     rows = {}
     caps["calibration"] = reducers["calibration"].plan.caps
     for k in kinds:

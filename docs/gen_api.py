@@ -78,6 +78,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Errors", "fdp", ["ReplicaMismatchError", "CollectiveError", "CheckpointError"]),
     ("`fdp.hooks` — communication hooks", "fdp.hooks", ["*"]),
     ("`fdp.optim` — functional optimizers", "fdp.optim", ["*"]),
+    ("`fdp.cost` — the step's cost model and tuned bucket caps", "fdp.cost", ["*"]),
     ("`fdp.optim.schedules` — learning-rate schedules", "fdp.optim.schedules", ["*"]),
     ("`fdp.testing` — simulated ranks", "fdp.testing", ["*"]),
     ("`fdp.viz` — pictures", "fdp.viz", ["*"]),

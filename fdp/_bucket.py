@@ -307,6 +307,15 @@ class BucketPlan:
             if t.dtype != s.dtype:
                 raise ValueError(f"fdp: {what} leaf {s.path} has dtype {t.dtype}, the plan expects {s.dtype}")
 
+    def check_one_device(self, what: str) -> None:
+        """Raise ``ValueError`` naming a leaf per device if the plan's leaves are on several."""
+        first: dict[torch.device, str] = {}
+        for s in self.slots:
+            first.setdefault(s.device, s.path)
+        if len(first) > 1:
+            shown = ", ".join(f"{p} on {d}" for d, p in first.items())
+            raise ValueError(f"{what}: params must live on one device, found several: {shown}")
+
     def check_devices(self, leaves: Sequence[torch.Tensor], what: str) -> None:
         if list(map(_device, leaves)) == self._devices:  # the per-step case: one C-level pass
             return

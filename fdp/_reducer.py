@@ -28,6 +28,7 @@ from ._autodiff import local_grads, resolve_engine, select
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
+from ._cost import AutoCaps
 from ._fused import FusedCore, FusedStep, fused_step
 from ._group import Group
 from ._log import debug_mode, log
@@ -68,6 +69,10 @@ class Reducer:
         without torch.distributed).
       bucket_cap_mb, first_bucket_cap_mb, bucket_caps_mb: bucket sizes in MiB, as
         ``fdp.BucketPlan.build`` (DDP's defaults: 25 and a 1 MiB first bucket).
+        ``bucket_cap_mb="auto"``: the first ``grad`` steps run on a fine calibration plan,
+        then rank 0 chooses the caps that minimise the predicted step (``fdp.cost``) and
+        every rank freezes the same plan (``reducer.tuning``; ``fdp.cost.calibrate`` before
+        ``grad_and_update``, which needs the frozen caps).
       reduce_dtype: dtype the buckets are filled and reduced in (default: the gradients').
       comm_hook: an ``fdp.hooks`` hook or a callable ``(bucket, flat, group) -> Future``.
       grad_views: return views into buffers reused every step (no allocation; valid until the
@@ -95,6 +100,8 @@ class Reducer:
 
     Attributes:
       plan: the ``fdp.BucketPlan`` built from ``params``' layout.
+      tuning: with ``bucket_cap_mb="auto"``, the ``fdp.cost.AutoCaps`` (``frozen``,
+        ``choice``); None otherwise.
       group: the ``fdp.Group`` the gradients are averaged over.
       hook: the ``fdp.hooks.CommHook`` every bucket goes through.
       shard: whether ``grad_and_update`` shards the optimizer state over the ranks.
@@ -133,7 +140,7 @@ class Reducer:
         params: Any,
         group: Group | Any = None,
         *,
-        bucket_cap_mb: float = 25,
+        bucket_cap_mb: float | str = 25,
         first_bucket_cap_mb: float = 1,
         bucket_caps_mb: Sequence[float] | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -150,57 +157,47 @@ class Reducer:
         self.group = self._mesh.full
         self.shard = bool(shard)
         keep_freed_memory()  # no page faults per step from memory handed back to the kernel
-        self.plan = BucketPlan.build(
-            params, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            bucket_caps_mb=bucket_caps_mb,
-        )
-        devices = {s.device for s in self.plan.slots}
-        if len(devices) > 1:
-            first = {}
-            for s in self.plan.slots:
-                first.setdefault(s.device, s.path)
-            shown = ", ".join(f"{p} on {d}" for d, p in first.items())
-            raise ValueError(f"fdp.Reducer: params must live on one device, found several: {shown}")
+        self.tuning = AutoCaps() if bucket_cap_mb == "auto" else None
+        plan = BucketPlan.build(  # "auto" starts on the calibration plan
+            params, bucket_cap_mb=25 if self.tuning else bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+            bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB if self.tuning else bucket_caps_mb)
+        plan.check_one_device("fdp.Reducer")
         self.hook = as_hook(comm_hook)
-        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
-            raise ValueError(f"fdp.Reducer: reduce_dtype must be a floating dtype, got {reduce_dtype}")
-        if reduce_dtype is not None and self.hook.dtype is not None and reduce_dtype != self.hook.dtype:
-            raise ValueError(
-                f"fdp.Reducer: reduce_dtype={reduce_dtype} conflicts with comm hook "
-                f"{self.hook.name}, which reduces in {self.hook.dtype}"
-            )
+        self.hook.check_config(reduce_dtype, shard, "fdp.Reducer")
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
-        if shard and not self.hook.in_place:
-            raise TypeError(f"fdp.Reducer: shard=True reduce-scatters buckets in the comm hook's wire dtype, "
-                            f"which needs a summing hook (allreduce, fp16_compress, bf16_compress, or "
-                            f"CommHook(in_place=True)); {self.hook.name} is not one")
         self._engine = resolve_engine(engine)
         self._hook_threshold = hook_threshold_bytes
         self._fused: dict[int, tuple[Any, FusedCore]] = {}
-        wire = self.hook.dtype or reduce_dtype
-        self._wire_dtype = wire
-        self._wire = [wire or b.dtype for b in self.plan.buckets]
+        self._wire_dtype = self.hook.dtype or reduce_dtype
         self.grad_views = grad_views
         self.overlap = overlap
         self.debug = debug_mode() if debug is None else bool(debug)
         self.skip_nonfinite = skip_nonfinite
         self.nonfinite_steps = 0  # reducer-level counter: steps whose verdict was not finite
-        self._machine = StepMachine(
-            self.plan, self.group, self.hook, BucketBuffers(self.plan, self._wire, reuse=grad_views),
-            debug=self.debug, hook_threshold_bytes=hook_threshold_bytes,
-        )
-        self._buffers = self._machine.buffers
         self._last: StepRecord | None = None
+        self._use_plan(plan)
+
+    def _use_plan(self, plan: BucketPlan) -> None:
+        """Build the step machine and buffers for ``plan`` and check it is every rank's."""
+        self.plan, wire = plan, self._wire_dtype
+        self._wire = [wire or b.dtype for b in plan.buckets]
+        old = getattr(self, "_machine", None)
+        self._machine = StepMachine(
+            plan, self.group, self.hook, BucketBuffers(plan, self._wire, reuse=self.grad_views),
+            debug=self.debug, hook_threshold_bytes=self._hook_threshold,
+        )
+        self._machine.completed = old.completed if old is not None else 0
+        self._buffers = self._machine.buffers
         # Everything that decides which collectives a step issues, and in which dtype, must
         # agree across ranks: the plan, the hook, the wire dtype, debug's fingerprint checks.
         wire_name = "the gradients' dtype" if wire is None else str(wire).replace("torch.", "")
+        frozen = f", auto plan {plan.fingerprint}" if old is not None else ""
         verify_layout(
-            [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in self.plan.slots],
+            [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",
-            extra=(f"bucket caps {list(self.plan.caps)} bytes, {self.hook.describe()}, "
-                   f"reduce dtype {wire_name}, debug={self.debug}, shard={self.shard} "
-                   f"(shard group of {self._mesh.shard.size})"),
+            extra=(f"bucket caps {list(plan.caps)} bytes, {self.hook.describe()}, reduce dtype {wire_name}, "
+                   f"debug={self.debug}, shard={self.shard} (shard group of {self._mesh.shard.size}){frozen}"),
         )
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
@@ -289,6 +286,9 @@ class Reducer:
             for x, y in loader:
                 params, opt_state, (loss, buffers) = step(params, opt_state, buffers, x, y)
         """
+        if self.tuning is not None and not self.tuning.frozen:
+            raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
+                               "run fdp.cost.calibrate(reducer, loss_fn, *args) first (the fused plan is built once)")
         config = dict(mesh=self._mesh, shard=self.shard, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
                       debug=self.debug, hook_threshold_bytes=self._hook_threshold, engine=self._engine,
                       skip_nonfinite=self.skip_nonfinite)
@@ -439,4 +439,9 @@ class Reducer:
             self.nonfinite_steps += not finite
         flats = self._buffers.grads(results, step.flats)
         self._last = StepRecord(step.n, step.kind, finite, step.timeline())
+        if self.tuning is not None and not self.tuning.frozen:
+            caps = self.tuning.observe(self.plan, step.kind, self._last.timeline, self.group,
+                                       wire_dtype=self._wire_dtype, hook_threshold_bytes=self._hook_threshold)
+            if caps is not None:  # freeze: every rank builds the plan of rank 0's caps
+                self._use_plan(BucketPlan.from_caps(self.plan.views(self.plan.new_buffers()), caps))
         return flats

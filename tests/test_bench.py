@@ -55,3 +55,23 @@ def test_optim_benchmark_prints_each_kind_with_its_ratio_and_checks_the_numbers(
     assert set(rows) == set(optim_bench.KINDS), text
     assert float(rows["torch.optim"][3]) == 1.0
     assert "fdp-donate == torch.optim bit for bit: True" in text, text
+
+
+def test_predict_prints_ddp_and_chosen_caps_per_world_and_link(tmp_path, capsys):
+    from fdp.bench import predict as predict_bench
+
+    out_json = tmp_path / "predict.json"
+    code = predict_bench.main(["--models", "tiny1000", "--world", "8,512", "--link", "25Gbit,400Gbit",
+                               "--steps", "1", "--json", str(out_json), "--plot", str(tmp_path / "p.png")])
+    assert code == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["link"], r["world"]) for r in rows] == [("25Gbit", 8), ("25Gbit", 512), ("400Gbit", 8),
+                                                      ("400Gbit", 512)]
+    for r in rows:
+        assert 0 < r["ddp_eff"] <= 1 and 0 < r["fdp_eff"] <= 1
+        assert r["fdp_ms"] <= r["ddp_ms"] + 1e-9, "the chosen caps are never predicted slower than DDP's"
+    by = {(r["link"], r["world"]): r for r in rows}
+    assert by[("25Gbit", 512)]["ddp_ms"] > by[("25Gbit", 8)]["ddp_ms"]  # more ranks, more latency
+    assert by[("400Gbit", 8)]["ddp_ms"] <= by[("25Gbit", 8)]["ddp_ms"]
+    assert "tiny1000" in capsys.readouterr().out
+    assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")

@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu] ...``: benchmarks that run fdp
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate] ...``: benchmarks that run fdp
 beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
@@ -10,7 +10,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = {"kernels": "kernels", "replicas": "replicas", "soak": "soak", "micro": "micro",
-               "compile": "compile", "optim": "optim", "gpu": "gpu"}
+               "compile": "compile", "optim": "optim", "gpu": "gpu", "predict": "predict",
+               "validate": "validate"}
 
 
 def main(argv: list[str] | None = None) -> int:

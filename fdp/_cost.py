@@ -1,0 +1,448 @@
+"""A cost model of a data-parallel step, and bucket caps chosen from it (``bucket_cap_mb="auto"``).
+
+``predict`` replays a ``reducer.grad`` step for any caps and world size: each leaf's
+gradient arrives when this rank's backward produced it (``StepProfile``); a bucket is filled
+and issued when its last leaf arrives (without leaf hooks: after the backward, one by one),
+strictly in order, and goes on the wire after the previous one for its alpha-beta cost
+(``Link``, after Thakur, Rabenseifner and Gropp, IJHPCA 2005: ring all-reduce
+``2(p-1) alpha + 2(p-1)/p n beta``; ring reduce-scatter and all-gather half that; tree
+all-reduce ``2 ceil(log2 p) alpha + 2 n beta``). The step is ``max(backward end, last
+collective done) + tail``; what runs past the backward is the exposed communication. gloo
+on CPU runs ``gloo::allreduce``'s default algorithm, the ring. docs/performance.md, "A cost
+model of the step", gives the inputs and the validation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from . import _comm
+from ._bucket import NO_CAP, BucketPlan, MiB, itemsize
+from ._group import Group
+from ._log import log
+from ._step import HOOK_MEAN_BYTES
+from ._timeline import Timeline
+
+__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "choose_caps",
+           "hooked_count", "linear_fit", "measure_link", "predict", "DDP_CAPS",
+           "CANDIDATE_CAPS_MB", "MIN_GAIN"]
+
+# DDP's defaults, the baseline every choice is compared with: 1 MiB first bucket, then 25 MiB.
+DDP_CAPS = (1 * MiB, 25 * MiB)
+# The caps "auto" considers, in MiB: every (first, rest) pair of these (rest >= first).
+CANDIDATE_CAPS_MB = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100, math.inf)
+
+
+@dataclass(frozen=True)
+class Link:
+    """An alpha-beta link: ``alpha`` seconds per message, ``beta`` seconds per byte, and
+    ``overhead`` seconds of the caller's thread to issue one collective.
+
+    Example:
+      >>> link = fdp.cost.Link(alpha=1e-5, beta=1e-9)
+      >>> round(link.all_reduce(1e6, world=4), 9)   # 2*3*1e-5 + 2*3/4*1e6*1e-9
+      0.00156
+      >>> round(link.all_reduce(1e6, world=4, algorithm="tree"), 9)   # 2*2*1e-5 + 2*1e6*1e-9
+      0.00204
+      >>> fdp.cost.Link.parse("25Gbit", alpha=5e-6).beta == 8 / 25e9
+      True
+    """
+
+    alpha: float
+    beta: float
+    overhead: float = 0.0
+
+    def all_reduce(self, nbytes: float, world: int, algorithm: str = "ring") -> float:
+        """Seconds for an all-reduce of ``nbytes`` over ``world`` ranks (``"ring"``, ``"tree"``,
+        or ``"best"``: the cheaper, as NCCL chooses)."""
+        p = world
+        if p <= 1:
+            return 0.0
+        ring = 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * nbytes * self.beta
+        tree = 2 * math.ceil(math.log2(p)) * self.alpha + 2 * nbytes * self.beta
+        if algorithm not in ("ring", "tree", "best"):
+            raise ValueError(f"fdp.cost: algorithm must be 'ring', 'tree' or 'best', got {algorithm!r}")
+        return ring if algorithm == "ring" else tree if algorithm == "tree" else min(ring, tree)
+
+    def reduce_scatter(self, nbytes: float, world: int) -> float:
+        """Seconds for a ring reduce-scatter of a ``nbytes`` buffer (each rank keeps 1/world)."""
+        return 0.0 if world <= 1 else (world - 1) * (self.alpha + nbytes / world * self.beta)
+
+    def all_gather(self, nbytes: float, world: int) -> float:
+        """Seconds for a ring all-gather into a ``nbytes`` buffer (each rank gives 1/world)."""
+        return self.reduce_scatter(nbytes, world)
+
+    @classmethod
+    def parse(cls, text: str, alpha: float) -> Link:
+        """A link from a rate such as ``"25Gbit"``, ``"400Mbit"`` or ``"12.5GB"`` (bytes)."""
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([kMGT]?)(bit|b|B)(/s)?\s*", text)
+        if not m:
+            raise ValueError(f"fdp.cost: cannot read a link rate from {text!r} (e.g. '25Gbit', '10GB')")
+        rate = float(m.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
+        bytes_per_s = rate if m.group(3) == "B" else rate / 8
+        return cls(alpha=alpha, beta=1 / bytes_per_s)
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], seconds: Sequence[float], world: int, overhead: float = 0.0) -> Link:
+        """The ring all-reduce link that best fits measured ``(bytes, seconds)`` pairs
+        (least squares on relative error, so the small sizes set alpha)."""
+        if world <= 1:
+            return cls(0.0, 0.0, overhead)
+        intercept, slope = linear_fit(sizes, seconds)
+        p = world
+        return cls(alpha=intercept / (2 * (p - 1)), beta=slope / (2 * (p - 1) / p), overhead=overhead)
+
+
+def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(intercept, slope)``, both >= 0, of ``y = a + b x`` by least squares on relative error
+    (weights ``1/y**2``), so the small sizes set the intercept and the large ones the slope."""
+    w = [1 / max(y, 1e-9) ** 2 for y in ys]
+    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    slope = max(0.0, (sw * sxy - sx * sy) / max(sw * sxx - sx * sx, 1e-30))
+    return max(0.0, (sy - slope * sx) / sw), slope
+
+
+def measure_link(group: Group, sizes: Sequence[int] = (4096, 512 * 1024, 8 * MiB), repeats: int = 5) -> Link:
+    """Time all-reduces of ``sizes`` bytes on ``group`` and fit a ``Link`` (a collective).
+
+    Every rank runs the same collectives; the slowest rank's median per size is used, so
+    the result is the same ``Link`` on every rank. A world of one returns a free link.
+    """
+    if group.process_group is None:
+        return Link(0.0, 0.0, 0.0)
+    medians, issue = [], []
+    for n in sizes:
+        t = torch.zeros(max(1, n // 4), dtype=torch.float32, device=group.device)
+        _comm.all_reduce(t, group, "fdp.cost.measure_link (warm-up)")
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            work = _comm.all_reduce(t, group, "fdp.cost.measure_link", async_op=True)
+            issue.append(time.perf_counter() - t0)
+            _comm.wait(work, group, "fdp.cost.measure_link")
+            times.append(time.perf_counter() - t0)
+        medians.append(statistics.median(times))
+    mine = torch.tensor([*medians, statistics.median(issue)], dtype=torch.float64, device=group.device)
+    slowest = _comm.all_gather(mine, group, "fdp.cost.measure_link (results)").amax(0).tolist()
+    return Link.fit([max(1, n // 4) * 4 for n in sizes], slowest[:-1], group.size, overhead=slowest[-1])
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What a step costs on this rank, independent of the bucket plan.
+
+    Attributes:
+      leaf_bytes: per leaf in tree order, its gradient's bytes.
+      leaf_group: per leaf, its (device, dtype) group (leaves of two groups never share a bucket).
+      leaf_ready: per leaf, seconds from the step's start until its gradient arrived (None:
+        not observed; taken as the backward's end).
+      backward_end: when the backward returned, less the calibration plan's launch overheads.
+      tail: seconds from the later of backward end and last collective to the step's end.
+      fill_per_leaf, fill_per_byte: the main thread's cost to fill a bucket (the
+        multi-tensor copy with the scale fused in) per leaf and per byte.
+      update_fixed, update_per_byte: the fused step's per-bucket update cost (0: no update).
+    """
+
+    leaf_bytes: tuple[int, ...]
+    leaf_group: tuple[int, ...]
+    leaf_ready: tuple[float | None, ...]
+    backward_end: float
+    tail: float
+    fill_per_leaf: float = 0.0
+    fill_per_byte: float = 0.0
+    update_fixed: float = 0.0
+    update_per_byte: float = 0.0
+
+    @classmethod
+    def from_timelines(cls, plan: BucketPlan, timelines: Sequence[Timeline], link: Link,
+                       hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> StepProfile:
+        """The median profile of ``timelines`` (steps of ``reducer.grad`` with ``plan``).
+
+        A leaf's arrival is interpolated by bytes between its bucket's ready time and the
+        previous bucket's, so a fine plan (``AutoCaps.CALIBRATION_CAPS_MB``) gives it closely.
+        """
+        keys: dict[tuple, int] = {}
+        leaf_group = tuple(keys.setdefault((s.device.type, s.dtype), len(keys)) for s in plan.slots)
+        leaf_bytes = tuple(s.numel * itemsize(s.dtype) for s in plan.slots)
+        per_leaf: list[list[float]] = [[] for _ in plan.slots]
+        ends, tails, upd, fills = [], [], [], []
+        hooked = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
+        per_byte = copy_seconds_per_byte(plan.slots[0].device) if plan.slots else 0.0
+        for tl in timelines:
+            prev = tl.backward_start or 0.0
+            for b, bt in zip(plan.buckets, tl.buckets):
+                if bt.ready is None:
+                    continue
+                sizes = [leaf_bytes[i] for i in b.leaves]
+                total, acc = max(1, sum(sizes)), 0
+                for i, nb in zip(b.leaves, sizes):
+                    acc += nb
+                    per_leaf[i].append(prev + (bt.ready - prev) * acc / total)
+                prev = max(prev, bt.ready)
+                if bt.update_start is not None and bt.update_end is not None:
+                    upd.append((b.nbytes, bt.update_end - bt.update_start))
+            end = tl.backward_end if tl.backward_end is not None else 0.0
+            prev = end  # buckets without hooks are filled and launched one by one after the backward
+            for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:
+                if bt.launch is not None and tl.backward_end is not None:
+                    fills.append((bt.launch - prev - link.overhead - b.nbytes * per_byte) / len(b.leaves))
+                    prev = bt.launch
+            ends.append(end)
+            tails.append(max(0.0, tl.end - max(end, tl.comm_done)))
+        fixed = upd_byte = 0.0
+        if upd:
+            fixed, upd_byte = linear_fit([n for n, _ in upd], [t for _, t in upd])
+        return cls(leaf_bytes, leaf_group, tuple(statistics.median(v) if v else None for v in per_leaf),
+                   statistics.median(ends) - hooked * link.overhead, statistics.median(tails),
+                   max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte)
+
+
+    @classmethod
+    def combine(cls, profiles: Sequence[StepProfile], how: Any = max) -> StepProfile:
+        """One profile from several, per leaf and per cost: ``how=max`` for one step over
+        ranks (a collective starts when its last rank issues it), ``statistics.median`` over
+        steps. A leaf unobserved in any profile stays unobserved."""
+        ready = zip(*(p.leaf_ready for p in profiles))
+        return replace(profiles[0], leaf_ready=tuple(None if None in r else how(r) for r in ready),
+                       **{f: how([getattr(p, f) for p in profiles]) for f in
+                          ("backward_end", "tail", "fill_per_leaf", "fill_per_byte", "update_fixed", "update_per_byte")})
+
+    @classmethod
+    def over_ranks(cls, per_rank: Sequence[Sequence[StepProfile]]) -> StepProfile:
+        """From each rank's per-step profiles: the slowest rank of each step, then the
+        median step (ranks that take turns being slow make every step as slow as its
+        slowest rank, which the slowest median would miss)."""
+        return cls.combine([cls.combine(step) for step in zip(*per_rank)], statistics.median)
+
+
+def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
+    """Seconds per byte of a scaled copy on ``device`` (what a bucket fill does per byte)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mul(src, 0.5, out=dst)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return min(times) / nbytes
+
+
+def assign(leaf_bytes: Sequence[int], leaf_group: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
+    """The buckets (leaf indices in buffer order) ``BucketPlan.from_caps`` makes for leaves of
+    these sizes and groups: the same greedy rule, without building a plan."""
+    open_: dict[int, list] = {}
+    level: dict[int, int] = {}
+    closed = []
+    for i in reversed(range(len(leaf_bytes))):
+        g = leaf_group[i]
+        b = open_.get(g)
+        if b is None:
+            b = open_[g] = [[], 0, caps[min(level.get(g, 0), len(caps) - 1)]]
+        b[0].append(i)
+        b[1] += leaf_bytes[i]
+        if b[1] >= b[2]:
+            closed.append(open_.pop(g)[0])
+            level[g] = level.get(g, 0) + 1
+    closed.extend(b[0] for b in open_.values())
+    closed.sort(key=lambda leaves: -leaves[0])
+    return closed
+
+
+def hooked_count(buckets: Sequence[tuple[int, int]], hook_threshold_bytes: int) -> int:
+    """How many leading buckets get leaf hooks (``(nbytes, leaf count)`` per bucket): up to
+    the last whose leaves average at least ``hook_threshold_bytes`` (``fdp.Reducer``'s rule)."""
+    worth = [i for i, (n, k) in enumerate(buckets) if n >= hook_threshold_bytes * k]
+    return worth[-1] + 1 if worth else 0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step: ``step`` seconds in all, ``exposed_comm`` of it communication past
+    the backward, ``backward_end``, ``comm_done``, and the plan's ``buckets`` count."""
+
+    step: float
+    exposed_comm: float
+    backward_end: float
+    comm_done: float
+    buckets: int
+
+
+def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *, algorithm: str = "ring",
+            wire_ratio: float = 1.0, hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> Prediction:
+    """Predict a step with bucket ``caps`` (bytes: first, second, ...; the last repeats) on
+    ``world`` ranks over ``link``. ``wire_ratio``: wire bytes per gradient byte (0.5 for
+    ``bf16_compress`` of fp32 gradients).
+
+    Example:
+      >>> prof = fdp.cost.StepProfile(leaf_bytes=(4000, 4000), leaf_group=(0, 0),
+      ...                             leaf_ready=(0.020, 0.010), backward_end=0.021, tail=0.0)
+      >>> link = fdp.cost.Link(alpha=0.001, beta=1e-6)      # 1 ms + 4 ms per leaf on 2 ranks
+      >>> p = fdp.cost.predict(prof, (4000,), link, world=2, hook_threshold_bytes=0)  # a bucket per leaf
+      >>> round(p.comm_done, 6), round(p.exposed_comm, 6)   # 0.010+0.006, then 0.020+0.006
+      (0.026, 0.005)
+    """
+    leaves = assign(profile.leaf_bytes, profile.leaf_group, caps)
+    sizes = [(sum(profile.leaf_bytes[i] for i in b), len(b)) for b in leaves]
+    hooked = hooked_count(sizes, hook_threshold_bytes)
+    bwd = profile.backward_end + hooked * link.overhead
+    launched = wire_free = 0.0
+    after = bwd  # the main thread, once the backward has returned
+    done = []
+    for k, (b, (nbytes, count)) in enumerate(zip(leaves, sizes)):
+        fill = profile.fill_per_leaf * count + profile.fill_per_byte * nbytes
+        if k < hooked:  # its last leaf's arrival (an unobserved leaf: the backward's end)
+            ready = min(bwd, max(bwd if profile.leaf_ready[i] is None else profile.leaf_ready[i] for i in b)) + fill
+        else:  # filled and issued one by one after the backward
+            after = ready = max(after, launched) + link.overhead + fill
+        launched = max(launched, ready)
+        wire_free = max(launched, wire_free) + link.all_reduce(nbytes * wire_ratio, world, algorithm)
+        done.append(wire_free)
+    comm_done = done[-1] if done else 0.0
+    end = max(bwd, comm_done)
+    if profile.update_per_byte or profile.update_fixed:
+        upd_end = 0.0
+        for d, (nbytes, _) in zip(done, sizes):
+            cost = profile.update_fixed + nbytes * profile.update_per_byte
+            if d < bwd:
+                bwd += cost  # run between backward ops on the main thread
+            else:
+                upd_end = max(d, upd_end, bwd) + cost
+        end = max(bwd, comm_done, upd_end)
+    return Prediction(end + profile.tail, max(0.0, comm_done - bwd), bwd, comm_done, len(leaves))
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``choose_caps`` picked: ``caps`` (bytes), its ``predicted`` step, and DDP's
+    ``baseline`` (1 MiB, then 25 MiB) on the same profile and link."""
+
+    caps: tuple[int, ...]
+    predicted: Prediction
+    baseline: Prediction
+
+    @property
+    def gain(self) -> float:
+        """Predicted fraction of the baseline step saved (0.1: 10% faster than DDP's caps)."""
+        return 1 - self.predicted.step / self.baseline.step if self.baseline.step > 0 else 0.0
+
+    def describe(self) -> str:
+        caps = ", ".join("inf" if c >= NO_CAP else f"{c / MiB:g}" for c in self.caps)
+        return (f"caps [{caps}] MiB ({self.predicted.buckets} buckets): predicted step "
+                f"{self.predicted.step * 1e3:.2f} ms (exposed comm {self.predicted.exposed_comm * 1e3:.2f} ms) "
+                f"vs {self.baseline.step * 1e3:.2f} ms with DDP's 25 MiB ({self.gain:+.1%})")
+
+
+# Keep DDP's default unless the model predicts at least this gain: a choice within the
+# model's error of the default is not worth a plan that differs from DDP's.
+MIN_GAIN = 0.02
+
+
+def choose_caps(profile: StepProfile, link: Link, world: int, *, algorithm: str = "ring", wire_ratio: float = 1.0,
+                hook_threshold_bytes: int = HOOK_MEAN_BYTES,
+                candidates_mb: Sequence[float] = CANDIDATE_CAPS_MB) -> Choice:
+    """The (first, rest) caps among ``candidates_mb`` pairs with the lowest predicted step.
+
+    ``candidates_mb`` defaults to ``fdp.cost.CANDIDATE_CAPS_MB`` (0.125 MiB to 100 MiB and
+    no cap). Ties go to the larger caps (fewer collectives); DDP's caps
+    (``fdp.cost.DDP_CAPS``: 1 MiB, then 25 MiB) are kept unless another pair is predicted
+    at least ``fdp.cost.MIN_GAIN`` (2%) faster.
+
+    Example:
+      >>> ready = tuple(0.002 * (32 - i) for i in range(32))  # 32 x 1 MiB, one every 2 ms
+      >>> prof = fdp.cost.StepProfile((2**20,) * 32, (0,) * 32, ready, backward_end=0.065, tail=0.0)
+      >>> c = fdp.cost.choose_caps(prof, fdp.cost.Link(alpha=1e-5, beta=1.5e-9), world=2)
+      >>> c.caps[-1] < 25 * 2**20, c.gain > 0.2   # smaller buckets hide behind the backward
+      (True, True)
+    """
+    def run(caps: tuple[int, ...]) -> Prediction:
+        return predict(profile, caps, link, world, algorithm=algorithm, wire_ratio=wire_ratio,
+                       hook_threshold_bytes=hook_threshold_bytes)
+
+    to_bytes = [NO_CAP if math.isinf(c) else int(c * MiB) for c in candidates_mb]
+    baseline = run(DDP_CAPS)
+    best, best_caps = baseline, DDP_CAPS
+    for rest in reversed(to_bytes):
+        for first in reversed([c for c in to_bytes if c <= rest]):
+            p = run((first, rest))
+            if p.step < best.step * (1 - 1e-9):
+                best, best_caps = p, (first, rest)
+    if best.step > baseline.step * (1 - MIN_GAIN):
+        best, best_caps = baseline, DDP_CAPS
+    return Choice(best_caps, best, baseline)
+
+
+class AutoCaps:
+    """The tuner behind ``fdp.Reducer(..., bucket_cap_mb="auto")``.
+
+    The Reducer starts on a fine calibration plan (``CALIBRATION_CAPS_MB``: a bucket per
+    64 KiB, so each bucket's ready time says when its leaves arrived). After ``WARMUP``
+    steps of ``reducer.grad`` it records ``STEPS`` more; then every rank times a few
+    all-reduces (``measure_link``) and builds its ``StepProfile``; rank 0 takes the slowest
+    rank's arrivals per step (``StepProfile.over_ranks``), picks the caps
+    (``choose_caps``) and broadcasts them with the predictions, and the Reducer freezes the
+    plan built from them (fingerprint checked on every rank). The calibration steps are
+    ordinary steps with correct averages; only their bucket layout differs.
+
+    Attributes:
+      frozen: whether the caps are chosen (the plan never changes afterwards).
+      choice: the ``fdp.cost.Choice`` (None before the freeze), the same on every rank.
+      link: the measured ``fdp.cost.Link`` (None before the freeze).
+    """
+
+    CALIBRATION_CAPS_MB = (1 / 16,)
+    WARMUP = 1
+    STEPS = 3
+
+    def __init__(self) -> None:
+        self.frozen = False
+        self.choice: Choice | None = None
+        self.link: Link | None = None
+        self._seen = 0
+        self._timelines: list[Timeline] = []
+
+    def observe(self, plan: BucketPlan, kind: str, timeline: Timeline, group: Group, *,
+                wire_dtype: torch.dtype | None, hook_threshold_bytes: int) -> tuple[int, ...] | None:
+        """Record a completed step; return the chosen caps (bytes) on the step that freezes
+        (a collective on that step: every rank calls it after the same steps)."""
+        if self.frozen or kind != "grad":
+            return None
+        wire_ratio = 1.0
+        if wire_dtype is not None and plan.buckets:
+            wire_ratio = itemsize(wire_dtype) / itemsize(plan.buckets[0].dtype)
+        self._seen += 1
+        if self._seen > self.WARMUP:
+            self._timelines.append(timeline)
+        if len(self._timelines) < self.STEPS:
+            return None
+        self.link = measure_link(group)
+        msg = torch.zeros(8, dtype=torch.float64, device=group.device)
+        mine = [StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in self._timelines]
+        profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
+        if group.rank == 0:
+            profile = StepProfile.over_ranks(profiles)
+            c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
+                            hook_threshold_bytes=hook_threshold_bytes)
+            msg = torch.tensor([c.caps[0], c.caps[-1], c.predicted.step, c.predicted.exposed_comm,
+                                c.predicted.buckets, c.baseline.step, c.baseline.exposed_comm, c.baseline.buckets],
+                               dtype=torch.float64, device=group.device)
+        _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
+        v = msg.tolist()
+        self.choice = Choice((int(v[0]), int(v[1])), Prediction(v[2], v[3], 0.0, 0.0, int(v[4])),
+                             Prediction(v[5], v[6], 0.0, 0.0, int(v[7])))
+        self.frozen, self._timelines = True, []
+        log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s): %s", group.size,
+                 self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,
+                 self.choice.describe())
+        return self.choice.caps

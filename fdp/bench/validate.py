@@ -1,0 +1,167 @@
+"""``python -m fdp.bench validate``: the cost model's predicted step against the measured one.
+
+For each world size (``--worlds``, gloo ranks forked on 127.0.0.1) and bench model: the
+``reducer.grad`` steps are timed for each cap of the sweep (first bucket ``min(1, cap)`` MiB,
+then ``cap``; 25 is DDP's default), for an ``"auto"`` Reducer after its calibration, and on
+the ``"auto"`` calibration plan, interleaved step by step (the order rotates); the profile
+is made from the calibration plan's steps and the link measured after them, as
+``bucket_cap_mb="auto"`` does, so the prediction sees the same machine load as the timings.
+Reported per cap: the measured median step (the Reducer's own clock, ``timeline.end``: the
+call from the forward to the last bucket's wait, rank 0), the predicted step, and the error.
+
+Run it under a shaped link by starting it in a network namespace whose loopback has a
+``tbf`` qdisc (docs/performance.md, "Validation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fdp
+from fdp.cost import DDP_CAPS, MIN_GAIN, AutoCaps, StepProfile, calibrate, measure_link, predict
+
+from .predict import caps_text, setup
+
+SWEEP = (0.25, 1, 4, 25, 100)
+
+
+def _barrier(group: fdp.Group) -> None:
+    if group.process_group is not None:
+        dist.barrier(group=group.process_group)
+
+
+def _all_gather_object(obj: Any, group: fdp.Group) -> list:
+    out: list = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.process_group)
+    return out
+
+
+def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict:
+    params, buffers, loss_fn, batches = setup(name, group)
+    caps = {f"{c:g}": (DDP_CAPS if c == 25 else (int(min(1, c) * 2**20), int(c * 2**20))) for c in SWEEP}
+    reducers = {k: fdp.Reducer(params, group, bucket_caps_mb=[c / 2**20 for c in v]) for k, v in caps.items()}
+    auto = fdp.Reducer(params, group, bucket_cap_mb="auto")
+    choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True)
+    reducers["auto"], caps["auto"] = auto, auto.tuning.choice.caps
+    reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB)
+    fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
+    kinds = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    timelines: dict[str, list] = {}
+    for i in range(cfg.warmup + cfg.steps):
+        for kind in kinds[i % len(kinds):] + kinds[: i % len(kinds)]:
+            _barrier(group)
+            fns[kind](params, buffers, *batches[i % len(batches)])
+            if i >= cfg.warmup:
+                times[kind].append(reducers[kind].last_timeline().end)
+                timelines.setdefault(kind, []).append(reducers[kind].last_timeline())
+    # The profile comes from the calibration plan's steps, interleaved with the timed ones.
+    link = measure_link(group)
+    mine = [StepProfile.from_timelines(reducers["calibration"].plan, [tl], link) for tl in timelines["calibration"]]
+    prof = StepProfile.over_ranks([mine] if group.size == 1 else _all_gather_object(mine, group))
+    rows = {}
+    caps["calibration"] = reducers["calibration"].plan.caps
+    for k in kinds:
+        pr = predict(prof, caps[k], link, group.size)
+        ms = statistics.median(times[k]) * 1e3
+        bwd = statistics.median(t.backward_end for t in timelines[k]) * 1e3
+        rows[k] = dict(caps=caps_text(caps[k]), buckets=len(reducers[k].plan.buckets), measured_ms=ms,
+                       predicted_ms=pr.step * 1e3, predicted_exposed_ms=pr.exposed_comm * 1e3,
+                       measured_backward_ms=bwd, predicted_backward_ms=pr.backward_end * 1e3,
+                       error=pr.step * 1e3 / ms - 1)
+    return dict(rows=rows, alpha_us=link.alpha * 1e6, gbit_s=(8e-9 / link.beta) if link.beta else None,
+                auto_gain=choice.gain, backward_ms=prof.backward_end * 1e3)
+
+
+def _rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    return {name: validate_model(name, group, cfg) for name in cfg.models}
+
+
+def table(results: dict) -> str:
+    lines = [f"{'world':>5} {'model':<12} {'cap':>5} {'caps MiB':>10} {'bkts':>4} {'measured':>9} "
+             f"{'predicted':>9} {'error':>7} {'bwd meas':>9} {'bwd pred':>9}"]
+    summary = []
+    for world, models in results.items():
+        for name, r in models.items():
+            lines.append(f"{world:>5} {name:<12} (link: alpha {r['alpha_us']:.0f} us, "
+                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms)")
+            for k, row in r["rows"].items():
+                lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
+                             f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%} "
+                             f"{row['measured_backward_ms']:9.1f} {row['predicted_backward_ms']:9.1f}")
+            sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration")]
+            med = statistics.median(abs(row["error"]) for row in sweep)
+            best = min(row["measured_ms"] for row in sweep)
+            auto, ddp = r["rows"]["auto"]["measured_ms"], r["rows"]["25"]["measured_ms"]
+            summary.append(f"{world:>5} {name:<12} median |error| {med:6.1%}   auto {auto:8.1f} ms = "
+                           f"{auto / best:.3f} x best of sweep, {auto / ddp:.3f} x 25 MiB")
+    return "\n".join(lines + ["", f"summary (auto keeps DDP's caps below a {MIN_GAIN:.0%} predicted gain):"]
+                     + summary)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = list(results)
+    models = list(next(iter(results.values())))
+    fig, axes = plt.subplots(len(worlds), len(models), figsize=(3.6 * len(models), 2.8 * len(worlds)), dpi=100,
+                             squeeze=False)
+    for i, w in enumerate(worlds):
+        for j, m in enumerate(models):
+            ax, rows = axes[i][j], results[w][m]["rows"]
+            sweep = [k for k in rows if k not in ("auto", "calibration")]
+            xs = [float(k) for k in sweep]
+            ax.plot(xs, [rows[k]["measured_ms"] for k in sweep], "o-", label="measured")
+            ax.plot(xs, [rows[k]["predicted_ms"] for k in sweep], "s--", label="predicted")
+            ax.axhline(rows["auto"]["measured_ms"], color="C2", linewidth=1, label="auto (measured)")
+            ax.set_xscale("log")
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{m}, {w} ranks", fontsize=9)
+            if i == len(worlds) - 1:
+                ax.set_xlabel("bucket cap (MiB)")
+            if j == 0:
+                ax.set_ylabel("step (ms)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fdp.bench validate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mlp,cnn,tiny1000,transformer")
+    p.add_argument("--worlds", default="2,3,4")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--label", default="loopback", help="the link's name in the plot's title")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    p.add_argument("--timeout", type=float, default=1800)
+    cfg = p.parse_args(argv)
+    cfg.models = cfg.models.split(",")
+    results: dict[int, Any] = {}
+    for w in (int(x) for x in cfg.worlds.split(",")):
+        results[w] = fdp.testing.run(_rank, w, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
+    print(table(results))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump({"label": cfg.label, "results": results}, f, indent=1)
+    if cfg.plot:
+        plot(results, cfg.plot, f"measured vs predicted step, {cfg.label}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""``fdp.cost``: a cost model of the data-parallel step, and the bucket caps chosen from it.
+
+``Link`` (alpha-beta collectives: ring and tree all-reduce, reduce-scatter, all-gather),
+``measure_link`` (timed all-reduces on a group), ``StepProfile`` (when this rank's gradients
+arrive, from step timelines), ``predict`` (a step's time and exposed communication for any
+caps and world size), ``choose_caps`` and ``AutoCaps`` (``fdp.Reducer(...,
+bucket_cap_mb="auto")``), ``calibrate`` (run an ``"auto"`` reducer's calibration steps
+before the fused step). The model itself: docs/performance.md, "A cost model of the step".
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from ._cost import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
+from ._cost import DDP_CAPS as DDP_CAPS
+from ._cost import MIN_GAIN as MIN_GAIN
+from ._cost import AutoCaps as AutoCaps
+from ._cost import Choice as Choice
+from ._cost import Link as Link
+from ._cost import Prediction as Prediction
+from ._cost import StepProfile as StepProfile
+from ._cost import assign as assign
+from ._cost import choose_caps as choose_caps
+from ._cost import hooked_count as hooked_count
+from ._cost import linear_fit as linear_fit
+from ._cost import measure_link as measure_link
+from ._cost import predict as predict
+
+# The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
+# describes them in ``choose_caps``.
+__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
+           "hooked_count", "linear_fit", "measure_link", "predict"]
+
+
+def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,
+              **kwargs: Any) -> Choice:
+    """Run ``reducer.grad(fn, has_aux=has_aux)(*args, **kwargs)`` until an ``"auto"`` reducer
+    has frozen its caps (results discarded); return the choice. For the fused step, whose
+    plan is built from the frozen caps: call this before ``reducer.grad_and_update``."""
+    tuning = reducer.tuning
+    if tuning is None:
+        raise ValueError("fdp.cost.calibrate: the reducer was not built with bucket_cap_mb='auto'")
+    grad_fn = reducer.grad(fn, has_aux=has_aux)
+    for _ in range(max_steps):
+        if tuning.frozen:
+            break
+        grad_fn(*args, **kwargs)
+    if tuning.choice is None:
+        raise RuntimeError(f"fdp.cost.calibrate: caps not chosen after {max_steps} steps")
+    return tuning.choice

@@ -1,0 +1,255 @@
+"""fdp.cost: the alpha-beta costs, the bucket assignment, the step prediction and the caps
+choice against hand-computed cases; bucket_cap_mb="auto" freezes one plan on every rank."""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+import fdp
+from fdp._bucket import MiB
+from fdp.cost import (
+    DDP_CAPS,
+    AutoCaps,
+    Link,
+    StepProfile,
+    assign,
+    choose_caps,
+    hooked_count,
+    predict,
+)
+
+
+def test_ring_and_tree_costs_match_the_formulas():
+    link = Link(alpha=2e-5, beta=1e-9)
+    n = 8e6
+    # ring all-reduce: 2(p-1) messages, 2(p-1)/p of the buffer each way
+    assert link.all_reduce(n, 4) == pytest.approx(6 * 2e-5 + 1.5 * n * 1e-9)
+    assert link.all_reduce(n, 2) == pytest.approx(2 * 2e-5 + n * 1e-9)
+    # tree: 2 ceil(log2 p) messages, twice the buffer
+    assert link.all_reduce(n, 64, "tree") == pytest.approx(12 * 2e-5 + 2 * n * 1e-9)
+    assert link.all_reduce(n, 5, "tree") == pytest.approx(6 * 2e-5 + 2 * n * 1e-9)
+    assert link.all_reduce(1e3, 512, "best") == link.all_reduce(1e3, 512, "tree")  # latency-bound: tree
+    assert link.all_reduce(1e9, 4, "best") == link.all_reduce(1e9, 4, "ring")  # bandwidth-bound: ring
+    # reduce-scatter and all-gather: half an all-reduce each
+    assert link.reduce_scatter(n, 4) == pytest.approx(3 * 2e-5 + 0.75 * n * 1e-9)
+    assert link.reduce_scatter(n, 4) + link.all_gather(n, 4) == pytest.approx(link.all_reduce(n, 4))
+    assert link.all_reduce(n, 1) == link.reduce_scatter(n, 1) == 0.0
+    with pytest.raises(ValueError, match="algorithm"):
+        link.all_reduce(n, 4, "bcube")
+
+
+def test_link_parse_and_fit():
+    assert Link.parse("100Gbit", alpha=1e-6).beta == pytest.approx(8 / 100e9)
+    assert Link.parse("400Mbit", alpha=0).beta == pytest.approx(8 / 400e6)
+    assert Link.parse("10GB", alpha=0).beta == pytest.approx(1 / 10e9)
+    with pytest.raises(ValueError, match="link rate"):
+        Link.parse("fast", alpha=0)
+    true = Link(alpha=3e-5, beta=2e-9)
+    sizes = [4096, 512 * 1024, 8 * MiB]
+    for world in (2, 3, 4):
+        fit = Link.fit(sizes, [true.all_reduce(n, world) for n in sizes], world)
+        assert fit.alpha == pytest.approx(true.alpha, rel=1e-6), world
+        assert fit.beta == pytest.approx(true.beta, rel=1e-6), world
+
+
+def random_tree(seed):
+    g = torch.Generator().manual_seed(seed)
+    tree = {}
+    for i in range(int(torch.randint(1, 40, (), generator=g))):
+        n = int(torch.randint(1, 300_000, (), generator=g))
+        dtype = (torch.float32, torch.float16, torch.float64)[int(torch.randint(0, 3, (), generator=g))]
+        tree[f"l{i}"] = torch.empty(n, dtype=dtype)
+    return tree
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_assign_is_the_plans_greedy_rule(seed):
+    tree = random_tree(seed)
+    plan0 = fdp.BucketPlan.build(tree)
+    groups = {}
+    leaf_group = [groups.setdefault(s.dtype, len(groups)) for s in plan0.slots]
+    leaf_bytes = [s.numel * s.dtype.itemsize for s in plan0.slots]
+    for caps in [(1 * MiB, 25 * MiB), (100_000,), (64 * 1024, 300_000, 2 * MiB), (1,)]:
+        plan = fdp.BucketPlan.from_caps(tree, caps)
+        assert assign(leaf_bytes, leaf_group, caps) == [list(b.leaves) for b in plan.buckets], caps
+
+
+def test_hooked_count_is_the_reducers_rule():
+    params = {"big": torch.zeros(50_000), "tiny": torch.zeros(10), "big2": torch.zeros(50_000),
+              "t1": torch.zeros(3), "t2": torch.zeros(3)}
+    for threshold in (0, 1024, 16 * 1024, 10**9):
+        r = fdp.Reducer(params, bucket_caps_mb=[1e-6], hook_threshold_bytes=threshold)
+        assert hooked_count([(b.nbytes, len(b.leaves)) for b in r.plan.buckets], threshold) == r.hooked_buckets
+
+
+def two_leaves(**kw):
+    """Two 4 kB leaves: the last one's gradient arrives at 10 ms, the first's at 20 ms."""
+    return StepProfile(leaf_bytes=(4000, 4000), leaf_group=(0, 0), leaf_ready=(0.020, 0.010),
+                       backward_end=0.021, tail=0.001, **kw)
+
+
+def test_predict_a_bucket_per_leaf_by_hand():
+    link = Link(alpha=0.001, beta=1e-6)  # on 2 ranks: 2 ms + 4 ms per 4 kB bucket
+    p = predict(two_leaves(), (4000,), link, 2, hook_threshold_bytes=0)
+    # bucket 0 ('[1]') on the wire 10..16 ms, bucket 1 20..26 ms; backward ends at 21
+    assert p.buckets == 2
+    assert p.comm_done == pytest.approx(0.026)
+    assert p.exposed_comm == pytest.approx(0.005)
+    assert p.step == pytest.approx(0.027)  # + tail
+    # one bucket: ready at 20 ms, 2 + 8 ms on the wire
+    one = predict(two_leaves(), (10**6,), link, 2, hook_threshold_bytes=0)
+    assert (one.buckets, one.comm_done) == (1, pytest.approx(0.030))
+    # 4 ranks: 6 ms + 1.5 * 4 ms per bucket; the second waits for the first (16 > 20? no: 10+12=22)
+    four = predict(two_leaves(), (4000,), link, 4, hook_threshold_bytes=0)
+    assert four.comm_done == pytest.approx(0.022 + 0.012)
+    # bf16 on the wire: half the bytes
+    half = predict(two_leaves(), (4000,), link, 2, wire_ratio=0.5, hook_threshold_bytes=0)
+    assert half.comm_done == pytest.approx(0.020 + 0.002 + 0.002)
+    # a world of one: no communication, the step is the backward and the tail
+    assert predict(two_leaves(), (4000,), link, 1).step == pytest.approx(0.022)
+
+
+def test_predict_unhooked_buckets_launch_after_the_backward():
+    link = Link(alpha=0.001, beta=1e-6, overhead=0.0005)
+    prof = two_leaves(fill_per_leaf=0.0001, fill_per_byte=0.0)
+    p = predict(prof, (4000,), link, 2, hook_threshold_bytes=10**6)  # no bucket worth a hook
+    # backward 21 ms; bucket 0 issued at 21 + 0.5 + 0.1, bucket 1 at 21.6 + 0.6; each 6 ms on the wire
+    assert p.backward_end == pytest.approx(0.021)
+    assert p.comm_done == pytest.approx(0.0216 + 0.006 + 0.006)
+    # hooked, the launch overhead lengthens the backward by one overhead per bucket
+    q = predict(prof, (4000,), link, 2, hook_threshold_bytes=0)
+    assert q.backward_end == pytest.approx(0.022)
+
+
+def test_predict_update_after_the_last_bucket():
+    link = Link(alpha=0.001, beta=1e-6)
+    prof = two_leaves(update_fixed=0.002, update_per_byte=0.0)
+    p = predict(prof, (10**6,), link, 2, hook_threshold_bytes=0)
+    assert p.step == pytest.approx(0.030 + 0.002 + 0.001)  # comm done, update, tail
+
+
+def deep_profile(n=32, leaf=MiB, compute=0.002):
+    """n leaves of ``leaf`` bytes arriving every ``compute`` seconds during the backward."""
+    ready = tuple(compute * (n - i) for i in range(n))  # the last leaf first
+    return StepProfile(leaf_bytes=(leaf,) * n, leaf_group=(0,) * n, leaf_ready=ready,
+                       backward_end=compute * n + 0.001, tail=0.0)
+
+
+def test_choose_caps_smaller_buckets_when_bandwidth_can_hide_behind_the_backward():
+    prof = deep_profile()
+    link = Link(alpha=1e-5, beta=1.5e-9)  # ~1.6 ms per MiB on 2 ranks, under 2 ms of compute per leaf
+    c = choose_caps(prof, link, 2)
+    assert c.caps[-1] < DDP_CAPS[-1]
+    assert c.predicted.step < c.baseline.step * 0.8
+    assert c.gain > 0.2
+    assert predict(prof, c.caps, link, 2).step == pytest.approx(c.predicted.step)
+
+
+def test_choose_caps_keeps_large_buckets_when_latency_dominates():
+    prof = deep_profile(n=200, leaf=20_000, compute=1e-5)
+    link = Link(alpha=5e-3, beta=1e-10)  # 10 ms per message: one bucket is best
+    c = choose_caps(prof, link, 2)
+    assert c.predicted.buckets <= c.baseline.buckets
+    assert c.predicted.step <= c.baseline.step
+
+
+def test_choose_caps_keeps_ddps_when_the_gain_is_below_the_threshold():
+    prof = deep_profile()
+    c = choose_caps(prof, Link(0.0, 0.0), 2)  # free link: every plan predicts the same step
+    assert c.caps == DDP_CAPS and c.gain == 0.0
+
+
+def test_profile_from_timelines_interpolates_by_bytes():
+    params = {"a": torch.zeros(1000), "b": torch.zeros(3000), "c": torch.zeros(4000)}
+    plan = fdp.BucketPlan.build(params, bucket_caps_mb=[20_000 / MiB])  # [c, b] then [a]
+    assert [b.paths for b in plan.buckets] == [("['c']", "['b']"), ("['a']",)]
+    tl = fdp.Timeline(step=0, kind="grad", backward_start=0.010, backward_end=0.040, end=0.050, buckets=[
+        fdp.BucketTimes(0, 28000, ready=0.024, launch=0.025, done=0.030),
+        fdp.BucketTimes(1, 4000, ready=0.035, launch=0.036, done=0.045)])
+    prof = StepProfile.from_timelines(plan, [tl], Link(0.0, 0.0), hook_threshold_bytes=0)
+    # bucket 0 arrives 10..24 ms: c after 16 of its 28 kB, b at its end; a at 35 ms
+    assert prof.leaf_ready == pytest.approx((0.035, 0.024, 0.010 + 0.014 * 16 / 28))
+    assert prof.backward_end == pytest.approx(0.040)
+    assert prof.tail == pytest.approx(0.005)
+    assert prof.leaf_bytes == (4000, 12000, 16000)
+
+
+def test_profile_over_ranks_takes_each_steps_slowest_rank_then_the_median_step():
+    def prof(ready, bwd, tail=0.001, **kw):
+        return StepProfile((4, 4, 4), (0, 0, 0), ready, backward_end=bwd, tail=tail, **kw)
+
+    a = prof((0.030, 0.020, None), 0.031, tail=0.002)
+    b = prof((0.025, 0.022, 0.010), 0.035, fill_per_leaf=1e-6)
+    s = StepProfile.combine([a, b])
+    assert s.leaf_ready == (0.030, 0.022, None)  # a leaf one rank did not see stays unknown
+    assert (s.backward_end, s.tail, s.fill_per_leaf) == (0.035, 0.002, 1e-6)
+    # two ranks take turns being slow: every step is as slow as its slow rank (0.050),
+    # which the slower of the two medians (0.040) would miss
+    fast, slow = prof((0.02, 0.01, 0.005), 0.030), prof((0.04, 0.03, 0.02), 0.050)
+    rank0, rank1 = [fast, slow], [slow, fast]
+    assert StepProfile.over_ranks([rank0, rank1]).backward_end == 0.050
+    medians = [StepProfile.combine(r, statistics.median).backward_end for r in (rank0, rank1)]
+    assert max(medians) < 0.050
+
+
+# ---------------------------------------------------------------------------- "auto" on ranks
+def auto_run(group, steps):
+    torch.manual_seed(0)
+    params = {f"w{i}": torch.randn(40_000) for i in range(6)}
+    reducer = fdp.Reducer(params, group, bucket_cap_mb="auto", hook_threshold_bytes=0)
+    x = torch.full((40_000,), float(group.rank + 1))
+
+    def loss(p):
+        return sum((w * x).sin().sum() for w in p.values())
+
+    grad_fn = reducer.grad(loss)
+    out = dict(fingerprints=[], frozen=[], exact=[])
+    with pytest.raises(RuntimeError, match="calibrate"):
+        reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+    for _ in range(steps):
+        g = grad_fn(params)
+        local = torch.func.grad(loss)(params)
+        out["exact"].append(all(torch.allclose(g[k], fdp.pmean(local[k], group=group), atol=1e-6) for k in g))
+        out["fingerprints"].append(reducer.plan.fingerprint)
+        out["frozen"].append(reducer.tuning.frozen)
+    out["choice"] = reducer.tuning.choice
+    out["steps"] = reducer.steps
+    out["calibration"] = fdp.BucketPlan.build(params, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB).fingerprint
+    step = reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))  # after the freeze: the frozen caps
+    state = step.init(params)
+    new, state, _ = step(params, state)
+    out["fused_ok"] = all(torch.allclose(new[k], params[k] - 0.1 * g[k], atol=1e-6) for k in g)
+    out["after"] = reducer.plan.fingerprint
+    return out
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_auto_freezes_the_same_plan_on_every_rank(backend):
+    steps = AutoCaps.WARMUP + AutoCaps.STEPS + 3
+    res = fdp.testing.run(auto_run, 2, backend=backend, args=(steps,))
+    freeze = AutoCaps.WARMUP + AutoCaps.STEPS - 1  # the step on which it freezes
+    for r in res:
+        assert r["frozen"] == [False] * freeze + [True] * (steps - freeze)
+        assert all(r["exact"]), "calibration and frozen steps average exactly"
+        assert set(r["fingerprints"][:freeze]) == {r["calibration"]}
+        frozen = set(r["fingerprints"][freeze:])
+        assert len(frozen) == 1 and r["after"] in frozen, "a frozen plan never changes"
+        assert r["steps"] == steps and r["fused_ok"]
+    assert res[0]["fingerprints"] == res[1]["fingerprints"]
+    assert res[0]["choice"] == res[1]["choice"]
+    assert res[0]["choice"].caps != AutoCaps.CALIBRATION_CAPS_MB
+    assert math.isfinite(res[0]["choice"].predicted.step)
+
+
+def test_calibrate_runs_the_auto_steps_and_refuses_fixed_caps():
+    params = {"w": torch.randn(1000)}
+    reducer = fdp.Reducer(params, bucket_cap_mb="auto")
+    choice = fdp.cost.calibrate(reducer, lambda p: p["w"].square().sum(), params)
+    assert reducer.tuning.frozen and choice is reducer.tuning.choice
+    assert reducer.steps == AutoCaps.WARMUP + AutoCaps.STEPS
+    with pytest.raises(ValueError, match="auto"):
+        fdp.cost.calibrate(fdp.Reducer(params), lambda p: p["w"].sum(), params)
+    with pytest.raises(ValueError, match="bucket caps"):
+        fdp.Reducer(params, bucket_cap_mb="fast")

@@ -63,7 +63,7 @@ def test_fused_step_equals_reducer_grad_and_opt_update_bit_for_bit(name, donate)
         assert not leaves_equal(fstate, pstate), f"rank {rank}: optimizer state differs"
 
 
-def fused_vs_ddp(group, steps=5, shard=False):
+def fused_vs_ddp(group, steps=5, shard=False, mesh=False):
     torch.manual_seed(0)
     model = mlp(seed=2)
     ddp = nn.parallel.DistributedDataParallel(mlp(seed=2), bucket_cap_mb=0.002)
@@ -72,7 +72,12 @@ def fused_vs_ddp(group, steps=5, shard=False):
     torch_opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
     apply, params, buffers = fdp.functionalize(model)
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=0.002, shard=shard)
+    over = group
+    if mesh:  # a 2-D (replicate, shard) mesh over the group's ranks
+        from torch.distributed.device_mesh import init_device_mesh
+
+        over = init_device_mesh("cpu", (2, group.size // 2), mesh_dim_names=("replicate", "shard"))
+    reducer = fdp.Reducer(params, over, bucket_cap_mb=0.002, shard=shard)
     step = reducer.grad_and_update(loss_of(apply, buffers),
                                    fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2))
     state = step.init(params)

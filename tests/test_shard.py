@@ -84,12 +84,13 @@ def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(worl
             assert sn <= n / shard + 2 * nb * shard, f"{kind} rank {rank}: {sn} state elements of {n}"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks(world):
+@pytest.mark.parametrize("world, mesh", [(2, False), (3, False), (4, False), (4, True)],
+                         ids=["2", "3", "4", "2x2"])
+def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks(world, mesh):
     # Bit for bit on two ranks; on more, DDP's ring all-reduce and fdp's sharded sum add the
     # ranks' gradients in different orders.
     for rank, (fused, ddp) in enumerate(fdp.testing.run(fused_vs_ddp, world, backend="gloo", timeout=120,
-                                                        args=(5, True))):
+                                                        args=(5, True, mesh))):
         for k in ddp:
             if world == 2:
                 assert torch.equal(fused[k], ddp[k]), f"rank {rank}, param {k!r}"

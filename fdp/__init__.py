@@ -5,6 +5,7 @@ Models are pure functions over (params, buffers) pytrees; gradients come from
 asynchronously while the backward still runs. See README.md and docs/.
 """
 
+from . import cost as cost
 from . import hooks as hooks
 from . import optim as optim
 from . import testing as testing
@@ -59,6 +60,7 @@ __all__ = [
     "assert_replicas_equal",
     "assert_same_shapes",
     "broadcast",
+    "cost",
     "functionalize",
     "hooks",
     "init",

@@ -97,7 +97,7 @@ def _caps(bucket_cap_mb: float, first_bucket_cap_mb: float, bucket_caps_mb: Sequ
         caps_mb = [first_bucket_cap_mb, bucket_cap_mb]
     for c in caps_mb:
         if not (isinstance(c, (int, float)) and c > 0):  # NaN fails too
-            raise ValueError(f"fdp.BucketPlan: bucket caps must be > 0 MiB (or inf for no cap), got {c!r}")
+            raise ValueError(f"fdp.BucketPlan: bucket caps must be > 0 MiB (or inf for no cap; fdp.Reducer also takes 'auto'), got {c!r}")
     return tuple(NO_CAP if math.isinf(c) else max(1, min(NO_CAP, int(c * MiB))) for c in caps_mb)
 
 

@@ -19,7 +19,7 @@ import re
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
@@ -87,6 +87,8 @@ class Link:
         if not m:
             raise ValueError(f"fdp.cost: cannot read a link rate from {text!r} (e.g. '25Gbit', '10GB')")
         rate = float(m.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
+        if not rate > 0:
+            raise ValueError(f"fdp.cost: a link rate must be > 0, got {text!r}")
         bytes_per_s = rate if m.group(3) == "B" else rate / 8
         return cls(alpha=alpha, beta=1 / bytes_per_s)
 
@@ -288,7 +290,7 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
     Example:
       >>> prof = fdp.cost.StepProfile(leaf_bytes=(4000, 4000), leaf_group=(0, 0),
       ...                             leaf_ready=(0.020, 0.010), backward_end=0.021, tail=0.0)
-      >>> link = fdp.cost.Link(alpha=0.001, beta=1e-6)      # 1 ms + 4 ms per leaf on 2 ranks
+      >>> link = fdp.cost.Link(alpha=0.001, beta=1e-6)      # 2(p-1) alpha + 2(p-1)/p n beta = 2 + 4 ms
       >>> p = fdp.cost.predict(prof, (4000,), link, world=2, hook_threshold_bytes=0)  # a bucket per leaf
       >>> round(p.comm_done, 6), round(p.exposed_comm, 6)   # 0.010+0.006, then 0.020+0.006
       (0.026, 0.005)
@@ -338,6 +340,7 @@ class Choice:
         return 1 - self.predicted.step / self.baseline.step if self.baseline.step > 0 else 0.0
 
     def describe(self) -> str:
+        """One line: the caps, the predicted step and exposed communication, and the gain over DDP's."""
         caps = ", ".join("inf" if c >= NO_CAP else f"{c / MiB:g}" for c in self.caps)
         return (f"caps [{caps}] MiB ({self.predicted.buckets} buckets): predicted step "
                 f"{self.predicted.step * 1e3:.2f} ms (exposed comm {self.predicted.exposed_comm * 1e3:.2f} ms) "
@@ -427,20 +430,18 @@ class AutoCaps:
         if len(self._timelines) < self.STEPS:
             return None
         self.link = measure_link(group)
-        msg = torch.zeros(8, dtype=torch.float64, device=group.device)
+        msg = torch.zeros(12, dtype=torch.float64, device=group.device)
         mine = [StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in self._timelines]
         profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
         if group.rank == 0:
             profile = StepProfile.over_ranks(profiles)
             c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
                             hook_threshold_bytes=hook_threshold_bytes)
-            msg = torch.tensor([c.caps[0], c.caps[-1], c.predicted.step, c.predicted.exposed_comm,
-                                c.predicted.buckets, c.baseline.step, c.baseline.exposed_comm, c.baseline.buckets],
+            msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
                                dtype=torch.float64, device=group.device)
         _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
         v = msg.tolist()
-        self.choice = Choice((int(v[0]), int(v[1])), Prediction(v[2], v[3], 0.0, 0.0, int(v[4])),
-                             Prediction(v[5], v[6], 0.0, 0.0, int(v[7])))
+        self.choice = Choice((int(v[0]), int(v[1])), Prediction(*v[2:6], int(v[6])), Prediction(*v[7:11], int(v[11])))
         self.frozen, self._timelines = True, []
         log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s): %s", group.size,
                  self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,

@@ -241,6 +241,8 @@ def test_auto_freezes_the_same_plan_on_every_rank(backend):
     assert res[0]["choice"] == res[1]["choice"]
     assert res[0]["choice"].caps != AutoCaps.CALIBRATION_CAPS_MB
     assert math.isfinite(res[0]["choice"].predicted.step)
+    for pred in (res[0]["choice"].predicted, res[0]["choice"].baseline):  # every field survives the broadcast
+        assert pred.backward_end > 0 and pred.comm_done >= 0 and pred.step >= pred.backward_end
 
 
 def test_calibrate_runs_the_auto_steps_and_refuses_fixed_caps():
@@ -251,5 +253,9 @@ def test_calibrate_runs_the_auto_steps_and_refuses_fixed_caps():
     assert reducer.steps == AutoCaps.WARMUP + AutoCaps.STEPS
     with pytest.raises(ValueError, match="auto"):
         fdp.cost.calibrate(fdp.Reducer(params), lambda p: p["w"].sum(), params)
-    with pytest.raises(ValueError, match="bucket caps"):
+    with pytest.raises(ValueError, match="bucket caps.*'auto'"):
         fdp.Reducer(params, bucket_cap_mb="fast")
+    with pytest.raises(ValueError, match="chooses every cap"):  # not silently ignored
+        fdp.Reducer(params, bucket_cap_mb="auto", first_bucket_cap_mb=2)
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        fdp.cost.Link.parse("0Gbit", alpha=1e-5)

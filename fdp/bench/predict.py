@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = p.parse_args(argv)
     torch.set_num_threads(1)
     worlds = [int(w) for w in cfg.world.split(",")]
-    links = {t: Link.parse(t, cfg.alpha) for t in cfg.link.split(",")}
+    try:
+        links = {t: Link.parse(t, cfg.alpha) for t in cfg.link.split(",")}
+    except ValueError as e:
+        p.error(f"--link: {e}")
     group = fdp.init()
     rows = []
     for name in cfg.models.split(","):
@@ -92,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                                  fdp_eff=alone / ch.predicted.step, caps=caps_text(ch.caps)))
     print(f"alpha {cfg.alpha * 1e6:g} us per message, {cfg.algorithm} all-reduce; "
           "step = this machine's measured backward + predicted communication")
-    print(f"{'model':<12} {'link':<8} {'world':>5} | {'DDP 25 MiB: ms':>14} {'exposed':>8} {'eff':>5} | "
+    print(f"{'model':<12} {'link':<8} {'world':>5} | {'DDP 1/25 MiB ms':>15} {'exposed':>8} {'eff':>5} | "
           f"{'fdp chosen: ms':>14} {'exposed':>8} {'eff':>5} {'caps MiB':>10}")
     for r in rows:
-        print(f"{r['model']:<12} {r['link']:<8} {r['world']:>5} | {r['ddp_ms']:14.1f} {r['ddp_exposed_ms']:8.1f} "
+        print(f"{r['model']:<12} {r['link']:<8} {r['world']:>5} | {r['ddp_ms']:15.1f} {r['ddp_exposed_ms']:8.1f} "
               f"{r['ddp_eff']:5.2f} | {r['fdp_ms']:14.1f} {r['fdp_exposed_ms']:8.1f} {r['fdp_eff']:5.2f} "
               f"{r['caps']:>10}")
     if cfg.json:

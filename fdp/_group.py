@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import sys
 import threading
@@ -292,51 +291,34 @@ def _install_shutdown() -> None:
 
 EXIT_GRACE_S = 0.2  # see _shutdown
 
-# The exit barrier's tensor. Its Python object is never freed (one reference more than
-# anything drops, added with Py_IncRef): the barrier is the last collective, and gloo's
-# worker thread may release its work a moment after the main thread returns from the wait,
-# when finalization may already have cleared this module; had the object died by then, the
-# worker would have to take the GIL to free it (see _shutdown).
-_EXIT_FLAG = torch.zeros(1)
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_EXIT_FLAG))
-
 
 def _shutdown() -> None:
     """The exit hook (see ``_install_shutdown``).
 
-    gloo's worker thread releases a finished collective's work (and its tensors) a moment
-    after the waiting thread has woken. After the exit barrier the main thread goes straight
-    on to finalize the interpreter; if the worker's release then drops the last reference
-    to a tensor whose Python object finalization has already freed, the worker must take
-    the GIL, cannot, and the process aborts ("terminate called without an active
-    exception") after a successful run. Core dumps of such aborts (4-rank torchrun runs
-    that saved a sharded checkpoint just before exiting, about 1 in 30) showed two forms:
-    ``ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
-    TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate`` (gloo's
-    barrier work keeps the works in flight when it was issued, here an all-gather's
-    output), and, with a one-element all-reduce as the barrier, ``~AsyncAllreduceWork``
-    of that all-reduce itself (torch 2.13; the main thread in ``Py_FinalizeEx``). So the
-    barrier is an all-reduce (it keeps no other work alive) of a tensor whose Python object
-    is never freed. That was not enough (1 abort in 5 runs after it, the release this time
-    of an all-reduce issued before the barrier: with 4 ranks and their threads on 2 cores,
-    a worker can be descheduled between finishing a work and releasing it), so after the
-    barrier the main thread also sleeps ``EXIT_GRACE_S`` before finalizing.
+    After the barrier the main thread sleeps ``EXIT_GRACE_S`` before it lets the interpreter
+    finalize. gloo's worker thread releases a finished work (and its tensors) a moment after
+    the waiting thread has woken, and on an oversubscribed machine it can be descheduled in
+    between. If it releases the last reference to a tensor whose Python object finalization
+    has already freed, it must take the GIL, cannot, and the process aborts ("terminate
+    called without an active exception") after a successful run. Core dumps of such aborts
+    (4-rank torchrun runs that saved a sharded checkpoint just before exiting, about 1 in 13)
+    showed ``ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
+    TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate`` (the exit
+    barrier's work keeps the works that were in flight when it was issued; torch 2.13) and,
+    with a one-element all-reduce tried as the barrier, the same from
+    ``~AsyncAllreduceWork``; the main thread was in ``Py_FinalizeEx`` each time. The sleep
+    gives up the GIL, which such a release may need.
     """
     if not dist.is_initialized():
         return
+    gloo = str(dist.get_backend()).lower() == "gloo"
     if not (_failed or _collective_failed):
         try:
-            if str(dist.get_backend()).lower() == "gloo":
-                work = dist.all_reduce(_EXIT_FLAG, async_op=True)
-                work.wait(_pg_timeout(dist.group.WORLD, torch.device("cpu")))
-                # Let the worker threads release the works they finished (on an oversubscribed
-                # machine a worker can be descheduled between finishing a work and releasing
-                # it); the sleep gives up the GIL, which a release may need.
-                time.sleep(EXIT_GRACE_S)
-            else:  # (NCCL reduces device tensors; its barrier has no such retention)
-                dist.barrier()
+            dist.barrier()
         except Exception:  # noqa: BLE001 - exiting anyway; a dead peer must not block the exit
             pass
+    if gloo:
+        time.sleep(EXIT_GRACE_S)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - as above

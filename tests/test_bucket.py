@@ -187,7 +187,7 @@ def test_an_infinite_cap_means_no_cap_and_nan_is_refused():
     assert [len(b.leaves) for b in plan.buckets] == [8]
     reducer = fdp.Reducer(tree, bucket_cap_mb=float("inf"))
     assert torch.equal(reducer.all_reduce(tree)["w3"], tree["w3"])
-    with pytest.raises(ValueError, match=r"caps must be > 0 MiB \(or inf for no cap\), got nan"):
+    with pytest.raises(ValueError, match=r"caps must be > 0 MiB \(or inf for no cap; fdp.Reducer also takes .auto.\), got nan"):
         fdp.BucketPlan.build(tree, bucket_cap_mb=float("nan"))
 
 

@@ -23,7 +23,10 @@ The recipe is nanoGPT's train.py (karpathy/nanoGPT), written with fdp:
 * an evaluation every --eval-every steps: the validation loss averaged over ranks
   (``fdp.pmean``);
 * a checkpoint of the whole train state every --ckpt-every steps; --resume continues from it
-  bit for bit (the batches are a function of the step, the schedule of the saved count).
+  bit for bit (the batches are a function of the step, the schedule of the saved count);
+* --shard keeps 1/world of AdamW's state per rank (ZeRO: ``fdp.Reducer(..., shard=True)``);
+  the checkpoint is the same per-leaf state either way (``state_to_tree`` gathers it), so a
+  run may resume sharded or not, on any world size.
 
 The text is generated here from --seed (a small made-up language of short sentences):
 nothing is downloaded. The model is tiny (two blocks, 64 wide); the point is the loop.
@@ -60,6 +63,7 @@ p.add_argument("--ckpt-every", type=int, default=100)
 p.add_argument("--resume", action="store_true", help="continue from --ckpt if it exists")
 p.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (to test resuming)")
 p.add_argument("--out", default=None, help="save the final params here (for comparisons)")
+p.add_argument("--shard", action="store_true", help="shard the optimizer state over the ranks (ZeRO)")
 args = p.parse_args()
 
 # --------------------------------------------------------------------------- the world
@@ -147,7 +151,7 @@ class GPT(nn.Module):
 
 apply, params, buffers = fdp.functionalize(GPT().to(device))
 params, buffers = fdp.broadcast((params, buffers), src=0)  # replicas start identical
-reducer = fdp.Reducer(params)
+reducer = fdp.Reducer(params, shard=args.shard)
 
 # nanoGPT's optimizer: decay the 2-D weights only, clip at 1.0, warm-up + cosine to lr / 10.
 warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)

@@ -118,6 +118,9 @@ def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tm
     resumed.mkdir()
     out = run_example("char_gpt.py", [*args, "--stop-at", "4"], resumed, ranks=2)
     assert "stopped after step 4" in out, out
+    import shutil
+
+    shutil.copytree(resumed, tmp_path / "sharded")  # the step-4 checkpoint, for a sharded resume below
     out = run_example("char_gpt.py", [*args, "--resume", "--out", "resumed.pt"], resumed, ranks=2)
     assert "resumed from ckpt/gpt.pt at step 4" in out, out
     import torch
@@ -130,3 +133,13 @@ def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tm
     plain.mkdir()
     out = run_example("char_gpt.py", ["--steps", "3", "--batch-size", "4", "--ckpt", "c.pt"], plain, ranks=None)
     assert "world 1:" in out, out
+
+    # Sharded (--shard): the unsharded run's checkpoint at step 4 resumes sharded. On two
+    # ranks the sharded sums are the all-reduce's; only the global-norm clip's summation
+    # order differs (per slice), so the params agree to rounding.
+    out = run_example("char_gpt.py", [*args, "--resume", "--shard", "--out", "sharded.pt"], tmp_path / "sharded",
+                      ranks=2)
+    assert "resumed from ckpt/gpt.pt at step 4" in out, out
+    c = torch.load(tmp_path / "sharded" / "sharded.pt", weights_only=True)
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], rtol=1e-5, atol=1e-6, msg=f"params[{k!r}] sharded")

@@ -36,15 +36,16 @@ class Run:
     transform is elementwise and no finite check is asked for; otherwise once every bucket
     has arrived (a global norm, the finite verdict)."""
 
-    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "updated", "gathers",
-                 "tstates", "early")
+    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "landed", "updated",
+                 "gathers", "tstates", "early")
 
     def __init__(self, core: Any, step: Any, state: FusedState, src: Any, dst: Any) -> None:
         nb = len(core.plan.buckets)
         self.core, self.step, self.state, self.src, self.dst = core, step, state, src, dst
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced gradient slices (wire dtype)
-        self.rep: list[Any] = [None] * nb  # replicate all-reduces in flight (2-D meshes)
-        self.next_rep = 0
+        self.rep: list[Any] = [None] * nb  # replica all-reduces in flight (2-D meshes)
+        self.next_rep = 0  # buckets whose replica all-reduce was issued
+        self.landed = 0  # ... and of those, whose all-reduce is done
         self.updated = bytearray(nb)
         self.gathers: list[Any] = []
         self.tstates = list(state.transforms)
@@ -73,27 +74,25 @@ class Run:
             self.next_rep += 1
         if force:
             return
-        for b in range(nb):  # update the ones that have landed (in order: they complete in order)
-            work = self.rep[b]
-            if work is None or work is True:
-                continue
-            if not work.is_completed():
-                break
-            self.rep[b] = True
-            if self.early:
-                self.update(b)
+        while self.landed < self.next_rep and self.rep[self.landed].is_completed():  # in order
+            self._landed()
+
+    def _landed(self) -> None:
+        """The replica all-reduce of bucket ``self.landed`` is done: update it (early)."""
+        b = self.landed
+        self.rep[b] = None
+        self.landed += 1
+        if self.early:
+            self.update(b)
 
     def reduced(self) -> None:
         """The step machine finished: wait for the replica all-reduces still in flight."""
         core = self.core
         if core.mesh.replicate is None or core.scatter is None:
             return
-        for b, work in enumerate(self.rep):
-            if work is not None and work is not True:
-                wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
-                self.rep[b] = True
-                if self.early:
-                    self.update(b)
+        while self.landed < self.next_rep:
+            wait(self.rep[self.landed], core.mesh.replicate, f"replica all-reduce of bucket {self.landed}")
+            self._landed()
 
     def drain(self) -> None:
         """The step failed on this rank or another: issue this rank's share of whatever
@@ -103,7 +102,7 @@ class Run:
             return
         self._launch_replicas(force=True)
         for b, work in enumerate(self.rep):
-            if work is not None and work is not True:
+            if work is not None:
                 try:
                     wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
                 except Exception:  # noqa: BLE001 - the step's own error is the one to raise

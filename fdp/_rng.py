@@ -8,7 +8,6 @@ world-size change for a checkpoint that holds none.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,22 +16,21 @@ import torch
 from . import _comm
 from ._errors import CheckpointError
 from ._group import Group, resolve
+from ._marks import TensorMarks
 
 __all__ = ["is_per_rank", "mark_per_rank", "rng_state", "set_rng_state"]
 
-# By id, holding the tensor weakly (a WeakSet would compare tensors with ==, elementwise).
-_per_rank: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_per_rank = TensorMarks()
 
 
 def mark_per_rank(t: torch.Tensor) -> torch.Tensor:
     """Remember ``t`` as per-rank state (a row per rank); returns ``t``."""
-    _per_rank[id(t)] = t
-    return t
+    return _per_rank.mark(t)
 
 
 def is_per_rank(t: Any) -> bool:
     """Whether ``t`` is a tensor ``rng_state`` made (or ``fdp.load`` restored as per-rank)."""
-    return isinstance(t, torch.Tensor) and _per_rank.get(id(t)) is t
+    return t in _per_rank
 
 
 def rng_state(group: Group | Any | None = None) -> dict[str, torch.Tensor]:

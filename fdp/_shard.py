@@ -36,7 +36,6 @@ behind the choice are in docs/performance.md ("The sharded step").
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from . import _comm
 from ._bucket import BucketPlan
 from ._group import Group, resolve
+from ._marks import TensorMarks
 
 __all__ = ["Mesh", "Shards", "is_shard", "mark_shard", "resolve_mesh", "Scatter"]
 
@@ -113,20 +113,19 @@ def resolve_mesh(group: Any) -> Mesh:
 
 
 # ---------------------------------------------------------------------------- shard marks
-# Tensors that hold this rank's slices of a sharded state, by id (held weakly): ``fdp.save``
-# refuses them, as rank 0's slices alone are not the state.
-_marked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Tensors that hold this rank's slices of a sharded state: ``fdp.save`` refuses them, as
+# rank 0's slices alone are not the state.
+_marked = TensorMarks()
 
 
 def mark_shard(t: torch.Tensor) -> torch.Tensor:
     """Remember ``t`` as one rank's slice of a sharded state; returns ``t``."""
-    _marked[id(t)] = t
-    return t
+    return _marked.mark(t)
 
 
 def is_shard(t: Any) -> bool:
     """Whether ``t`` is a slice of a sharded optimizer state (``Reducer(shard=True)``)."""
-    return isinstance(t, torch.Tensor) and _marked.get(id(t)) is t
+    return t in _marked
 
 
 # ---------------------------------------------------------------------------- collectives

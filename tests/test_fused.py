@@ -298,14 +298,14 @@ def resume(group, tmp, world_after):
     return params
 
 
-def resumed(group, tmp):
+def resumed(group, tmp, shard=False):
     apply, params, buffers = fdp.functionalize(mlp(seed=10))
     loss = loss_of(apply, buffers)
     opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
-    reducer = fdp.Reducer(params, group, bucket_cap_mb=1)  # another plan
+    reducer = fdp.Reducer(params, group, bucket_cap_mb=1, shard=shard)  # another plan
     step = reducer.grad_and_update(loss, opt)
     like = {"params": params, "opt": opt.init(params)}
-    loaded = fdp.load(f"{tmp}/ckpt.pt", like=like)
+    loaded = fdp.load(f"{tmp}/ckpt.pt", like=like, group=group)
     params = loaded["params"]
     state = step.state_from_tree(loaded["opt"], params)
     for i in range(2, 4):

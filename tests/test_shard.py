@@ -5,7 +5,7 @@
 import pytest
 import torch
 from models import FailOnce, batch, mlp
-from test_fused import CAPS, OPTIMIZERS, fused_vs_ddp, loss_of
+from test_fused import CAPS, OPTIMIZERS, fused_vs_ddp, loss_of, resumed
 from torch import nn
 
 import fdp
@@ -197,19 +197,6 @@ def saved(group, tmp):
     with pytest.raises(fdp.CheckpointError, match="slice of a sharded optimizer state"):
         fdp.save(f"{tmp}/wrong.pt", {"opt": state}, group)
     fdp.save(f"{tmp}/ckpt.pt", {"params": params, "opt": step.state_to_tree(state, params)}, group)
-    for i in range(2, 4):
-        params, state, _ = step(params, state, *batch(0, i))
-    return params
-
-
-def resumed(group, tmp, shard):
-    apply, params, buffers = fdp.functionalize(mlp(seed=10))
-    loss = loss_of(apply, buffers)
-    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.05, 0.05), fdp.optim.adamw(lr=1e-2))
-    step = fdp.Reducer(params, group, shard=shard, bucket_cap_mb=1).grad_and_update(loss, opt)  # another plan
-    loaded = fdp.load(f"{tmp}/ckpt.pt", like={"params": params, "opt": opt.init(params)}, group=group)
-    params = loaded["params"]
-    state = step.state_from_tree(loaded["opt"], params)
     for i in range(2, 4):
         params, state, _ = step(params, state, *batch(0, i))
     return params

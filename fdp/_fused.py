@@ -31,7 +31,7 @@ import torch
 
 from . import _functorch, _tree, kernels
 from ._autodiff import local_grads
-from ._bucket import BucketPlan
+from ._bucket import BucketPlan, contiguous_strides
 from ._buffers import BucketBuffers, held_elsewhere
 from ._comm import all_reduce, count_and_check_active
 from ._fused_run import Run
@@ -45,14 +45,6 @@ from .optim import Optimizer
 
 __all__ = ["FusedState", "FusedStep"]
 
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 class ParamSet:
@@ -110,16 +102,19 @@ class FusedCore:
         self.sets.append(new)
         return new
 
-    def current(self, leaves: list[torch.Tensor], donate: bool) -> ParamSet:
-        """The set holding ``leaves``: the current set when they are its views (no copy),
-        else a set they are packed into (a tree the caller changed or made).
+    def current(self, leaves: list[torch.Tensor], donate: bool) -> tuple[ParamSet, bool]:
+        """The set holding ``leaves`` and whether it is a fresh copy: the current set when
+        they are its views (no copy), else a set they are packed into (a tree the caller
+        changed or made). A fresh copy is fdp's alone, so even a pure step updates it in
+        place (the caller's tree is untouched either way): a packing step holds two
+        params-sized sets, the caller's and the copy, not three.
 
         Donated, the caller's tensors are consumed: each packed leaf is re-pointed at its
         place in the set (``Tensor.set_``), so its old memory is freed now if nothing else
         holds it (a tree loaded from a checkpoint), rather than living beside the set."""
         ptrs = list(map(torch.Tensor.data_ptr, leaves))
         if self.cur is not None and ptrs == self.cur.ptrs:
-            return self.cur
+            return self.cur, False
         target = self.free_set(avoid=self.cur)  # the tree may still hold views of the current set
         for b, flat in zip(self.plan.buckets, target.flats):
             if not donate:
@@ -131,9 +126,9 @@ class FusedCore:
                 flat[off:off + n].view(t.shape).copy_(t)
                 # (not a view: set_ would leave its autograd view metadata pointing at the base)
                 if type(t) is torch.Tensor and not t.requires_grad and t._base is None and t.dtype == flat.dtype:
-                    t.set_(storage, off, t.shape, _contiguous_strides(t.shape))
+                    t.set_(storage, off, t.shape, contiguous_strides(t.shape))
         self.cur = target
-        return target
+        return target, True
 
     def free_set(self, avoid: ParamSet | None) -> ParamSet:
         """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
@@ -180,8 +175,8 @@ class FusedCore:
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
         state = self.check_state(state)
         plan, machine = self.plan, self.machine
-        src = self.current(plan.leaves_of(params, f"{self.name} params"), donate)
-        dst = src if donate else self.free_set(avoid=src)
+        src, packed = self.current(plan.leaves_of(params, f"{self.name} params"), donate)
+        dst = src if donate or packed else self.free_set(avoid=src)
         acc = None
         if accumulate is not None:
             acc = plan.leaves_of(accumulate, f"{self.name} accumulate")

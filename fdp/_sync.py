@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import _comm, _tree, kernels
-from ._bucket import BucketPlan, MiB
+from ._bucket import BucketPlan, MiB, contiguous_strides
 from ._errors import ReplicaMismatchError
 from ._group import Group, resolve
 
@@ -158,8 +158,13 @@ def _tensor_leaves(tree: Any, what: str) -> tuple[list[Meta], list[torch.Tensor]
 _SUM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
-    """Broadcast every leaf from ``src`` in <= 250 MiB flat buckets; fresh tensors back."""
+def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str, *, aliases: bool = False) -> Any:
+    """Broadcast every leaf from ``src`` in <= 250 MiB flat buckets; fresh tensors back.
+
+    ``aliases``: the leaves share the buckets' memory without being autograd views of them
+    (no ``_base``), so a consumer can re-point each leaf elsewhere (``Tensor.set_``) and the
+    bucket is freed with its last leaf: a donated fused step packs a broadcast tree without
+    a second params-sized set alive beside it."""
     plan = BucketPlan.from_caps(tree, (BROADCAST_BUCKET_MB * MiB,), floating_only=False)
     leaves = _tree.leaves(tree)
     flats = []
@@ -178,7 +183,15 @@ def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str) -> Any:
             _comm.wait(pending.pop(0), g, f"{what}: broadcast")
     for w in pending:
         _comm.wait(w, g, f"{what}: broadcast")
-    return plan.views(flats)
+    if not aliases:
+        return plan.views(flats)
+    leaves = [None] * len(leaves)
+    for b, flat in zip(plan.buckets, flats):
+        storage = flat.untyped_storage()
+        for i, off, shape in zip(b.leaves, b.offsets, b.shapes):
+            leaves[i] = torch.empty(0, dtype=b.dtype, device=b.device).set_(
+                storage, off, shape, contiguous_strides(shape))
+    return _tree.unflatten(plan.treedef, leaves)
 
 
 def _check_src(src: int, g: Group, what: str) -> None:
@@ -215,7 +228,7 @@ def broadcast(tree: Any, src: int = 0, group: Group | Any = None) -> Any:
     if g.process_group is None:
         return tree
     verify_layout(meta, g, "broadcast")
-    return _coalesced_broadcast(tree, src, g, "broadcast")
+    return _coalesced_broadcast(tree, src, g, "broadcast", aliases=True)
 
 
 def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Group | Any = None) -> Any:

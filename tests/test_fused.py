@@ -269,6 +269,42 @@ def test_a_donated_tree_is_repointed_into_the_flat_set_and_its_old_memory_freed(
         assert torch.equal(params[k], kept[k]), f"pure step changed {k!r}"
 
 
+def broadcast_then_step(group, donate):
+    import weakref
+
+    apply, params, buffers = fdp.functionalize(mlp(width=128, seed=11))  # > 64 KiB: not in _comm._RECENT
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.sgd(lr=0.1, momentum=0.9)
+    reducer = fdp.Reducer(params, group, **CAPS)
+    x, y = batch(group.rank, 0)
+    want = opt.update(reducer.grad(loss)(params, x, y), opt.init(params), params)[0]
+    synced = fdp.broadcast(params, group=group)  # what DDP's constructor does
+    assert all(t._base is None for t in synced.values()), "broadcast leaves are autograd views"
+    bucket = weakref.ref(synced["0.weight"].untyped_storage())  # one storage behind every leaf
+    kept = {k: v.clone() for k, v in synced.items()}
+    step = reducer.grad_and_update(loss, opt, donate=donate)
+    state = step.init(synced)
+    core = step._core_for(synced)
+    out, state, _ = step(synced, state, x, y)
+    freed = bucket() is None
+    unchanged = all(torch.equal(synced[k], kept[k]) for k in kept)
+    sets = len(core.sets)
+    return freed, unchanged, sets, all(torch.equal(out[k], want[k]) for k in want)
+
+
+def test_a_donated_broadcast_tree_is_freed_by_the_first_step_and_a_pure_one_packed_once():
+    """The first fused step after fdp.broadcast holds no third params-sized set: donated, the
+    broadcast's bucket is freed during the pack (its leaves are re-pointable aliases, not
+    views); pure, the packed copy is the set the update writes (the caller's tree untouched)."""
+    for rank, (freed, _unchanged, _sets, equal) in enumerate(fdp.testing.run(broadcast_then_step, 2, args=(True,))):
+        assert freed, f"rank {rank}: the broadcast bucket outlived a donated first step"
+        assert equal, f"rank {rank}: params differ from the plain path"
+    for rank, (freed, unchanged, sets, equal) in enumerate(fdp.testing.run(broadcast_then_step, 2, args=(False,))):
+        assert not freed and unchanged, f"rank {rank}: a pure step changed or freed the caller's tree"
+        assert sets == 1, f"rank {rank}: the first pure step made {sets} param sets (packed copy + output)"
+        assert equal, f"rank {rank}: params differ from the plain path"
+
+
 def test_steady_state_allocates_no_new_param_sets():
     apply, params, buffers = fdp.functionalize(mlp(seed=9))
     loss = loss_of(apply, buffers)

@@ -23,9 +23,13 @@ __all__ = ["CHUNK", "Run"]
 # passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
 # whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
 # block, while over chunks that fit in the cache the passes stay there (CUDA's
-# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). The
-# figures behind the choice are in docs/performance.md ("The fused step").
-CHUNK = 128 * 1024
+# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). Each
+# chunk also costs the kernel's Python per tensor (about 25 us for AdamW): on a tree of five
+# 512 x 512 matrices, 64K/128K/256K/512K/1M-element chunks measured 1.11-1.16, 1.05-1.07,
+# 1.02-1.04, 1.03-1.08 and 1.04-1.09x torch.optim's per-leaf step (three interleaved runs
+# each); the models' fused steps did not move between 128K and 256K. Figures in
+# docs/performance.md ("The fused step").
+CHUNK = 256 * 1024
 
 
 class Run:
@@ -36,8 +40,8 @@ class Run:
     transform is elementwise and no finite check is asked for; otherwise once every bucket
     has arrived (a global norm, the finite verdict)."""
 
-    __slots__ = ("core", "step", "state", "src", "dst", "slices", "rep", "next_rep", "landed", "updated",
-                 "gathers", "tstates", "early")
+    __slots__ = ("core", "step", "state", "src", "dst", "slices", "grads", "rep", "next_rep", "landed",
+                 "updated", "gathers", "tstates", "early", "stats", "coef", "each")
 
     def __init__(self, core: Any, step: Any, state: FusedState, src: Any, dst: Any) -> None:
         nb = len(core.plan.buckets)
@@ -48,8 +52,19 @@ class Run:
         self.landed = 0  # ... and of those, whose all-reduce is done
         self.updated = bytearray(nb)
         self.gathers: list[Any] = []
+        self.grads: list[torch.Tensor | None] = [None] * nb  # ... in the params' dtype
         self.tstates = list(state.transforms)
         self.early = core.elementwise and not core.skip_nonfinite
+        # The transforms each bucket's update applies itself (index, transform): all of them
+        # when updating on arrival, else those after the whole-tree ones (see finish).
+        self.each: list[tuple[int, Any]] = list(enumerate(core.transforms)) if self.early else []
+        # A leading whole-tree transform with a partial (the global norm): each bucket's part
+        # is computed as the bucket lands, during the backward; the factor after the last.
+        first = core.transforms[0] if core.transforms else None
+        self.stats: list[Any] | None = None
+        if not self.early and first is not None and first.partial is not None and first.coefficient is not None:
+            self.stats = [None] * nb
+        self.coef: torch.Tensor | None = None  # that transform's factor, applied per bucket
 
     def arrive(self, b: int, flat: torch.Tensor) -> None:
         """``Step.on_ready``: bucket ``b``'s collective has landed in ``flat``."""
@@ -58,8 +73,15 @@ class Run:
         if core.mesh.replicate is not None and core.scatter is not None:
             self._launch_replicas()
             return
+        self._arrived(b)
+
+    def _arrived(self, b: int) -> None:
+        """Bucket ``b``'s (slice of the) averaged gradient is final: update it now (early), or
+        compute its part of the leading whole-tree transform's statistic."""
         if self.early:
             self.update(b)
+        elif self.stats is not None:
+            self.stats[b] = self.core.transforms[0].partial([self.grad(b)])
 
     def _launch_replicas(self, force: bool = False) -> None:
         """All-reduce the arrived slices over the replicas, in bucket order (zeros if ``force``
@@ -82,8 +104,7 @@ class Run:
         b = self.landed
         self.rep[b] = None
         self.landed += 1
-        if self.early:
-            self.update(b)
+        self._arrived(b)
 
     def reduced(self) -> None:
         """The step machine finished: wait for the replica all-reduces still in flight."""
@@ -108,13 +129,21 @@ class Run:
                 except Exception:  # noqa: BLE001 - the step's own error is the one to raise
                     pass
 
+    def grad(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s (slice of the) gradient in the params' dtype (cast once)."""
+        g = self.grads[b]
+        if g is None:
+            g = self.grads[b] = self.core.grad_of(b, self.slices[b])
+        return g
+
     def update(self, b: int) -> None:
         core, step = self.core, self.step
         t0 = time.perf_counter()
-        g = core.grad_of(b, self.slices[b])
-        if self.early:
-            for i, t in enumerate(core.transforms):
-                self.tstates[i] = t.update_in_place([g], self.tstates[i])
+        g = self.grad(b)
+        if self.coef is not None:
+            g.mul_(self.coef)
+        for i, t in self.each:
+            self.tstates[i] = t.update_in_place([g], self.tstates[i])
         s = core.shards
         p = s.mine(b, self.dst.flats[b])
         if self.dst is not self.src:
@@ -139,12 +168,7 @@ class Run:
             if not finite:
                 return False
         if not self.early:
-            gs = [core.grad_of(b, r) for b, r in enumerate(self.slices)]
-            for i, t in enumerate(core.transforms):
-                if sharded and not t.elementwise:
-                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
-                else:
-                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
+            self._whole_tree(sharded)
         for b in range(len(self.slices)):
             if not self.updated[b]:
                 self.update(b)
@@ -155,6 +179,35 @@ class Run:
         for b, work in self.gathers:
             self._gathered(b, work)
         return True
+
+    def _whole_tree(self, sharded: bool) -> None:
+        """Every bucket has arrived: run the chain's transforms up to the last whole-tree one
+        over all buckets; those after it run per bucket in ``update``. A leading transform
+        with a partial only combines the parts computed on arrival into its factor, which
+        ``update`` multiplies each bucket by (the same product as its ``update_in_place``)."""
+        core = self.core
+        transforms = core.transforms
+        start = 0
+        if self.stats is not None:
+            parts = [n for b, part in enumerate(self.stats)
+                     for n in (part if part is not None else transforms[0].partial([self.grad(b)]))]
+            self.coef, self.tstates[0] = transforms[0].coefficient(parts, self.tstates[0],
+                                                                    core.reduce if sharded else None)
+            start = 1
+        last = max((i for i, t in enumerate(transforms) if not t.elementwise), default=-1)
+        if last >= start:  # another whole-tree transform: the factor and the rest over every bucket
+            gs = [self.grad(b) for b in range(len(self.slices))]
+            if self.coef is not None:
+                torch._foreach_mul_(gs, self.coef)
+                self.coef = None
+            for i in range(start, last + 1):
+                t = transforms[i]
+                if sharded and not t.elementwise:
+                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
+                else:
+                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
+            start = last + 1
+        self.each = [(i, transforms[i]) for i in range(start, len(transforms))]
 
     def _gathered(self, b: int, work: Any) -> None:
         core = self.core

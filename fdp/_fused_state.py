@@ -57,11 +57,11 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
                 "buckets (fdp.optim's clip_by_global_norm and clip_by_value do; GradientTransform("
                 "update_in_place=...) declares it for your own); for others use reducer.grad and opt.update"
             )
-        if sharded and not t.elementwise and t.update_sharded is None:
+        if sharded and not t.elementwise and t.update_sharded is None and t.coefficient is None:
             raise TypeError(
                 f"{name}: with shard=True each rank holds only its slice of the gradients, so a "
                 "whole-tree gradient transform must declare how to combine the slices "
-                "(GradientTransform(update_sharded=...); fdp.optim.clip_by_global_norm has one)"
+                "(GradientTransform(update_sharded=...) or partial=/coefficient=; fdp.optim.clip_by_global_norm has both)"
             )
     return transforms, optimizer
 

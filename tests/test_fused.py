@@ -120,6 +120,36 @@ def test_global_norm_clipping_differs_from_the_plain_path_only_in_rounding():
             torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
 
 
+def clipped_exact(group, steps=4):
+    apply, params, buffers = fdp.functionalize(mlp(seed=3))
+    loss = loss_of(apply, buffers)
+    clip, adamw = fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2)
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, fdp.optim.chain(clip, adamw))
+    state = step.init(params)
+    plan = step._core_for(params).plan
+    fused, plain, plain_state = dict(params), dict(params), adamw.init(params)
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        fused, state, _ = step(fused, state, x, y)
+        grads = reducer.grad(loss)(plain, x, y)
+        leaves = fdp._tree.leaves(grads)
+        buckets = [torch.cat([leaves[j].reshape(-1) for j in b.leaves]) for b in plan.buckets]
+        total = fdp.optim.global_norm(buckets)  # the norm of the fused step's buckets
+        coef = torch.clamp(0.05 / (total + 1e-6), max=1.0)
+        plain, plain_state = adamw.update({k: g * coef for k, g in grads.items()}, plain_state, plain)
+    return fused, plain, total, step.state_to_tree(state, fused).transforms[0].norm
+
+
+def test_global_norm_clipping_is_the_norm_of_the_buckets_exactly():
+    """The fused step's clip (per-bucket norms computed as each bucket lands, combined after
+    the last) is the plain path clipped by the norm of the same buckets, bit for bit."""
+    for rank, (fused, plain, total, fnorm) in enumerate(fdp.testing.run(clipped_exact, 2)):
+        assert torch.equal(fnorm, total), f"rank {rank}: norm {fnorm} != {total}"
+        for k in plain:
+            assert torch.equal(fused[k], plain[k]), f"rank {rank}, param {k!r}"
+
+
 def accumulated(group, k=3):
     apply, params, buffers = fdp.functionalize(mlp(seed=4))
     loss = loss_of(apply, buffers)

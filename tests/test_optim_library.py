@@ -595,3 +595,22 @@ def test_one_chain_shared_by_simulated_ranks_on_threads_gives_each_rank_its_own_
 
 # The docstring examples of fdp.optim and fdp.optim.schedules run as doctests in
 # tests/test_docs.py (test_docstring_examples_run), with every other public name's.
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_clip_partials_combine_to_global_norm_bitwise(norm_type):
+    """clip_by_global_norm's partial/coefficient pair (what the fused step computes as each
+    bucket lands) gives the norm and the clipped grads of update_in_place bit for bit, also
+    with dtypes interleaved (torch stacks the per-tensor norms grouped by dtype)."""
+    g = torch.Generator().manual_seed(5)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float64, torch.bfloat16]
+    grads = [torch.randn(97 * (i + 1), generator=g).to(d) for i, d in enumerate(dtypes)]
+    clip = fdp.optim.clip_by_global_norm(0.5, norm_type)
+    want = [t.clone() for t in grads]
+    want_state = clip.update_in_place(want, clip.init(grads))
+    parts = [n for t in grads for n in clip.partial([t])]  # one bucket at a time
+    coef, state = clip.coefficient(parts, clip.init(grads), None)
+    got = [t.clone().mul_(coef) for t in grads]
+    assert torch.equal(state.norm, want_state.norm)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"grad {i} ({a.dtype})"

@@ -111,6 +111,15 @@ class GradientTransform(NamedTuple):
         parts (``op``: ``"sum"`` or ``"max"``, in place; returns ``t``). ``clip_by_global_norm``
         has one; a sharded step refuses a whole-tree transform without it (its result on a
         slice alone would be wrong). Elementwise transforms need none.
+      partial, coefficient: optional pair for a whole-tree transform that multiplies every
+        grad by one factor computed from a reduction over all of them (``clip_by_global_norm``).
+        ``partial(grads) -> stats``: statistics of some of the grads (a list of tensors; for
+        the global norm, one norm per tensor); ``coefficient(stats, state, reduce) ->
+        (factor, new_state)``: the factor from every part's statistics, in order (``reduce``
+        as for ``update_sharded`` when the parts are one rank's slices, else ``None``). The
+        fused step computes each bucket's ``partial`` as soon as the bucket lands, during the
+        backward, so only the factor and the multiply are left after the last bucket. The
+        result must equal ``update_in_place``'s on the same tensors.
 
     Example:
       >>> halve = fdp.optim.GradientTransform(
@@ -127,6 +136,8 @@ class GradientTransform(NamedTuple):
     elementwise: bool = False
     update_in_place: Callable[[list[Tensor], Any], Any] | None = None
     update_sharded: Callable[[list[Tensor], Any, Callable[[Tensor, str], Tensor]], Any] | None = None
+    partial: Callable[[list[Tensor]], list[Tensor]] | None = None
+    coefficient: Callable[[list[Tensor], Any, Callable[[Tensor, str], Tensor] | None], tuple[Tensor, Any]] | None = None
 
 
 class ChainState(NamedTuple):

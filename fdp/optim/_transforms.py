@@ -26,9 +26,9 @@ from ._base import GradientTransform, Optimizer, leaf_options
 __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "global_norm",
            "partition"]
 
+from torch.utils import _foreach_utils
+
 _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-if _get_total_norm is None:  # torch < 2.6
-    from torch.utils import _foreach_utils
 _device = operator.attrgetter("device")
 _dtype = operator.attrgetter("dtype")
 
@@ -84,6 +84,30 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
             "so it cannot be clipped. To disable this error and scale the gradients by the "
             "non-finite norm anyway, set `error_if_nonfinite=False`")
     return total
+
+
+def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
+    """The per-tensor norms ``global_norm`` combines, computed as it computes them
+    (``torch._foreach_norm`` where the device has it, else one ``linalg.vector_norm`` each)."""
+    out: list[Tensor] = []
+    for t in tensors:
+        if _foreach_utils._has_foreach_support([t], t.device):
+            out.extend(torch._foreach_norm([t], norm_type))
+        else:
+            out.append(torch.linalg.vector_norm(t, norm_type))
+    return out
+
+
+def norm_of_norms(norms: list[Tensor], norm_type: float = 2.0) -> Tensor:
+    """``global_norm`` of the tensors whose ``tensor_norms`` are ``norms``: their p-norm,
+    stacked in torch's order (grouped by device and dtype, each group in first-seen order)."""
+    if not norms:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[Tensor]] = {}
+    for n in norms:
+        groups.setdefault((n.device, n.dtype), []).append(n)
+    first = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for g in groups.values() for n in g]), norm_type)
 
 
 class ClipState(NamedTuple):
@@ -159,10 +183,14 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         return clip_with(grads, global_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite))
 
     def update_sharded(grads: list[Tensor], state: ClipState, reduce: Callable[[Tensor, str], Tensor]) -> ClipState:
+        local = global_norm(grads, norm_type) if grads else state.norm.new_zeros(())
+        total = combine_slices(local, state, reduce)
+        return clip_with(grads, total) if grads else ClipState(total.detach())
+
+    def combine_slices(local: Tensor, state: ClipState, reduce: Callable[[Tensor, str], Tensor]) -> Tensor:
         # The norm of the whole is the p-norm of the parts' norms: sum their p-th powers over
         # the ranks (max for the inf-norm). Every rank then clips its part by the same coefficient.
         p = float(norm_type)
-        local = global_norm(grads, p) if grads else state.norm.new_zeros(())
         local = local.to(state.norm.dtype).reshape(1)
         if p == float("inf"):
             total = reduce(local, "max")[0]
@@ -170,10 +198,24 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             total = reduce(local.pow(p), "sum")[0].pow(1.0 / p)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             global_norm([total.reshape(1)], p, error_if_nonfinite=True)  # torch's own message
-        return clip_with(grads, total) if grads else ClipState(total.detach())
+        return total
+
+    def partial(grads: list[Tensor]) -> list[Tensor]:
+        return tensor_norms(grads, norm_type)
+
+    def coefficient(norms: list[Tensor], state: ClipState, reduce: Callable[[Tensor, str], Tensor] | None
+                    ) -> tuple[Tensor, ClipState]:
+        if reduce is not None:
+            total = combine_slices(norm_of_norms(norms, norm_type) if norms else state.norm.new_zeros(()),
+                                   state, reduce)
+        else:
+            total = norm_of_norms(norms, norm_type)
+            if error_if_nonfinite and not bool(torch.isfinite(total)):
+                global_norm([total.reshape(1)], norm_type, error_if_nonfinite=True)  # torch's own message
+        return torch.clamp(max_norm / (total + 1e-6), max=1.0), ClipState(total.detach())
 
     return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place,
-                             update_sharded=update_sharded)
+                             update_sharded=update_sharded, partial=partial, coefficient=coefficient)
 
 
 def clip_by_value(min_value: float, max_value: float) -> GradientTransform:

@@ -23,7 +23,9 @@ Every step includes the optimizer (``--optim``: SGD with momentum 0.9, or AdamW;
 both libraries; torch.optim's own ``SGD``/``AdamW`` for DDP) and, for
 models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; fdp's
 ``sync_buffers``). Reported per model and step kind: the median step time, its ratio to
-DDP's, the exposed communication (median step minus median local step), the minor page
+DDP's, the exposed communication (median step minus median local step), the CPU time per
+step of the rank's threads other than the one running the step ("comm cpu": gloo's workers,
+which on a machine with no spare core take that time from the backward), the minor page
 faults per step (``getrusage``: memory the allocator took from the kernel) and the peak memory
 of the step, measured separately per kind in a fresh world (peak RSS over the RSS before the
 first step on CPU; ``max_memory_allocated`` on CUDA), and the optimizer state one rank
@@ -223,26 +225,33 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
     steps = Steps(name, group, cfg, kinds)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     faults: dict[str, list[int]] = {k: [] for k in kinds}
+    others: dict[str, list[float]] = {k: [] for k in kinds}
     exposed: list[float] = []
     for i in range(cfg.warmup + cfg.steps):
         order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]  # rotate: no kind always first
         for kind in order:
             _sync(group)
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            c0 = time.thread_time()
             t = time.perf_counter()
             steps.run(kind)
             if group.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t
             if i >= cfg.warmup:
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
                 times[kind].append(dt)
-                faults[kind].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+                faults[kind].append(r1.ru_minflt - r0.ru_minflt)
+                # CPU time of every thread but this one (gloo's, any intra-op pool's)
+                cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
+                others[kind].append(cpu - (time.thread_time() - c0))
                 if kind == "fdp":
                     exposed.append(steps.reducer.last_timeline().exposed_comm)
     # every rank's view; rank 0's is reported (all ranks waited at the same barriers)
     out = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out["iqr"] = {k: [q * 1000 for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1}
     out["faults"] = {k: statistics.median(v) for k, v in faults.items() if v}
+    out["other_cpu"] = {k: statistics.median(v) * 1000 for k, v in others.items() if v}
     out["state_mib"] = {k: steps.state_mib(k) for k in kinds}
     out["fdp_timeline_exposed"] = statistics.median(exposed) * 1000 if exposed else None
     out["buckets"] = len(steps.reducer.plan.buckets)
@@ -334,8 +343,8 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
 
 
 def table(results: dict, cfg: argparse.Namespace) -> str:
-    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'faults':>7} {'peak MiB':>9} "
-             f"{'opt MiB':>8}"]
+    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'comm cpu':>9} {'faults':>7} "
+             f"{'peak MiB':>9} {'opt MiB':>8}"]
     for name, r in results["models"].items():
         for kind in cfg.kinds:
             ms = r[kind]
@@ -343,7 +352,9 @@ def table(results: dict, cfg: argparse.Namespace) -> str:
             exposed = "" if kind == "local" else f"{ms - r['local']:.2f}"
             mem = r.get("memory", {}).get(kind)
             faults = r.get("faults", {}).get(kind)
+            other = r.get("other_cpu", {}).get(kind)
             lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
+                         f"{'' if other is None else f'{other:9.2f}':>9} "
                          f"{'' if faults is None else f'{faults:7.0f}':>7} "
                          f"{'' if mem is None else f'{mem:9.1f}':>9} "
                          f"{r.get('state_mib', {}).get(kind, 0):8.2f}")

@@ -15,7 +15,6 @@ model of the step", gives the inputs and the validation.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,116 +26,18 @@ import torch
 from . import _comm
 from ._bucket import NO_CAP, BucketPlan, MiB, itemsize
 from ._group import Group
+from ._link import Link, linear_fit, measure_link
 from ._log import log
 from ._step import HOOK_MEAN_BYTES
 from ._timeline import Timeline
 
-__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "choose_caps",
-           "hooked_count", "linear_fit", "measure_link", "predict", "DDP_CAPS",
-           "CANDIDATE_CAPS_MB", "MIN_GAIN"]
+__all__ = ["AutoCaps", "Choice", "Prediction", "StepProfile", "assign", "choose_caps",
+           "hooked_count", "predict", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]
 
 # DDP's defaults, the baseline every choice is compared with: 1 MiB first bucket, then 25 MiB.
 DDP_CAPS = (1 * MiB, 25 * MiB)
 # The caps "auto" considers, in MiB: every (first, rest) pair of these (rest >= first).
 CANDIDATE_CAPS_MB = (0.125, 0.25, 0.5, 1, 2, 4, 8, 16, 25, 50, 100, math.inf)
-
-
-@dataclass(frozen=True)
-class Link:
-    """An alpha-beta link: ``alpha`` seconds per message, ``beta`` seconds per byte, and
-    ``overhead`` seconds of the caller's thread to issue one collective.
-
-    Example:
-      >>> link = fdp.cost.Link(alpha=1e-5, beta=1e-9)
-      >>> round(link.all_reduce(1e6, world=4), 9)   # 2*3*1e-5 + 2*3/4*1e6*1e-9
-      0.00156
-      >>> round(link.all_reduce(1e6, world=4, algorithm="tree"), 9)   # 2*2*1e-5 + 2*1e6*1e-9
-      0.00204
-      >>> fdp.cost.Link.parse("25Gbit", alpha=5e-6).beta == 8 / 25e9
-      True
-    """
-
-    alpha: float
-    beta: float
-    overhead: float = 0.0
-
-    def all_reduce(self, nbytes: float, world: int, algorithm: str = "ring") -> float:
-        """Seconds for an all-reduce of ``nbytes`` over ``world`` ranks (``"ring"``, ``"tree"``,
-        or ``"best"``: the cheaper, as NCCL chooses)."""
-        p = world
-        if p <= 1:
-            return 0.0
-        ring = 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * nbytes * self.beta
-        tree = 2 * math.ceil(math.log2(p)) * self.alpha + 2 * nbytes * self.beta
-        if algorithm not in ("ring", "tree", "best"):
-            raise ValueError(f"fdp.cost: algorithm must be 'ring', 'tree' or 'best', got {algorithm!r}")
-        return ring if algorithm == "ring" else tree if algorithm == "tree" else min(ring, tree)
-
-    def reduce_scatter(self, nbytes: float, world: int) -> float:
-        """Seconds for a ring reduce-scatter of a ``nbytes`` buffer (each rank keeps 1/world)."""
-        return 0.0 if world <= 1 else (world - 1) * (self.alpha + nbytes / world * self.beta)
-
-    def all_gather(self, nbytes: float, world: int) -> float:
-        """Seconds for a ring all-gather into a ``nbytes`` buffer (each rank gives 1/world)."""
-        return self.reduce_scatter(nbytes, world)
-
-    @classmethod
-    def parse(cls, text: str, alpha: float) -> Link:
-        """A link from a rate such as ``"25Gbit"``, ``"400Mbit"`` or ``"12.5GB"`` (bytes)."""
-        m = re.fullmatch(r"\s*([0-9.]+)\s*([kMGT]?)(bit|b|B)(/s)?\s*", text)
-        if not m:
-            raise ValueError(f"fdp.cost: cannot read a link rate from {text!r} (e.g. '25Gbit', '10GB')")
-        rate = float(m.group(1)) * {"": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
-        if not rate > 0:
-            raise ValueError(f"fdp.cost: a link rate must be > 0, got {text!r}")
-        bytes_per_s = rate if m.group(3) == "B" else rate / 8
-        return cls(alpha=alpha, beta=1 / bytes_per_s)
-
-    @classmethod
-    def fit(cls, sizes: Sequence[float], seconds: Sequence[float], world: int, overhead: float = 0.0) -> Link:
-        """The ring all-reduce link that best fits measured ``(bytes, seconds)`` pairs
-        (least squares on relative error, so the small sizes set alpha)."""
-        if world <= 1:
-            return cls(0.0, 0.0, overhead)
-        intercept, slope = linear_fit(sizes, seconds)
-        p = world
-        return cls(alpha=intercept / (2 * (p - 1)), beta=slope / (2 * (p - 1) / p), overhead=overhead)
-
-
-def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """``(intercept, slope)``, both >= 0, of ``y = a + b x`` by least squares on relative error
-    (weights ``1/y**2``), so the small sizes set the intercept and the large ones the slope."""
-    w = [1 / max(y, 1e-9) ** 2 for y in ys]
-    sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
-    slope = max(0.0, (sw * sxy - sx * sy) / max(sw * sxx - sx * sx, 1e-30))
-    return max(0.0, (sy - slope * sx) / sw), slope
-
-
-def measure_link(group: Group, sizes: Sequence[int] = (4096, 512 * 1024, 8 * MiB), repeats: int = 5) -> Link:
-    """Time all-reduces of ``sizes`` bytes on ``group`` and fit a ``Link`` (a collective).
-
-    Every rank runs the same collectives; the slowest rank's median per size is used, so
-    the result is the same ``Link`` on every rank. A world of one returns a free link.
-    """
-    if group.process_group is None:
-        return Link(0.0, 0.0, 0.0)
-    medians, issue = [], []
-    for n in sizes:
-        t = torch.zeros(max(1, n // 4), dtype=torch.float32, device=group.device)
-        _comm.all_reduce(t, group, "fdp.cost.measure_link (warm-up)")
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            work = _comm.all_reduce(t, group, "fdp.cost.measure_link", async_op=True)
-            issue.append(time.perf_counter() - t0)
-            _comm.wait(work, group, "fdp.cost.measure_link")
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    mine = torch.tensor([*medians, statistics.median(issue)], dtype=torch.float64, device=group.device)
-    slowest = _comm.all_gather(mine, group, "fdp.cost.measure_link (results)").amax(0).tolist()
-    return Link.fit([max(1, n // 4) * 4 for n in sizes], slowest[:-1], group.size, overhead=slowest[-1])
 
 
 @dataclass(frozen=True)
@@ -282,10 +183,15 @@ class Prediction:
 
 
 def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *, algorithm: str = "ring",
-            wire_ratio: float = 1.0, hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> Prediction:
+            wire_ratio: float = 1.0, hook_threshold_bytes: int = HOOK_MEAN_BYTES, shard: bool = False) -> Prediction:
     """Predict a step with bucket ``caps`` (bytes: first, second, ...; the last repeats) on
     ``world`` ranks over ``link``. ``wire_ratio``: wire bytes per gradient byte (0.5 for
     ``bf16_compress`` of fp32 gradients).
+
+    ``shard``: the sharded fused step (``Reducer(shard=True)``): each bucket is
+    reduce-scattered instead of all-reduced, each rank updates its 1/world slice, and after
+    the last reduce-scatter the params are all-gathered bucket by bucket, one at a time, each
+    once its bucket is updated (``exposed_comm`` then adds the gathers' time past the updates).
 
     Example:
       >>> prof = fdp.cost.StepProfile(leaf_bytes=(4000, 4000), leaf_group=(0, 0),
@@ -309,20 +215,32 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
         else:  # filled and issued one by one after the backward
             after = ready = max(after, launched) + link.overhead + fill
         launched = max(launched, ready)
-        wire_free = max(launched, wire_free) + link.all_reduce(nbytes * wire_ratio, world, algorithm)
+        wire = nbytes * wire_ratio
+        wire_free = max(launched, wire_free) + (
+            link.reduce_scatter(wire, world) if shard else link.all_reduce(wire, world, algorithm))
         done.append(wire_free)
     comm_done = done[-1] if done else 0.0
     end = max(bwd, comm_done)
+    updated = [0.0] * len(sizes)  # when each bucket's update ends (0: no update cost)
     if profile.update_per_byte or profile.update_fixed:
         upd_end = 0.0
-        for d, (nbytes, _) in zip(done, sizes):
-            cost = profile.update_fixed + nbytes * profile.update_per_byte
+        part = 1 / world if shard and world > 1 else 1.0  # sharded: this rank's slice
+        for k, (d, (nbytes, _)) in enumerate(zip(done, sizes)):
+            cost = profile.update_fixed + nbytes * part * profile.update_per_byte
             if d < bwd:
                 bwd += cost  # run between backward ops on the main thread
+                updated[k] = bwd
             else:
-                upd_end = max(d, upd_end, bwd) + cost
+                upd_end = updated[k] = max(d, upd_end, bwd) + cost
         end = max(bwd, comm_done, upd_end)
-    return Prediction(end + profile.tail, max(0.0, comm_done - bwd), bwd, comm_done, len(leaves))
+    exposed = max(0.0, comm_done - bwd)
+    if shard and world > 1:
+        gathered = max(bwd, comm_done)  # the gathers start after the last reduce-scatter
+        for (nbytes, _), u in zip(sizes, updated):
+            gathered = max(gathered, u) + link.all_gather(nbytes, world)
+        exposed += max(0.0, gathered - end)
+        end = max(end, gathered)
+    return Prediction(end + profile.tail, exposed, bwd, comm_done, len(leaves))
 
 
 @dataclass(frozen=True)
@@ -354,8 +272,9 @@ MIN_GAIN = 0.02
 
 def choose_caps(profile: StepProfile, link: Link, world: int, *, algorithm: str = "ring", wire_ratio: float = 1.0,
                 hook_threshold_bytes: int = HOOK_MEAN_BYTES,
-                candidates_mb: Sequence[float] = CANDIDATE_CAPS_MB) -> Choice:
-    """The (first, rest) caps among ``candidates_mb`` pairs with the lowest predicted step.
+                candidates_mb: Sequence[float] = CANDIDATE_CAPS_MB, shard: bool = False) -> Choice:
+    """The (first, rest) caps among ``candidates_mb`` pairs with the lowest predicted step
+    (``shard``: of the sharded fused step, as ``predict`` prices it).
 
     ``candidates_mb`` defaults to ``fdp.cost.CANDIDATE_CAPS_MB`` (0.125 MiB to 100 MiB and
     no cap). Ties go to the larger caps (fewer collectives); DDP's caps
@@ -371,7 +290,7 @@ def choose_caps(profile: StepProfile, link: Link, world: int, *, algorithm: str 
     """
     def run(caps: tuple[int, ...]) -> Prediction:
         return predict(profile, caps, link, world, algorithm=algorithm, wire_ratio=wire_ratio,
-                       hook_threshold_bytes=hook_threshold_bytes)
+                       hook_threshold_bytes=hook_threshold_bytes, shard=shard)
 
     to_bytes = [NO_CAP if math.isinf(c) else int(c * MiB) for c in candidates_mb]
     baseline = run(DDP_CAPS)
@@ -408,7 +327,8 @@ class AutoCaps:
     WARMUP = 1
     STEPS = 3
 
-    def __init__(self) -> None:
+    def __init__(self, shard: bool = False) -> None:
+        self.shard = shard  # choose for the sharded fused step (reduce-scatter + all-gather)
         self.frozen = False
         self.choice: Choice | None = None
         self.link: Link | None = None
@@ -436,7 +356,7 @@ class AutoCaps:
         if group.rank == 0:
             profile = StepProfile.over_ranks(profiles)
             c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
-                            hook_threshold_bytes=hook_threshold_bytes)
+                            hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
             msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
                                dtype=torch.float64, device=group.device)
         _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")

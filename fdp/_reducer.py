@@ -159,7 +159,7 @@ class Reducer:
         keep_freed_memory()  # no page faults per step from memory handed back to the kernel
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
             raise ValueError("fdp.Reducer: bucket_cap_mb='auto' chooses every cap; pass no first_bucket_cap_mb/bucket_caps_mb")
-        self.tuning = AutoCaps() if bucket_cap_mb == "auto" else None
+        self.tuning = AutoCaps(shard=bool(shard)) if bucket_cap_mb == "auto" else None
         plan = BucketPlan.build(  # "auto" starts on the calibration plan
             params, bucket_cap_mb=25 if self.tuning else bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB if self.tuning else bucket_caps_mb)

@@ -16,15 +16,15 @@ from ._cost import DDP_CAPS as DDP_CAPS
 from ._cost import MIN_GAIN as MIN_GAIN
 from ._cost import AutoCaps as AutoCaps
 from ._cost import Choice as Choice
-from ._cost import Link as Link
 from ._cost import Prediction as Prediction
 from ._cost import StepProfile as StepProfile
 from ._cost import assign as assign
 from ._cost import choose_caps as choose_caps
 from ._cost import hooked_count as hooked_count
-from ._cost import linear_fit as linear_fit
-from ._cost import measure_link as measure_link
 from ._cost import predict as predict
+from ._link import Link as Link
+from ._link import linear_fit as linear_fit
+from ._link import measure_link as measure_link
 
 # The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
 # describes them in ``choose_caps``.

@@ -86,8 +86,9 @@ def test_hooked_count_is_the_reducers_rule():
 
 def two_leaves(**kw):
     """Two 4 kB leaves: the last one's gradient arrives at 10 ms, the first's at 20 ms."""
+    kw.setdefault("tail", 0.001)
     return StepProfile(leaf_bytes=(4000, 4000), leaf_group=(0, 0), leaf_ready=(0.020, 0.010),
-                       backward_end=0.021, tail=0.001, **kw)
+                       backward_end=0.021, **kw)
 
 
 def test_predict_a_bucket_per_leaf_by_hand():
@@ -128,6 +129,40 @@ def test_predict_update_after_the_last_bucket():
     prof = two_leaves(update_fixed=0.002, update_per_byte=0.0)
     p = predict(prof, (10**6,), link, 2, hook_threshold_bytes=0)
     assert p.step == pytest.approx(0.030 + 0.002 + 0.001)  # comm done, update, tail
+
+
+def test_predict_sharded_by_hand():
+    """shard=True: reduce-scatters in place of all-reduces, the update on a 1/world slice,
+    then one all-gather per bucket, in order, each after its bucket's update."""
+    link = Link(alpha=0.001, beta=1e-6)  # on 2 ranks: a 4 kB reduce-scatter or all-gather is 1 + 2 ms
+    p = predict(two_leaves(tail=0.0), (4000,), link, 2, hook_threshold_bytes=0, shard=True)
+    # reduce-scatters 10..13 and 20..23 ms; backward ends at 21; gathers 23..26, 26..29
+    assert p.comm_done == pytest.approx(0.023)
+    assert p.step == pytest.approx(0.029)
+    assert p.exposed_comm == pytest.approx(0.002 + 0.006)
+    upd = two_leaves(tail=0.0, update_fixed=0.001, update_per_byte=0.0)
+    q = predict(upd, (4000,), link, 2, hook_threshold_bytes=0, shard=True)
+    # bucket 0 updates inside the backward (which ends at 22), bucket 1 at 23..24; the
+    # gathers start after the last reduce-scatter (23): 23..26, then 26..29
+    assert q.backward_end == pytest.approx(0.022)
+    assert q.step == pytest.approx(0.029)
+    assert q.exposed_comm == pytest.approx(0.001 + 0.005)
+    # the slice's update: 1/world of the bytes
+    per_byte = two_leaves(tail=0.0, update_per_byte=1e-6)
+    assert predict(per_byte, (10**6,), link, 2, hook_threshold_bytes=0, shard=True).step == pytest.approx(
+        0.020 + 0.005 + 0.004 + 0.005)  # reduce-scatter of 8 kB, update of 4 kB, all-gather
+    # a world of one: nothing to scatter or gather
+    assert predict(two_leaves(), (4000,), link, 1, shard=True).step == predict(two_leaves(), (4000,), link, 1).step
+
+
+def test_choose_caps_sharded_prices_the_gathers():
+    prof = deep_profile()
+    link = Link(alpha=1e-5, beta=1.5e-9)
+    c = choose_caps(prof, link, 2, shard=True)
+    assert c.predicted.step == pytest.approx(predict(prof, c.caps, link, 2, shard=True).step)
+    assert c.baseline.step == pytest.approx(predict(prof, DDP_CAPS, link, 2, shard=True).step)
+    assert c.baseline.step > predict(prof, DDP_CAPS, link, 2).step  # the gathers after the last bucket
+    assert fdp.Reducer({"w": torch.zeros(4)}, bucket_cap_mb="auto", shard=True).tuning.shard
 
 
 def deep_profile(n=32, leaf=MiB, compute=0.002):

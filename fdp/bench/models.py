@@ -53,6 +53,7 @@ from torch import nn
 
 import fdp
 
+from .rss import reset_peak_rss, rss
 from .zoo import MODELS, loss
 
 KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar", "fused", "fused-pure", "sharded")
@@ -260,26 +261,6 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
     return out
 
 
-def _rss() -> tuple[int, int]:
-    """(current RSS, peak RSS) in bytes, from /proc (Linux)."""
-    vals = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, v = line.split(":")
-                vals[key] = int(v.split()[0]) * 1024
-    return vals["VmRSS"], vals["VmHWM"]
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
 def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace) -> float | None:
     """Peak memory (MiB) that `kind` adds: a fresh world running this kind only.
 
@@ -303,16 +284,16 @@ def memory_model(name: str, kind: str, group: fdp.Group, cfg: argparse.Namespace
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        if not _reset_peak_rss():
+        if not reset_peak_rss():
             return None
-        base = _rss()[0]
+        base = rss()[0]
     steps = Steps(name, group, cfg, kinds=(kind,))
     for _ in range(4):
         _sync(group)
         steps.run(kind)
     if group.device.type == "cuda":
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    return (_rss()[1] - base) / 2**20
+    return (rss()[1] - base) / 2**20
 
 
 # ----------------------------------------------------------------------------- driver

@@ -19,13 +19,7 @@ from torch import nn
 
 import fdp
 
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+from .rss import rss_mib
 
 
 def soak(group: fdp.Group, cfg: argparse.Namespace) -> dict:
@@ -55,7 +49,7 @@ def soak(group: fdp.Group, cfg: argparse.Namespace) -> dict:
         if (step + 1) % cfg.check_every == 0:
             fdp.assert_replicas_equal((params, buffers, opt_state), group)
             checks += 1
-            samples.append((step + 1, _rss_mib()))
+            samples.append((step + 1, rss_mib()))
     return {"samples": samples, "checks": checks, "seconds": time.perf_counter() - t0}
 
 

@@ -68,8 +68,10 @@ class StepProfile:
 
     @classmethod
     def from_timelines(cls, plan: BucketPlan, timelines: Sequence[Timeline], link: Link,
-                       hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> StepProfile:
-        """The median profile of ``timelines`` (steps of ``reducer.grad`` with ``plan``).
+                       hook_threshold_bytes: int = HOOK_MEAN_BYTES, update_fraction: float = 1.0) -> StepProfile:
+        """The median profile of ``timelines`` (steps of ``reducer.grad`` with ``plan``, or of
+        its fused step: then the per-bucket update cost is fitted too, over ``update_fraction``
+        of each bucket's bytes: ``1/world`` for a sharded step, which updates a slice).
 
         A leaf's arrival is interpolated by bytes between its bucket's ready time and the
         previous bucket's, so a fine plan (``AutoCaps.CALIBRATION_CAPS_MB``) gives it closely.
@@ -93,7 +95,7 @@ class StepProfile:
                     per_leaf[i].append(prev + (bt.ready - prev) * acc / total)
                 prev = max(prev, bt.ready)
                 if bt.update_start is not None and bt.update_end is not None:
-                    upd.append((b.nbytes, bt.update_end - bt.update_start))
+                    upd.append((b.nbytes * update_fraction, bt.update_end - bt.update_start))
             end = tl.backward_end if tl.backward_end is not None else 0.0
             prev = end  # buckets without hooks are filled and launched one by one after the backward
             for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:
@@ -101,10 +103,15 @@ class StepProfile:
                     fills.append((bt.launch - prev - link.overhead - b.nbytes * per_byte) / len(b.leaves))
                     prev = bt.launch
             ends.append(end)
-            tails.append(max(0.0, tl.end - max(end, tl.comm_done)))
+            last = max([end, tl.comm_done] + [t for bt in tl.buckets for t in (bt.update_end, bt.gathered)
+                                                if t is not None])  # (the fused step's updates and gathers)
+            tails.append(max(0.0, tl.end - last))
         fixed = upd_byte = 0.0
-        if upd:
-            fixed, upd_byte = linear_fit([n for n, _ in upd], [t for _, t in upd])
+        xs = [n for n, _ in upd]
+        if upd and max(xs) >= 2 * min(xs):
+            fixed, upd_byte = linear_fit(xs, [t for _, t in upd])
+        elif upd:  # buckets all about one size: a line through them is ill-posed; cost per byte
+            upd_byte = statistics.median(t / max(n, 1) for n, t in upd)
         return cls(leaf_bytes, leaf_group, tuple(statistics.median(v) if v else None for v in per_leaf),
                    statistics.median(ends) - hooked * link.overhead, statistics.median(tails),
                    max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte)

@@ -213,3 +213,4 @@ class Run:
         core = self.core
         wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
         core.scatter.gathered(b)
+        self.step.times[b].gathered = time.perf_counter() - self.step.t0

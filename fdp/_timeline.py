@@ -32,6 +32,8 @@ class BucketTimes:
     # The fused step (``reducer.grad_and_update``): when this bucket's optimizer update ran.
     update_start: float | None = None
     update_end: float | None = None
+    # The sharded fused step: when this bucket's params all-gather was seen complete.
+    gathered: float | None = None
 
 
 @dataclass

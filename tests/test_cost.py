@@ -211,6 +211,32 @@ def test_profile_from_timelines_interpolates_by_bytes():
     assert prof.leaf_bytes == (4000, 12000, 16000)
 
 
+def test_profile_from_fused_timelines_fits_the_update_and_leaves_it_out_of_the_tail():
+    params = {"a": torch.zeros(1000), "b": torch.zeros(3000), "c": torch.zeros(4000)}
+    plan = fdp.BucketPlan.build(params, bucket_caps_mb=[20_000 / MiB])  # 28 kB, then 4 kB
+    def timeline(u0, u1, gathered=None):
+        return fdp.Timeline(step=0, kind="grad", backward_start=0.010, backward_end=0.040, end=0.060, buckets=[
+            fdp.BucketTimes(0, 28000, ready=0.024, launch=0.025, done=0.030, update_start=0.030,
+                            update_end=0.030 + u0, gathered=gathered),
+            fdp.BucketTimes(1, 4000, ready=0.035, launch=0.036, done=0.045, update_start=0.045,
+                            update_end=0.045 + u1)])
+    # 1 ms + 0.25 us/byte: 8 ms for 28 kB, 2 ms for 4 kB
+    prof = StepProfile.from_timelines(plan, [timeline(0.008, 0.002)], Link(0.0, 0.0), hook_threshold_bytes=0)
+    assert (prof.update_fixed, prof.update_per_byte) == (pytest.approx(0.001), pytest.approx(0.25e-6))
+    assert prof.tail == pytest.approx(0.060 - 0.047)  # from the last update's end
+    # sharded (a slice of 1/2 updated): per byte of the slice; the last gather ends the tail
+    half = StepProfile.from_timelines(plan, [timeline(0.008, 0.002, gathered=0.055)], Link(0.0, 0.0),
+                                      hook_threshold_bytes=0, update_fraction=0.5)
+    assert half.update_per_byte == pytest.approx(0.5e-6) and half.tail == pytest.approx(0.005)
+    # buckets of one size: no line through them, a cost per byte (not a huge slope)
+    same = fdp.BucketPlan.build({"a": torch.zeros(1000), "b": torch.zeros(1000)}, bucket_caps_mb=[4000 / MiB])
+    tl = fdp.Timeline(step=0, kind="grad", backward_start=0.0, backward_end=0.02, end=0.03, buckets=[
+        fdp.BucketTimes(0, 4000, ready=0.01, done=0.012, update_start=0.012, update_end=0.014),
+        fdp.BucketTimes(1, 4000, ready=0.015, done=0.017, update_start=0.017, update_end=0.0195)])
+    p2 = StepProfile.from_timelines(same, [tl], Link(0.0, 0.0), hook_threshold_bytes=0)
+    assert p2.update_fixed == 0.0 and p2.update_per_byte == pytest.approx(0.00225 / 4000)
+
+
 def test_profile_over_ranks_takes_each_steps_slowest_rank_then_the_median_step():
     def prof(ready, bwd, tail=0.001, **kw):
         return StepProfile((4, 4, 4), (0, 0, 0), ready, backward_end=bwd, tail=tail, **kw)

@@ -9,6 +9,11 @@ is made from the calibration plan's steps and the link measured after them, as
 Reported per cap: the measured median step (the Reducer's own clock, ``timeline.end``: the
 call from the forward to the last bucket's wait, rank 0), the predicted step, and the error.
 
+``--step fused`` times the fused AdamW step (``reducer.grad_and_update``, donated) instead,
+and ``--step sharded`` that of ``Reducer(shard=True)``: the profile then also holds the
+per-bucket update cost fitted from the calibration plan's fused timelines, which checks the
+model's update term (and, sharded, its reduce-scatter and all-gather pricing).
+
 Run it under a shaped link by starting it in a network namespace whose loopback has a
 ``tbf`` qdisc (docs/performance.md, "Validation").
 """
@@ -43,15 +48,37 @@ def _all_gather_object(obj: Any, group: fdp.Group) -> list:
     return out
 
 
+class _Fused:
+    """A fused AdamW step of one reducer, called like ``reducer.grad(loss_fn)``."""
+
+    def __init__(self, reducer: fdp.Reducer, loss_fn: Any, params: dict) -> None:
+        self.step = reducer.grad_and_update(loss_fn, fdp.optim.adamw(lr=1e-4), has_aux=True, donate=True)
+        self.params = {k: v.clone() for k, v in params.items()}
+        self.state = self.step.init(self.params)
+
+    def __call__(self, params: dict, buffers: dict, *batch: Any) -> None:
+        self.params, self.state, _ = self.step(self.params, self.state, buffers, *batch)
+
+    def last_timeline(self) -> Any:
+        return self.step.last_step.timeline
+
+
 def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict:
     params, buffers, loss_fn, batches = setup(name, group)
+    shard = cfg.step == "sharded"
     caps = {f"{c:g}": (DDP_CAPS if c == 25 else (int(min(1, c) * 2**20), int(c * 2**20))) for c in SWEEP}
-    reducers = {k: fdp.Reducer(params, group, bucket_caps_mb=[c / 2**20 for c in v]) for k, v in caps.items()}
-    auto = fdp.Reducer(params, group, bucket_cap_mb="auto")
+    reducers = {k: fdp.Reducer(params, group, bucket_caps_mb=[c / 2**20 for c in v], shard=shard)
+                for k, v in caps.items()}
+    auto = fdp.Reducer(params, group, bucket_cap_mb="auto", shard=shard)
     choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True)
     reducers["auto"], caps["auto"] = auto, auto.tuning.choice.caps
-    reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB)
-    fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
+    reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB, shard=shard)
+    if cfg.step == "grad":
+        fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
+        clock = {k: r.last_timeline for k, r in reducers.items()}
+    else:
+        fns = {k: _Fused(r, loss_fn, params) for k, r in reducers.items()}
+        clock = {k: f.last_timeline for k, f in fns.items()}
     kinds = list(fns)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     timelines: dict[str, list] = {}
@@ -60,16 +87,18 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
             _barrier(group)
             fns[kind](params, buffers, *batches[i % len(batches)])
             if i >= cfg.warmup:
-                times[kind].append(reducers[kind].last_timeline().end)
-                timelines.setdefault(kind, []).append(reducers[kind].last_timeline())
+                times[kind].append(clock[kind]().end)
+                timelines.setdefault(kind, []).append(clock[kind]())
     # The profile comes from the calibration plan's steps, interleaved with the timed ones.
     link = measure_link(group)
-    mine = [StepProfile.from_timelines(reducers["calibration"].plan, [tl], link) for tl in timelines["calibration"]]
+    frac = 1 / group.size if shard else 1.0
+    mine = [StepProfile.from_timelines(reducers["calibration"].plan, [tl], link, update_fraction=frac)
+            for tl in timelines["calibration"]]
     prof = StepProfile.over_ranks([mine] if group.size == 1 else _all_gather_object(mine, group))
     rows = {}
     caps["calibration"] = reducers["calibration"].plan.caps
     for k in kinds:
-        pr = predict(prof, caps[k], link, group.size)
+        pr = predict(prof, caps[k], link, group.size, shard=shard)
         ms = statistics.median(times[k]) * 1e3
         bwd = statistics.median(t.backward_end for t in timelines[k]) * 1e3
         rows[k] = dict(caps=caps_text(caps[k]), buckets=len(reducers[k].plan.buckets), measured_ms=ms,
@@ -77,7 +106,8 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
                        measured_backward_ms=bwd, predicted_backward_ms=pr.backward_end * 1e3,
                        error=pr.step * 1e3 / ms - 1)
     return dict(rows=rows, alpha_us=link.alpha * 1e6, gbit_s=(8e-9 / link.beta) if link.beta else None,
-                auto_gain=choice.gain, backward_ms=prof.backward_end * 1e3)
+                auto_gain=choice.gain, backward_ms=prof.backward_end * 1e3,
+                update_us_per_mib=prof.update_per_byte * 2**20 * 1e6, update_fixed_us=prof.update_fixed * 1e6)
 
 
 def _rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
@@ -91,8 +121,10 @@ def table(results: dict) -> str:
     summary = []
     for world, models in results.items():
         for name, r in models.items():
+            upd = (f"; update {r['update_fixed_us']:.0f} us + {r['update_us_per_mib']:.0f} us/MiB"
+                   if "update_us_per_mib" in r and (r["update_us_per_mib"] or r["update_fixed_us"]) else "")
             lines.append(f"{world:>5} {name:<12} (link: alpha {r['alpha_us']:.0f} us, "
-                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms)")
+                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms{upd})")
             for k, row in r["rows"].items():
                 lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
                              f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%} "
@@ -145,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", default="2,3,4")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--step", default="grad", choices=("grad", "fused", "sharded"),
+                   help="the step timed: reducer.grad, the fused AdamW step, or the sharded one")
     p.add_argument("--label", default="loopback", help="the link's name in the plot's title")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)

@@ -86,7 +86,9 @@ class StepProfile:
         for tl in timelines:
             prev = tl.backward_start or 0.0
             for b, bt in zip(plan.buckets, tl.buckets):
-                if bt.ready is None:
+                if bt.update_start is not None and bt.update_end is not None:
+                    upd.append((b.nbytes * update_fraction, bt.update_end - bt.update_start))
+                if bt.ready is None:  # (a bucket without leaf hooks: filled after the backward)
                     continue
                 sizes = [leaf_bytes[i] for i in b.leaves]
                 total, acc = max(1, sum(sizes)), 0
@@ -94,8 +96,6 @@ class StepProfile:
                     acc += nb
                     per_leaf[i].append(prev + (bt.ready - prev) * acc / total)
                 prev = max(prev, bt.ready)
-                if bt.update_start is not None and bt.update_end is not None:
-                    upd.append((b.nbytes * update_fraction, bt.update_end - bt.update_start))
             end = tl.backward_end if tl.backward_end is not None else 0.0
             prev = end  # buckets without hooks are filled and launched one by one after the backward
             for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:

@@ -232,7 +232,7 @@ def test_profile_from_fused_timelines_fits_the_update_and_leaves_it_out_of_the_t
     same = fdp.BucketPlan.build({"a": torch.zeros(1000), "b": torch.zeros(1000)}, bucket_caps_mb=[4000 / MiB])
     tl = fdp.Timeline(step=0, kind="grad", backward_start=0.0, backward_end=0.02, end=0.03, buckets=[
         fdp.BucketTimes(0, 4000, ready=0.01, done=0.012, update_start=0.012, update_end=0.014),
-        fdp.BucketTimes(1, 4000, ready=0.015, done=0.017, update_start=0.017, update_end=0.0195)])
+        fdp.BucketTimes(1, 4000, ready=None, done=0.017, update_start=0.017, update_end=0.0195)])  # unhooked
     p2 = StepProfile.from_timelines(same, [tl], Link(0.0, 0.0), hook_threshold_bytes=0)
     assert p2.update_fixed == 0.0 and p2.update_per_byte == pytest.approx(0.00225 / 4000)
 

@@ -202,7 +202,10 @@ class Run:
                 self.coef = None
             for i in range(start, last + 1):
                 t = transforms[i]
-                if sharded and not t.elementwise:
+                if sharded and not t.elementwise and t.update_sharded is None:  # its partial/coefficient pair
+                    coef, self.tstates[i] = t.coefficient(t.partial(gs), self.tstates[i], core.reduce)
+                    torch._foreach_mul_(gs, coef)
+                elif sharded and not t.elementwise:
                     self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
                 else:
                     self.tstates[i] = t.update_in_place(gs, self.tstates[i])

@@ -125,6 +125,31 @@ def test_global_norm_clipping_combines_the_slices_norms(norm_type):
             torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
 
 
+def clipped_after_a_value_clip(group):
+    # a whole-tree transform declaring only the partial/coefficient pair, and not first in
+    # the chain (so not computed on arrival): the sharded step combines its slices with it
+    apply, params, buffers = fdp.functionalize(mlp(seed=3))
+    loss = loss_of(apply, buffers)
+    pair_only = fdp.optim.clip_by_global_norm(0.05)._replace(update_sharded=None)
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.5, 0.5), pair_only, fdp.optim.adamw(lr=1e-2))
+    out = []
+    for shard in (False, True):
+        step = fdp.Reducer(params, group, shard=shard, **CAPS).grad_and_update(loss, opt)
+        state, p = step.init(params), dict(params)
+        for i in range(4):
+            p, state, _ = step(p, state, *batch(group.rank, i))
+        out.append((p, state.transforms[1].norm))
+    return out
+
+
+def test_a_later_whole_tree_transform_with_only_a_partial_pair_is_sharded():
+    for rank, ((p, norm), (sp, snorm)) in enumerate(fdp.testing.run(clipped_after_a_value_clip, 2)):
+        assert norm > 0.05, "the test must clip"
+        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
+        for k in p:
+            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+
+
 def nonfinite_in_one_slice(group):
     # One bucket of two leaves: rank 0's slice is all of "a", rank 1's all of "b". Only rank 1
     # sees the inf locally; no rank may update.

@@ -224,14 +224,18 @@ def test_constants_are_passed_to_the_module_under_compile():
         torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL, msg=k)
 
 
-def _grad_under_compile_error():
-    reducer = fdp.Reducer({"w": torch.ones(3)})
+def _compile_error(fn):
+    """(whether dynamo keeps user messages, the error of compiling and calling ``fn`` on ones(3) or None)."""
     try:
-        torch.compile(lambda w: reducer.grad(lambda p: p["w"].square().sum())({"w": w})["w"],
-                      fullgraph=True, backend="eager")(torch.ones(3))
+        torch.compile(fn, fullgraph=True, backend="eager")(torch.ones(3))
     except Exception as e:  # noqa: BLE001 - the message is checked by the caller
         return _dynamo_keeps_user_exception_messages(), f"{type(e).__name__}: {e}"
     return True, None
+
+
+def _grad_under_compile_error():
+    reducer = fdp.Reducer({"w": torch.ones(3)})
+    return _compile_error(lambda w: reducer.grad(lambda p: p["w"].square().sum())({"w": w})["w"])
 
 
 def test_reducer_grad_under_compile_says_what_to_use_instead():
@@ -246,11 +250,7 @@ def _fused_under_compile_error():
     params = {"w": torch.ones(3)}
     step = fdp.Reducer(params).grad_and_update(lambda p: p["w"].square().sum(), fdp.optim.sgd(lr=0.1))
     state = step.init(params)
-    try:
-        torch.compile(lambda w: step({"w": w}, state)[0]["w"], fullgraph=True, backend="eager")(torch.ones(3))
-    except Exception as e:  # noqa: BLE001 - the message is checked by the caller
-        return _dynamo_keeps_user_exception_messages(), f"{type(e).__name__}: {e}"
-    return True, None
+    return _compile_error(lambda w: step({"w": w}, state)[0]["w"])
 
 
 def test_the_fused_step_refuses_torch_compile_and_names_the_alternative():

@@ -97,18 +97,31 @@ def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks(world,
             torch.testing.assert_close(fused[k], ddp[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
 
 
-def clipped(group, norm_type):
+def clipped_both_ways(group, opt, steps, clip):
+    """Unsharded, then sharded: (params, norm of the chain's transform ``clip``) after ``steps``."""
     apply, params, buffers = fdp.functionalize(mlp(seed=3))
     loss = loss_of(apply, buffers)
-    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05, norm_type), fdp.optim.adamw(lr=1e-2))
     out = []
     for shard in (False, True):
         step = fdp.Reducer(params, group, shard=shard, **CAPS).grad_and_update(loss, opt)
         state, p = step.init(params), dict(params)
-        for i in range(5):
+        for i in range(steps):
             p, state, _ = step(p, state, *batch(group.rank, i))
-        out.append((p, state.transforms[0].norm))
+        out.append((p, state.transforms[clip].norm))
     return out
+
+
+def clipped(group, norm_type):
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05, norm_type), fdp.optim.adamw(lr=1e-2))
+    return clipped_both_ways(group, opt, 5, 0)
+
+
+def assert_clipped_alike(results):
+    for rank, ((p, norm), (sp, snorm)) in enumerate(results):
+        assert norm > 0.05, "the test must clip"
+        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
+        for k in p:
+            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
@@ -116,38 +129,23 @@ def test_global_norm_clipping_combines_the_slices_norms(norm_type):
     # The whole norm from the slices' norms (their p-th powers summed over the ranks, or their
     # max): another summation order than the unsharded step's per-bucket norms, so the clip
     # coefficient may differ in its last bits; with the inf-norm it cannot.
-    for rank, ((p, norm), (sp, snorm)) in enumerate(fdp.testing.run(clipped, 2, args=(norm_type,))):
-        assert norm > 0.05, "the test must clip"
-        if norm_type == float("inf"):
+    results = fdp.testing.run(clipped, 2, args=(norm_type,))
+    if norm_type == float("inf"):
+        for (_, norm), (_, snorm) in results:
             assert torch.equal(snorm, norm)
-        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
-        for k in p:
-            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+    assert_clipped_alike(results)
 
 
 def clipped_after_a_value_clip(group):
     # a whole-tree transform declaring only the partial/coefficient pair, and not first in
     # the chain (so not computed on arrival): the sharded step combines its slices with it
-    apply, params, buffers = fdp.functionalize(mlp(seed=3))
-    loss = loss_of(apply, buffers)
     pair_only = fdp.optim.clip_by_global_norm(0.05)._replace(update_sharded=None)
     opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.5, 0.5), pair_only, fdp.optim.adamw(lr=1e-2))
-    out = []
-    for shard in (False, True):
-        step = fdp.Reducer(params, group, shard=shard, **CAPS).grad_and_update(loss, opt)
-        state, p = step.init(params), dict(params)
-        for i in range(4):
-            p, state, _ = step(p, state, *batch(group.rank, i))
-        out.append((p, state.transforms[1].norm))
-    return out
+    return clipped_both_ways(group, opt, 4, 1)
 
 
 def test_a_later_whole_tree_transform_with_only_a_partial_pair_is_sharded():
-    for rank, ((p, norm), (sp, snorm)) in enumerate(fdp.testing.run(clipped_after_a_value_clip, 2)):
-        assert norm > 0.05, "the test must clip"
-        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
-        for k in p:
-            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+    assert_clipped_alike(fdp.testing.run(clipped_after_a_value_clip, 2))
 
 
 def nonfinite_in_one_slice(group):

@@ -196,8 +196,11 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             total = reduce(local, "max")[0]
         else:
             total = reduce(local.pow(p), "sum")[0].pow(1.0 / p)
+        return checked(total)
+
+    def checked(total: Tensor) -> Tensor:
         if error_if_nonfinite and not bool(torch.isfinite(total)):
-            global_norm([total.reshape(1)], p, error_if_nonfinite=True)  # torch's own message
+            global_norm([total.reshape(1)], norm_type, error_if_nonfinite=True)  # torch's own message
         return total
 
     def partial(grads: list[Tensor]) -> list[Tensor]:
@@ -209,9 +212,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             total = combine_slices(norm_of_norms(norms, norm_type) if norms else state.norm.new_zeros(()),
                                    state, reduce)
         else:
-            total = norm_of_norms(norms, norm_type)
-            if error_if_nonfinite and not bool(torch.isfinite(total)):
-                global_norm([total.reshape(1)], norm_type, error_if_nonfinite=True)  # torch's own message
+            total = checked(norm_of_norms(norms, norm_type))
         return torch.clamp(max_norm / (total + 1e-6), max=1.0), ClipState(total.detach())
 
     return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place,

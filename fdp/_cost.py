@@ -18,21 +18,18 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from . import _comm
 from ._bucket import NO_CAP, BucketPlan, MiB, itemsize
-from ._group import Group
-from ._link import Link, linear_fit, measure_link
-from ._log import log
+from ._link import Link, linear_fit
 from ._step import HOOK_MEAN_BYTES
 from ._timeline import Timeline
 
-__all__ = ["AutoCaps", "Choice", "Prediction", "StepProfile", "assign", "choose_caps",
-           "hooked_count", "predict", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]
+__all__ = ["Choice", "Prediction", "StepProfile", "assign", "choose_caps",
+           "hooked_count", "lost", "on_the_wire", "predict", "reached", "share", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]
 
 # DDP's defaults, the baseline every choice is compared with: 1 MiB first bucket, then 25 MiB.
 DDP_CAPS = (1 * MiB, 25 * MiB)
@@ -54,6 +51,9 @@ class StepProfile:
       fill_per_leaf, fill_per_byte: the main thread's cost to fill a bucket (the
         multi-tensor copy with the scale fused in) per leaf and per byte.
       update_fixed, update_per_byte: the fused step's per-bucket update cost (0: no update).
+      overlapped_bytes: bytes on the wire during the backward in the timelines it came from.
+      contention: seconds of backward lost per byte communicated beside it (0: the backward
+        and the transport do not share cores; ``with_contention`` measures it).
     """
 
     leaf_bytes: tuple[int, ...]
@@ -65,25 +65,32 @@ class StepProfile:
     fill_per_byte: float = 0.0
     update_fixed: float = 0.0
     update_per_byte: float = 0.0
+    overlapped_bytes: float = 0.0
+    contention: float = 0.0
 
     @classmethod
     def from_timelines(cls, plan: BucketPlan, timelines: Sequence[Timeline], link: Link,
-                       hook_threshold_bytes: int = HOOK_MEAN_BYTES, update_fraction: float = 1.0) -> StepProfile:
+                       hook_threshold_bytes: int = HOOK_MEAN_BYTES, update_fraction: float = 1.0,
+                       contention: float = 0.0) -> StepProfile:
         """The median profile of ``timelines`` (steps of ``reducer.grad`` with ``plan``, or of
         its fused step: then the per-bucket update cost is fitted too, over ``update_fraction``
         of each bucket's bytes: ``1/world`` for a sharded step, which updates a slice).
 
         A leaf's arrival is interpolated by bytes between its bucket's ready time and the
         previous bucket's, so a fine plan (``AutoCaps.CALIBRATION_CAPS_MB``) gives it closely.
+        Steps whose launches were deferred past the backward (``AutoCaps``' calibration) give
+        the backward with no communication beside it; with ``contention``, what the
+        communication beside it took is taken out of the arrivals and the backward's end.
         """
         keys: dict[tuple, int] = {}
         leaf_group = tuple(keys.setdefault((s.device.type, s.dtype), len(keys)) for s in plan.slots)
         leaf_bytes = tuple(s.numel * itemsize(s.dtype) for s in plan.slots)
         per_leaf: list[list[float]] = [[] for _ in plan.slots]
-        ends, tails, upd, fills = [], [], [], []
+        ends, tails, upd, fills, overlapped = [], [], [], [], []
         hooked = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         per_byte = copy_seconds_per_byte(plan.slots[0].device) if plan.slots else 0.0
         for tl in timelines:
+            wire = on_the_wire(tl, link, contention)
             prev = tl.backward_start or 0.0
             for b, bt in zip(plan.buckets, tl.buckets):
                 if bt.update_start is not None and bt.update_end is not None:
@@ -94,15 +101,24 @@ class StepProfile:
                 total, acc = max(1, sum(sizes)), 0
                 for i, nb in zip(b.leaves, sizes):
                     acc += nb
-                    per_leaf[i].append(prev + (bt.ready - prev) * acc / total)
+                    t = prev + (bt.ready - prev) * acc / total
+                    per_leaf[i].append(t - lost(wire, t))
                 prev = max(prev, bt.ready)
             end = tl.backward_end if tl.backward_end is not None else 0.0
-            prev = end  # buckets without hooks are filled and launched one by one after the backward
+            overlapped.append(sum(n * share(s, d, end) for s, d, _, n in wire))
+            # buckets without hooks are filled and launched one by one after the backward (and,
+            # deferred, after the hooked ones)
+            prev = max([end] + [bt.launch for bt in tl.buckets[:hooked] if bt.launch is not None])
             for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:
                 if bt.launch is not None and tl.backward_end is not None:
                     fills.append((bt.launch - prev - link.overhead - b.nbytes * per_byte) / len(b.leaves))
                     prev = bt.launch
-            ends.append(end)
+            # The hooked buckets' issue overheads ran inside the backward (``predict`` adds the
+            # plan's own); a deferred step filled them after it (as if inside, as predicted).
+            inside = [b for b, bt in list(zip(plan.buckets, tl.buckets))[:hooked]
+                      if bt.launch is not None and bt.launch <= end]
+            ends.append(end - lost(wire, end) - len(inside) * link.overhead
+                        + (sum(b.nbytes for b in plan.buckets[:hooked]) - sum(b.nbytes for b in inside)) * per_byte)
             last = max([end, tl.comm_done] + [t for bt in tl.buckets for t in (bt.update_end, bt.gathered)
                                                 if t is not None])  # (the fused step's updates and gathers)
             tails.append(max(0.0, tl.end - last))
@@ -113,8 +129,19 @@ class StepProfile:
         elif upd:  # buckets all about one size: a line through them is ill-posed; cost per byte
             upd_byte = statistics.median(t / max(n, 1) for n, t in upd)
         return cls(leaf_bytes, leaf_group, tuple(statistics.median(v) if v else None for v in per_leaf),
-                   statistics.median(ends) - hooked * link.overhead, statistics.median(tails),
-                   max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte)
+                   statistics.median(ends), statistics.median(tails),
+                   max(0.0, statistics.median(fills)) if fills else 0.0, per_byte, fixed, upd_byte,
+                   statistics.median(overlapped), contention)
+
+    @classmethod
+    def with_contention(cls, free: StepProfile, overlapped: StepProfile) -> StepProfile:
+        """``free`` (from steps with no communication during the backward) with the contention
+        that ``overlapped`` (the same plan, its buckets launched during the backward) shows:
+        its longer backward per byte it had on the wire meanwhile."""
+        c = 0.0
+        if overlapped.overlapped_bytes > 0:
+            c = max(0.0, overlapped.backward_end - free.backward_end) / overlapped.overlapped_bytes
+        return replace(free, contention=c)
 
 
     @classmethod
@@ -125,7 +152,8 @@ class StepProfile:
         ready = zip(*(p.leaf_ready for p in profiles))
         return replace(profiles[0], leaf_ready=tuple(None if None in r else how(r) for r in ready),
                        **{f: how([getattr(p, f) for p in profiles]) for f in
-                          ("backward_end", "tail", "fill_per_leaf", "fill_per_byte", "update_fixed", "update_per_byte")})
+                          ("backward_end", "tail", "fill_per_leaf", "fill_per_byte", "update_fixed", "update_per_byte",
+                           "overlapped_bytes", "contention")})
 
     @classmethod
     def over_ranks(cls, per_rank: Sequence[Sequence[StepProfile]]) -> StepProfile:
@@ -147,6 +175,48 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return min(times) / nbytes
+
+
+def on_the_wire(tl: Timeline, link: Link, contention: float) -> list[tuple[float, float, float, int]]:
+    """A measured step's collectives as ``(start, seconds, backward lost, bytes)``: each starts
+    on the wire when issued and the one before it is done (they go one at a time)."""
+    out, free = [], 0.0
+    for bt in tl.buckets:
+        if bt.launch is None or bt.done is None:
+            continue
+        start = max(bt.launch, free)
+        free = max(start, bt.done)
+        out.append((start, free - start, min(contention * bt.nbytes, free - start), bt.nbytes))
+    return out
+
+
+def share(start: float, seconds: float, t: float) -> float:
+    """The fraction of a collective over ``[start, start + seconds]`` done by ``t``."""
+    if t <= start:
+        return 0.0
+    return 1.0 if seconds <= 0 or t >= start + seconds else (t - start) / seconds
+
+
+def lost(wire: Sequence[tuple[float, float, float, Any]], t: float) -> float:
+    """Backward time the collectives of ``wire`` took by wall time ``t``."""
+    return sum(stolen * share(s, d, t) for s, d, stolen, _ in wire)
+
+
+def reached(wire: Sequence[tuple[float, float, float, Any]], f: float) -> float:
+    """The wall time at which a backward that loses ``lost(wire, t)`` by ``t`` has done ``f``
+    seconds of its own work (``wire`` in start order, one collective at a time)."""
+    behind = 0.0
+    for s, d, stolen, _ in wire:
+        t = f + behind
+        if t <= s:
+            return t
+        r = stolen / d if d > 0 else 0.0
+        if r < 1:  # inside: t - behind - r (t - s) = f
+            t = (f + behind - r * s) / (1 - r)
+            if t <= s + d:
+                return t
+        behind += stolen
+    return f + behind
 
 
 def assign(leaf_bytes: Sequence[int], leaf_group: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
@@ -211,21 +281,27 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
     leaves = assign(profile.leaf_bytes, profile.leaf_group, caps)
     sizes = [(sum(profile.leaf_bytes[i] for i in b), len(b)) for b in leaves]
     hooked = hooked_count(sizes, hook_threshold_bytes)
-    bwd = profile.backward_end + hooked * link.overhead
+    free_bwd = profile.backward_end + hooked * link.overhead  # its own work, with no communication beside it
     launched = wire_free = 0.0
-    after = bwd  # the main thread, once the backward has returned
+    wire: list[tuple[float, float, float, int]] = []  # (start, seconds, backward lost, bytes)
+    after = None  # the main thread, once the backward has returned
     done = []
     for k, (b, (nbytes, count)) in enumerate(zip(leaves, sizes)):
         fill = profile.fill_per_leaf * count + profile.fill_per_byte * nbytes
-        if k < hooked:  # its last leaf's arrival (an unobserved leaf: the backward's end)
-            ready = min(bwd, max(bwd if profile.leaf_ready[i] is None else profile.leaf_ready[i] for i in b)) + fill
+        if k < hooked:  # its last leaf's arrival (an unobserved leaf: the backward's end), late by
+            # what the collectives on the wire took from the backward (``contention``)
+            arrival = max(free_bwd if profile.leaf_ready[i] is None else profile.leaf_ready[i] for i in b)
+            ready = reached(wire, min(free_bwd, arrival)) + fill
         else:  # filled and issued one by one after the backward
-            after = ready = max(after, launched) + link.overhead + fill
+            after = ready = max(reached(wire, free_bwd) if after is None else after, launched) + link.overhead + fill
         launched = max(launched, ready)
-        wire = nbytes * wire_ratio
-        wire_free = max(launched, wire_free) + (
-            link.reduce_scatter(wire, world) if shard else link.all_reduce(wire, world, algorithm))
+        nwire = nbytes * wire_ratio
+        cost = link.reduce_scatter(nwire, world) if shard else link.all_reduce(nwire, world, algorithm)
+        start = max(launched, wire_free)
+        wire_free = start + cost
+        wire.append((start, cost, min(profile.contention * nwire, cost), 0))
         done.append(wire_free)
+    bwd = reached(wire, free_bwd)
     comm_done = done[-1] if done else 0.0
     end = max(bwd, comm_done)
     updated = [0.0] * len(sizes)  # when each bucket's update ends (0: no update cost)
@@ -310,67 +386,3 @@ def choose_caps(profile: StepProfile, link: Link, world: int, *, algorithm: str 
     if best.step > baseline.step * (1 - MIN_GAIN):
         best, best_caps = baseline, DDP_CAPS
     return Choice(best_caps, best, baseline)
-
-
-class AutoCaps:
-    """The tuner behind ``fdp.Reducer(..., bucket_cap_mb="auto")``.
-
-    The Reducer starts on a fine calibration plan (``CALIBRATION_CAPS_MB``: a bucket per
-    64 KiB, so each bucket's ready time says when its leaves arrived). After ``WARMUP``
-    steps of ``reducer.grad`` it records ``STEPS`` more; then every rank times a few
-    all-reduces (``measure_link``) and builds its ``StepProfile``; rank 0 takes the slowest
-    rank's arrivals per step (``StepProfile.over_ranks``), picks the caps
-    (``choose_caps``) and broadcasts them with the predictions, and the Reducer freezes the
-    plan built from them (fingerprint checked on every rank). The calibration steps are
-    ordinary steps with correct averages; only their bucket layout differs.
-
-    Attributes:
-      frozen: whether the caps are chosen (the plan never changes afterwards).
-      choice: the ``fdp.cost.Choice`` (None before the freeze), the same on every rank.
-      link: the measured ``fdp.cost.Link`` (None before the freeze).
-    """
-
-    CALIBRATION_CAPS_MB = (1 / 16,)
-    WARMUP = 1
-    STEPS = 3
-
-    def __init__(self, shard: bool = False) -> None:
-        self.shard = shard  # choose for the sharded fused step (reduce-scatter + all-gather)
-        self.frozen = False
-        self.choice: Choice | None = None
-        self.link: Link | None = None
-        self._seen = 0
-        self._timelines: list[Timeline] = []
-
-    def observe(self, plan: BucketPlan, kind: str, timeline: Timeline, group: Group, *,
-                wire_dtype: torch.dtype | None, hook_threshold_bytes: int) -> tuple[int, ...] | None:
-        """Record a completed step; return the chosen caps (bytes) on the step that freezes
-        (a collective on that step: every rank calls it after the same steps)."""
-        if self.frozen or kind != "grad":
-            return None
-        wire_ratio = 1.0
-        if wire_dtype is not None and plan.buckets:
-            wire_ratio = itemsize(wire_dtype) / itemsize(plan.buckets[0].dtype)
-        self._seen += 1
-        if self._seen > self.WARMUP:
-            self._timelines.append(timeline)
-        if len(self._timelines) < self.STEPS:
-            return None
-        self.link = measure_link(group)
-        msg = torch.zeros(12, dtype=torch.float64, device=group.device)
-        mine = [StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in self._timelines]
-        profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
-        if group.rank == 0:
-            profile = StepProfile.over_ranks(profiles)
-            c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
-                            hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
-            msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
-                               dtype=torch.float64, device=group.device)
-        _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
-        v = msg.tolist()
-        self.choice = Choice((int(v[0]), int(v[1])), Prediction(*v[2:6], int(v[6])), Prediction(*v[7:11], int(v[11])))
-        self.frozen, self._timelines = True, []
-        log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s): %s", group.size,
-                 self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,
-                 self.choice.describe())
-        return self.choice.caps

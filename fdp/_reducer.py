@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from . import _functorch, _tree
+from ._autocaps import AutoCaps
 from ._autodiff import local_grads, resolve_engine, select
 from ._bucket import BucketPlan
 from ._buffers import BucketBuffers
 from ._comm import count_and_check_active
-from ._cost import AutoCaps
 from ._fused import FusedCore, FusedStep, fused_step
 from ._group import Group
 from ._log import debug_mode, log
@@ -409,6 +409,7 @@ class Reducer:
             return plan.views(self._complete(step)), value
         machine = self._machine
         step = machine.start("grad", acc=acc, scale=machine.scale_for(self.group.size), what="grad")
+        step.defer = self.tuning is not None and self.tuning.deferring()
         try:
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        machine.leaf_hooks[engine], step.on_backward_start)

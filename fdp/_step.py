@@ -193,7 +193,7 @@ class Step:
     __slots__ = ("n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
-                 "t0", "times", "bwd_start", "bwd_end")
+                 "t0", "times", "bwd_start", "bwd_end", "defer")
 
     def __init__(self, machine: StepMachine, kind: str, acc: list[torch.Tensor] | None, scale: float | None,
                  active: bool) -> None:
@@ -222,6 +222,9 @@ class Step:
         self.times = [BucketTimes(b.index, b.nbytes) for b in plan.buckets]
         self.bwd_start: float | None = None
         self.bwd_end: float | None = None
+        # Launch nothing during the backward (ready times are still stamped): a backward with
+        # no communication beside it, which "auto" calibrates on (fdp/_cost.py, AutoCaps).
+        self.defer = False
 
     # ------------------------------------------------------------------ during the backward
     def on_backward_start(self, grad: torch.Tensor) -> None:
@@ -242,7 +245,7 @@ class Step:
         self.pending[b] -= 1
         if self.pending[b] == 0:
             self.times[b].ready = time.perf_counter() - self.t0
-            if b == self.next:
+            if b == self.next and not self.defer:
                 with _functorch.outside_transforms():
                     self.launch_ready()
         # Hand autograd a free zero instead: the gradient then lives only in the stash.

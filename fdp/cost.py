@@ -11,17 +11,21 @@ before the fused step). The model itself: docs/performance.md, "A cost model of 
 from collections.abc import Callable
 from typing import Any
 
+from ._autocaps import AutoCaps as AutoCaps
 from ._cost import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
 from ._cost import DDP_CAPS as DDP_CAPS
 from ._cost import MIN_GAIN as MIN_GAIN
-from ._cost import AutoCaps as AutoCaps
 from ._cost import Choice as Choice
 from ._cost import Prediction as Prediction
 from ._cost import StepProfile as StepProfile
 from ._cost import assign as assign
 from ._cost import choose_caps as choose_caps
 from ._cost import hooked_count as hooked_count
+from ._cost import lost as lost
+from ._cost import on_the_wire as on_the_wire
 from ._cost import predict as predict
+from ._cost import reached as reached
+from ._cost import share as share
 from ._link import Link as Link
 from ._link import linear_fit as linear_fit
 from ._link import measure_link as measure_link
@@ -29,7 +33,8 @@ from ._link import measure_link as measure_link
 # The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
 # describes them in ``choose_caps``.
 __all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
-           "hooked_count", "linear_fit", "measure_link", "predict"]
+           "hooked_count", "linear_fit", "lost", "measure_link", "on_the_wire", "predict",
+           "reached", "share"]
 
 
 def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,

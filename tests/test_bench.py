@@ -78,3 +78,21 @@ def test_predict_prints_ddp_and_chosen_caps_per_world_and_link(tmp_path, capsys)
     assert by[("400Gbit", 8)]["ddp_ms"] <= by[("25Gbit", 8)]["ddp_ms"]
     assert "tiny1000" in capsys.readouterr().out
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_path, capsys):
+    from fdp.bench import validate as validate_bench
+
+    out_json = tmp_path / "v.json"
+    code = validate_bench.main(["--models", "tiny1000", "--worlds", "2", "--steps", "1", "--warmup", "0",
+                                "--json", str(out_json)])
+    assert code == 0
+    r = json.loads(out_json.read_text())["results"]["2"]["tiny1000"]
+    # every cap of the sweep, "auto" and the calibration plan; the deferred steps only feed the profile
+    assert list(r["rows"]) == ["0.25", "1", "4", "25", "100", "auto", "calibration"]
+    for row in r["rows"].values():
+        assert row["measured_ms"] > 0 and row["predicted_ms"] > 0
+        assert row["error"] == row["predicted_ms"] / row["measured_ms"] - 1
+    assert r["contention_ms_per_mib"] >= 0 and r["gbit_s"] > 0
+    out = capsys.readouterr().out
+    assert "ms lost per MiB beside it" in out and "median |error|" in out

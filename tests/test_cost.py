@@ -4,6 +4,7 @@ choice against hand-computed cases; bucket_cap_mb="auto" freezes one plan on eve
 import math
 import statistics
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from fdp.cost import (
     assign,
     choose_caps,
     hooked_count,
+    lost,
     predict,
+    reached,
+    share,
 )
 
 
@@ -252,6 +256,72 @@ def test_profile_from_fused_timelines_fits_the_update_and_leaves_it_out_of_the_t
     assert p2.update_fixed == 0.0 and p2.update_per_byte == pytest.approx(0.00225 / 4000)
 
 
+def test_contention_pieces_by_hand():
+    """A collective on the wire 10..20 ms that takes 4 ms of compute from the backward."""
+    wire = [(0.010, 0.010, 0.004, 4000)]
+    assert (share(0.010, 0.010, 0.005), share(0.010, 0.010, 0.015), share(0.010, 0.010, 0.030)) == pytest.approx((0, 0.5, 1))
+    assert lost(wire, 0.015) == pytest.approx(0.002) and lost(wire, 0.025) == pytest.approx(0.004)
+    assert reached(wire, 0.005) == pytest.approx(0.005)  # before it: no delay
+    assert reached(wire, 0.013) == pytest.approx(0.015)  # inside: 15 - 2 = 13
+    assert reached(wire, 0.020) == pytest.approx(0.024)  # after it: all 4 ms
+    assert reached([(0.010, 0.010, 0.010, 0)], 0.012) == pytest.approx(0.022)  # a stall: after it
+    for f in (0.0, 0.011, 0.017, 0.03):  # the inverse of t - lost(t)
+        t = reached(wire, f)
+        assert t - lost(wire, t) == pytest.approx(f)
+
+
+def test_predict_with_contention_by_hand():
+    # a bucket per leaf, 6 ms each on the wire; each takes 0.5 us/byte x 4 kB = 2 ms of backward
+    link = Link(alpha=0.001, beta=1e-6)
+    p = predict(two_leaves(contention=0.5e-6), (4000,), link, 2, hook_threshold_bytes=0)
+    # bucket 0 on the wire 10..16 ms (2 ms lost); the other leaf arrives at 20 + 2 = 22 ms, on
+    # the wire 22..28 ms; the backward's 21 ms of work ends at 23.5 ms (2 + 0.5 of 1/3 of 6 ms)
+    assert p.backward_end == pytest.approx(0.0235)
+    assert p.comm_done == pytest.approx(0.028)
+    assert p.exposed_comm == pytest.approx(0.0045)
+    assert p.step == pytest.approx(0.029)
+    # no contention: as before
+    assert predict(two_leaves(), (4000,), link, 2, hook_threshold_bytes=0).backward_end == pytest.approx(0.021)
+    # one bucket (8 kB: 4 of its 10 ms lost to the backward) from 20 ms: the backward's last
+    # 1 ms of work goes at 0.6 speed, t - 0.4 (t - 20) = 21
+    one = predict(two_leaves(contention=0.5e-6), (10**6,), link, 2, hook_threshold_bytes=0)
+    assert one.backward_end == pytest.approx(0.013 / 0.6) and one.comm_done == pytest.approx(0.030)
+    # unhooked buckets go after the backward: nothing beside it
+    late = predict(two_leaves(contention=0.5e-6), (4000,), link, 2, hook_threshold_bytes=10**6)
+    assert late.backward_end == pytest.approx(0.021)
+
+
+def test_profile_contention_from_overlapped_and_deferred_steps():
+    params = {"a": torch.zeros(1000), "b": torch.zeros(3000), "c": torch.zeros(4000)}
+    plan = fdp.BucketPlan.build(params, bucket_caps_mb=[20_000 / MiB])  # 28 kB, then 4 kB
+    tl = fdp.Timeline(step=0, kind="grad", backward_start=0.010, backward_end=0.040, end=0.050, buckets=[
+        fdp.BucketTimes(0, 28000, ready=0.024, launch=0.025, done=0.030),
+        fdp.BucketTimes(1, 4000, ready=0.035, launch=0.036, done=0.045)])
+    prof = StepProfile.from_timelines(plan, [tl], Link(0.0, 0.0), hook_threshold_bytes=0, contention=1e-7)
+    # 2.8 ms lost over 25..30 ms, 0.4 ms over 36..45 ms (4/9 of it by the backward's end)
+    assert prof.backward_end == pytest.approx(0.040 - 0.0028 - 0.0004 * 4 / 9)
+    assert prof.leaf_ready[0] == pytest.approx(0.035 - 0.0028)  # 'a', after bucket 0's collective
+    assert prof.leaf_ready[2] == pytest.approx(0.010 + 0.014 * 16 / 28)  # before any: unchanged
+    assert prof.overlapped_bytes == pytest.approx(28000 + 4000 * 4 / 9)
+    assert prof.contention == 1e-7
+    # The same plan with its launches deferred past the backward (30 ms here): no overheads
+    # inside it, the hooked buckets' fills added as if inside (as the overlapped steps had them)
+    link = Link(0.0, 0.0, overhead=0.001)
+    late = fdp.Timeline(step=0, kind="grad", backward_start=0.010, backward_end=0.030, end=0.050, buckets=[
+        fdp.BucketTimes(0, 28000, ready=0.024, launch=0.031, done=0.035),
+        fdp.BucketTimes(1, 4000, ready=0.029, launch=0.036, done=0.045)])
+    free = StepProfile.from_timelines(plan, [late], link, hook_threshold_bytes=0)
+    assert free.backward_end == pytest.approx(0.030 + 32000 * free.fill_per_byte)
+    assert free.overlapped_bytes == 0
+    over = StepProfile.from_timelines(plan, [tl], link, hook_threshold_bytes=0)
+    assert over.backward_end == pytest.approx(0.040 - 2 * 0.001)
+    both = StepProfile.with_contention(free, over)  # its longer backward per byte beside it
+    assert both.contention == pytest.approx((over.backward_end - free.backward_end) / over.overlapped_bytes)
+    assert both.leaf_ready == free.leaf_ready and both.backward_end == free.backward_end
+    assert StepProfile.with_contention(over, free).contention == 0.0  # nothing on the wire: none
+    assert StepProfile.with_contention(over, replace(over, backward_end=0.0)).contention == 0.0  # never < 0
+
+
 def test_profile_over_ranks_takes_each_steps_slowest_rank_then_the_median_step():
     def prof(ready, bwd, tail=0.001, **kw):
         return StepProfile((4, 4, 4), (0, 0, 0), ready, backward_end=bwd, tail=tail, **kw)
@@ -305,8 +375,11 @@ def auto_run(group, steps):
     out = dict(fingerprints=[], frozen=[], exact=[])
     with pytest.raises(RuntimeError, match="calibrate"):
         reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+    out["deferred"] = []
     for _ in range(steps):
         g = grad_fn(params)
+        tl = reducer.last_timeline()
+        out["deferred"].append(all(bt.launch >= tl.backward_end for bt in tl.buckets))
         local = torch.func.grad(loss)(params)
         out["exact"].append(all(torch.allclose(g[k], fdp.pmean(local[k], group=group), atol=1e-6) for k in g))
         out["fingerprints"].append(reducer.plan.fingerprint)
@@ -324,11 +397,16 @@ def auto_run(group, steps):
 
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
 def test_auto_freezes_the_same_plan_on_every_rank(backend):
-    steps = AutoCaps.WARMUP + AutoCaps.STEPS + 3
+    calibration = AutoCaps.WARMUP + AutoCaps.STEPS + AutoCaps.DEFERRED
+    steps = calibration + 3
     res = fdp.testing.run(auto_run, 2, backend=backend, args=(steps,))
-    freeze = AutoCaps.WARMUP + AutoCaps.STEPS - 1  # the step on which it freezes
+    freeze = calibration - 1  # the step on which it freezes
+    # after the warm-up, every other step (DEFERRED of them) launches nothing during its backward
+    deferred = [False] * AutoCaps.WARMUP + [True, False] * AutoCaps.DEFERRED
+    deferred += [False] * (steps - len(deferred))
     for r in res:
         assert r["frozen"] == [False] * freeze + [True] * (steps - freeze)
+        assert r["deferred"] == deferred
         assert all(r["exact"]), "calibration and frozen steps average exactly"
         assert set(r["fingerprints"][:freeze]) == {r["calibration"]}
         frozen = set(r["fingerprints"][freeze:])
@@ -347,7 +425,7 @@ def test_calibrate_runs_the_auto_steps_and_refuses_fixed_caps():
     reducer = fdp.Reducer(params, bucket_cap_mb="auto")
     choice = fdp.cost.calibrate(reducer, lambda p: p["w"].square().sum(), params)
     assert reducer.tuning.frozen and choice is reducer.tuning.choice
-    assert reducer.steps == AutoCaps.WARMUP + AutoCaps.STEPS
+    assert reducer.steps == AutoCaps.WARMUP + AutoCaps.STEPS + AutoCaps.DEFERRED
     with pytest.raises(ValueError, match="auto"):
         fdp.cost.calibrate(fdp.Reducer(params), lambda p: p["w"].sum(), params)
     with pytest.raises(ValueError, match="bucket caps.*'auto'"):

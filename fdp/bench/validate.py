@@ -3,9 +3,11 @@
 For each world size (``--worlds``, gloo ranks forked on 127.0.0.1) and bench model: the
 ``reducer.grad`` steps are timed for each cap of the sweep (first bucket ``min(1, cap)`` MiB,
 then ``cap``; 25 is DDP's default), for an ``"auto"`` Reducer after its calibration, and on
-the ``"auto"`` calibration plan, interleaved step by step (the order rotates); the profile
-is made from the calibration plan's steps and the link measured after them, as
-``bucket_cap_mb="auto"`` does, so the prediction sees the same machine load as the timings.
+the ``"auto"`` calibration plan, overlapped and deferred (no launch before the backward
+returns), interleaved step by step (the order rotates); the profile takes the arrivals
+from the deferred steps and the contention from the overlapped ones, and the link is
+measured after them, as ``bucket_cap_mb="auto"`` does, so the prediction sees the same
+machine load as the timings.
 Reported per cap: the measured median step (the Reducer's own clock, ``timeline.end``: the
 call from the forward to the last bucket's wait, rank 0), the predicted step, and the error.
 
@@ -48,6 +50,17 @@ def _all_gather_object(obj: Any, group: fdp.Group) -> list:
     return out
 
 
+class _Deferred(AutoCaps):
+    """The calibration plan with every launch deferred past the backward, never frozen: the
+    steps ``"auto"`` takes its arrivals from (``AutoCaps.deferring``)."""
+
+    def deferring(self) -> bool:
+        return True
+
+    def observe(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class _Fused:
     """A fused AdamW step of one reducer, called like ``reducer.grad(loss_fn)``."""
 
@@ -73,6 +86,9 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True)
     reducers["auto"], caps["auto"] = auto, auto.tuning.choice.caps
     reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB, shard=shard)
+    if cfg.step == "grad":  # the calibration plan's steps with no communication beside the backward
+        reducers["deferred"] = fdp.Reducer(params, group, bucket_cap_mb="auto")
+        reducers["deferred"].tuning = _Deferred()
     if cfg.step == "grad":
         fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
         clock = {k: r.last_timeline for k, r in reducers.items()}
@@ -92,12 +108,16 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     # The profile comes from the calibration plan's steps, interleaved with the timed ones.
     link = measure_link(group)
     frac = 1 / group.size if shard else 1.0
-    mine = [StepProfile.from_timelines(reducers["calibration"].plan, [tl], link, update_fraction=frac)
-            for tl in timelines["calibration"]]
-    prof = StepProfile.over_ranks([mine] if group.size == 1 else _all_gather_object(mine, group))
+    # (grad: as "auto" does, the arrivals from the deferred steps and the contention from the
+    # overlapped ones; fused and sharded: from the overlapped fused steps, no contention term)
+    mine = [[StepProfile.from_timelines(reducers["calibration"].plan, [tl], link, update_fraction=frac)
+             for tl in timelines[k]] for k in ("deferred", "calibration") if k in timelines]
+    ranks = [mine] if group.size == 1 else _all_gather_object(mine, group)
+    profs = [StepProfile.over_ranks([r[i] for r in ranks]) for i in range(len(mine))]
+    prof = StepProfile.with_contention(*profs) if len(profs) == 2 else profs[0]
     rows = {}
-    caps["calibration"] = reducers["calibration"].plan.caps
-    for k in kinds:
+    caps["calibration"] = caps["deferred"] = reducers["calibration"].plan.caps
+    for k in (k for k in kinds if k != "deferred"):  # (a source of the profile, not a plan)
         pr = predict(prof, caps[k], link, group.size, shard=shard)
         ms = statistics.median(times[k]) * 1e3
         bwd = statistics.median(t.backward_end for t in timelines[k]) * 1e3
@@ -106,6 +126,7 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
                        measured_backward_ms=bwd, predicted_backward_ms=pr.backward_end * 1e3,
                        error=pr.step * 1e3 / ms - 1)
     return dict(rows=rows, alpha_us=link.alpha * 1e6, gbit_s=(8e-9 / link.beta) if link.beta else None,
+                contention_ms_per_mib=prof.contention * 2**20 * 1e3,
                 auto_gain=choice.gain, backward_ms=prof.backward_end * 1e3,
                 update_us_per_mib=prof.update_per_byte * 2**20 * 1e6, update_fixed_us=prof.update_fixed * 1e6)
 
@@ -124,12 +145,13 @@ def table(results: dict) -> str:
             upd = (f"; update {r['update_fixed_us']:.0f} us + {r['update_us_per_mib']:.0f} us/MiB"
                    if "update_us_per_mib" in r and (r["update_us_per_mib"] or r["update_fixed_us"]) else "")
             lines.append(f"{world:>5} {name:<12} (link: alpha {r['alpha_us']:.0f} us, "
-                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms{upd})")
+                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms, "
+                         f"{r.get('contention_ms_per_mib', 0):.2f} ms lost per MiB beside it{upd})")
             for k, row in r["rows"].items():
                 lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
                              f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%} "
                              f"{row['measured_backward_ms']:9.1f} {row['predicted_backward_ms']:9.1f}")
-            sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration")]
+            sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration", "deferred")]
             med = statistics.median(abs(row["error"]) for row in sweep)
             best = min(row["measured_ms"] for row in sweep)
             auto, ddp = r["rows"]["auto"]["measured_ms"], r["rows"]["25"]["measured_ms"]
@@ -152,7 +174,7 @@ def plot(results: dict, path: str, title: str) -> None:
     for i, w in enumerate(worlds):
         for j, m in enumerate(models):
             ax, rows = axes[i][j], results[w][m]["rows"]
-            sweep = [k for k in rows if k not in ("auto", "calibration")]
+            sweep = [k for k in rows if k not in ("auto", "calibration", "deferred")]
             xs = [float(k) for k in sweep]
             ax.plot(xs, [rows[k]["measured_ms"] for k in sweep], "o-", label="measured")
             ax.plot(xs, [rows[k]["predicted_ms"] for k in sweep], "s--", label="predicted")

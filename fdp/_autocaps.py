@@ -1,0 +1,102 @@
+"""``AutoCaps``: the tuner behind ``fdp.Reducer(..., bucket_cap_mb="auto")`` (the model it
+chooses with: ``fdp/_cost.py``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import astuple
+
+import torch
+
+from . import _comm
+from ._bucket import BucketPlan, itemsize
+from ._cost import Choice, Prediction, StepProfile, choose_caps
+from ._group import Group
+from ._link import Link, measure_link
+from ._log import log
+from ._timeline import Timeline
+
+__all__ = ["AutoCaps"]
+
+
+class AutoCaps:
+    """The tuner behind ``fdp.Reducer(..., bucket_cap_mb="auto")``.
+
+    The Reducer starts on a fine calibration plan (``CALIBRATION_CAPS_MB``: a bucket per
+    64 KiB, so each bucket's ready time says when its leaves arrived). After ``WARMUP``
+    steps of ``reducer.grad`` it records ``STEPS + DEFERRED`` more, the first ``DEFERRED``
+    of every other one with its launches deferred past the backward (``deferring``: the
+    arrivals and the backward with no communication beside it) and the rest overlapped as
+    usual (what the communication beside the backward costs it, where the transport shares
+    the backward's cores: ``StepProfile.with_contention``). Then every rank times a few
+    all-reduces (``measure_link``) and builds its ``StepProfile``s; rank 0 takes the slowest
+    rank's per step (``StepProfile.over_ranks``), picks the caps (``choose_caps``) and
+    broadcasts them with the predictions, and the Reducer freezes the plan built from them
+    (fingerprint checked on every rank). The calibration steps are ordinary steps with
+    correct averages; only their bucket layout (and, deferred, their overlap) differs.
+
+    Attributes:
+      frozen: whether the caps are chosen (the plan never changes afterwards).
+      choice: the ``fdp.cost.Choice`` (None before the freeze), the same on every rank.
+      link: the measured ``fdp.cost.Link`` (None before the freeze).
+      contention: the ``StepProfile.contention`` rank 0 chose with (None before the freeze;
+        on rank 0 only).
+    """
+
+    CALIBRATION_CAPS_MB = (1 / 16,)
+    WARMUP = 1
+    STEPS = 3
+    DEFERRED = 2
+
+    def __init__(self, shard: bool = False) -> None:
+        self.shard = shard  # choose for the sharded fused step (reduce-scatter + all-gather)
+        self.frozen = False
+        self.choice: Choice | None = None
+        self.link: Link | None = None
+        self.contention: float | None = None
+        self._seen = 0
+        self._timelines: list[Timeline] = []
+        self._deferred: list[Timeline] = []
+
+    def deferring(self) -> bool:
+        """Whether the next ``grad`` step launches nothing until its backward returns."""
+        k = self._seen - self.WARMUP
+        return not self.frozen and 0 <= k < 2 * self.DEFERRED and k % 2 == 0
+
+    def observe(self, plan: BucketPlan, kind: str, timeline: Timeline, group: Group, *,
+                wire_dtype: torch.dtype | None, hook_threshold_bytes: int) -> tuple[int, ...] | None:
+        """Record a completed step; return the chosen caps (bytes) on the step that freezes
+        (a collective on that step: every rank calls it after the same steps)."""
+        if self.frozen or kind != "grad":
+            return None
+        wire_ratio = 1.0
+        if wire_dtype is not None and plan.buckets:
+            wire_ratio = itemsize(wire_dtype) / itemsize(plan.buckets[0].dtype)
+        deferred = self.deferring()
+        self._seen += 1
+        if self._seen > self.WARMUP:
+            (self._deferred if deferred else self._timelines).append(timeline)
+        if len(self._timelines) < self.STEPS or len(self._deferred) < self.DEFERRED:
+            return None
+        self.link = measure_link(group)
+        msg = torch.zeros(12, dtype=torch.float64, device=group.device)
+        mine = [[StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in tls]
+                for tls in (self._deferred, self._timelines)]
+        profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
+        if group.rank == 0:
+            profile = StepProfile.with_contention(StepProfile.over_ranks([p[0] for p in profiles]),
+                                                  StepProfile.over_ranks([p[1] for p in profiles]))
+            self.contention = profile.contention
+            c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
+                            hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
+            msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
+                               dtype=torch.float64, device=group.device)
+        _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
+        v = msg.tolist()
+        self.choice = Choice((int(v[0]), int(v[1])), Prediction(*v[2:6], int(v[6])), Prediction(*v[7:11], int(v[11])))
+        self.frozen, self._timelines, self._deferred = True, [], []
+        log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s%s): %s", group.size,
+                 self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,
+                 "" if self.contention is None else f", backward loses {self.contention * 2**20 * 1e3:.2f} ms "
+                 "per MiB communicated beside it", self.choice.describe())
+        return self.choice.caps

@@ -117,7 +117,11 @@ class StepProfile:
             # plan's own); a deferred step filled them after it (as if inside, as predicted).
             inside = [b for b, bt in list(zip(plan.buckets, tl.buckets))[:hooked]
                       if bt.launch is not None and bt.launch <= end]
-            ends.append(end - lost(wire, end) - len(inside) * link.overhead
+            # A fused step's updates that ran inside the backward are the update term's
+            # (``predict`` adds each plan's own).
+            updating = sum(bt.update_end - bt.update_start for bt in tl.buckets if bt.update_start is not None
+                           and bt.update_end is not None and bt.update_end <= end)
+            ends.append(end - lost(wire, end) - len(inside) * link.overhead - updating
                         + (sum(b.nbytes for b in plan.buckets[:hooked]) - sum(b.nbytes for b in inside)) * per_byte)
             last = max([end, tl.comm_done] + [t for bt in tl.buckets for t in (bt.update_end, bt.gathered)
                                                 if t is not None])  # (the fused step's updates and gathers)

@@ -243,6 +243,8 @@ def test_profile_from_fused_timelines_fits_the_update_and_leaves_it_out_of_the_t
     prof = StepProfile.from_timelines(plan, [timeline(0.008, 0.002)], Link(0.0, 0.0), hook_threshold_bytes=0)
     assert (prof.update_fixed, prof.update_per_byte) == (pytest.approx(0.001), pytest.approx(0.25e-6))
     assert prof.tail == pytest.approx(0.060 - 0.047)  # from the last update's end
+    # bucket 0's update (30..38 ms) ran inside the backward: the update term's, not the backward's
+    assert prof.backward_end == pytest.approx(0.040 - 0.008)
     # sharded (a slice of 1/2 updated): per byte of the slice; the last gather ends the tail
     half = StepProfile.from_timelines(plan, [timeline(0.008, 0.002, gathered=0.055)], Link(0.0, 0.0),
                                       hook_threshold_bytes=0, update_fraction=0.5)

@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -86,15 +87,16 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True)
     reducers["auto"], caps["auto"] = auto, auto.tuning.choice.caps
     reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB, shard=shard)
-    if cfg.step == "grad":  # the calibration plan's steps with no communication beside the backward
-        reducers["deferred"] = fdp.Reducer(params, group, bucket_cap_mb="auto")
-        reducers["deferred"].tuning = _Deferred()
+    # The calibration plan's reducer.grad steps with no communication beside the backward.
+    deferred = fdp.Reducer(params, group, bucket_cap_mb="auto")
+    deferred.tuning = _Deferred()
     if cfg.step == "grad":
         fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
         clock = {k: r.last_timeline for k, r in reducers.items()}
     else:
         fns = {k: _Fused(r, loss_fn, params) for k, r in reducers.items()}
         clock = {k: f.last_timeline for k, f in fns.items()}
+    fns["deferred"], clock["deferred"] = deferred.grad(loss_fn, has_aux=True), deferred.last_timeline
     kinds = list(fns)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     timelines: dict[str, list] = {}
@@ -108,13 +110,14 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     # The profile comes from the calibration plan's steps, interleaved with the timed ones.
     link = measure_link(group)
     frac = 1 / group.size if shard else 1.0
-    # (grad: as "auto" does, the arrivals from the deferred steps and the contention from the
-    # overlapped ones; fused and sharded: from the overlapped fused steps, no contention term)
+    # As "auto" does: the arrivals from the deferred steps, the contention (and, fused, the
+    # update's cost) from the calibration plan's overlapped steps.
     mine = [[StepProfile.from_timelines(reducers["calibration"].plan, [tl], link, update_fraction=frac)
-             for tl in timelines[k]] for k in ("deferred", "calibration") if k in timelines]
+             for tl in timelines[k]] for k in ("deferred", "calibration")]
     ranks = [mine] if group.size == 1 else _all_gather_object(mine, group)
-    profs = [StepProfile.over_ranks([r[i] for r in ranks]) for i in range(len(mine))]
-    prof = StepProfile.with_contention(*profs) if len(profs) == 2 else profs[0]
+    free, overlapped = (StepProfile.over_ranks([r[i] for r in ranks]) for i in range(2))
+    prof = replace(StepProfile.with_contention(free, overlapped), update_fixed=overlapped.update_fixed,
+                   update_per_byte=overlapped.update_per_byte)
     rows = {}
     caps["calibration"] = caps["deferred"] = reducers["calibration"].plan.caps
     for k in (k for k in kinds if k != "deferred"):  # (a source of the profile, not a plan)

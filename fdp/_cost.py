@@ -303,7 +303,8 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
         cost = link.reduce_scatter(nwire, world) if shard else link.all_reduce(nwire, world, algorithm)
         start = max(launched, wire_free)
         wire_free = start + cost
-        wire.append((start, cost, min(profile.contention * nwire, cost), 0))
+        # (contention is per gradient byte: its calibration ran with the same wire dtype)
+        wire.append((start, cost, min(profile.contention * nbytes, cost), nbytes))
         done.append(wire_free)
     bwd = reached(wire, free_bwd)
     comm_done = done[-1] if done else 0.0

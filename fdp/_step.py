@@ -223,7 +223,7 @@ class Step:
         self.bwd_start: float | None = None
         self.bwd_end: float | None = None
         # Launch nothing during the backward (ready times are still stamped): a backward with
-        # no communication beside it, which "auto" calibrates on (fdp/_cost.py, AutoCaps).
+        # no communication beside it, which "auto" calibrates on (fdp/_autocaps.py).
         self.defer = False
 
     # ------------------------------------------------------------------ during the backward

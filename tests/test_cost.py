@@ -282,6 +282,10 @@ def test_predict_with_contention_by_hand():
     assert p.comm_done == pytest.approx(0.028)
     assert p.exposed_comm == pytest.approx(0.0045)
     assert p.step == pytest.approx(0.029)
+    # bf16 on the wire (2 + 2 ms a bucket): the same 2 ms lost each, per gradient byte as
+    # calibrated (the calibration ran with the same wire dtype); 21 ms ends at 24 (half of 22..26)
+    half = predict(two_leaves(contention=0.5e-6), (4000,), link, 2, wire_ratio=0.5, hook_threshold_bytes=0)
+    assert half.backward_end == pytest.approx(0.024)
     # no contention: as before
     assert predict(two_leaves(), (4000,), link, 2, hook_threshold_bytes=0).backward_end == pytest.approx(0.021)
     # one bucket (8 kB: 4 of its 10 ms lost to the backward) from 20 ms: the backward's last

@@ -17,7 +17,7 @@ from ._comm import all_reduce, count_ranks, wait
 from ._fused_state import FusedState
 from ._step import all_finite
 
-__all__ = ["CHUNK", "Run"]
+__all__ = ["CHUNK", "Run", "chunks"]
 
 # Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
 # passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
@@ -27,9 +27,16 @@ __all__ = ["CHUNK", "Run"]
 # chunk also costs the kernel's Python per tensor (about 25 us for AdamW): on a tree of five
 # 512 x 512 matrices, 64K/128K/256K/512K/1M-element chunks measured 1.11-1.16, 1.05-1.07,
 # 1.02-1.04, 1.03-1.08 and 1.04-1.09x torch.optim's per-leaf step (three interleaved runs
-# each); the models' fused steps did not move between 128K and 256K. Figures in
+# each); the models' fused steps did not move between 128K and 256K. A bucket that fits in
+# one chunk goes to the kernel as itself, and an unsharded step's "slice" is the flat tensor
+# itself: no view per call (on that tree 1.018-1.027x before, 0.997-1.004x after). Figures in
 # docs/performance.md ("The fused step").
 CHUNK = 256 * 1024
+
+
+def chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` as ``CHUNK``-element views (itself when it fits in one)."""
+    return [t] if t.numel() <= CHUNK else list(t.split(CHUNK))
 
 
 class Run:
@@ -150,8 +157,8 @@ class Run:
             p.copy_(s.mine(b, self.src.flats[b]))
         # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
         # chunk-sized rather than bucket-sized (CHUNK's comment).
-        core.kernel.step(core.plan.buckets[b].group, list(p.split(CHUNK)), list(g.split(CHUNK)),
-                         [list(self.state.buffers[f][b].split(CHUNK)) for f in core.kernel.fields], self.state.step)
+        core.kernel.step(core.plan.buckets[b].group, chunks(p), chunks(g),
+                         [chunks(self.state.buffers[f][b]) for f in core.kernel.fields], self.state.step)
         self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0

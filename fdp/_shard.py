@@ -74,7 +74,10 @@ class Shards:
         return self.hi[b] - self.lo[b]
 
     def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of bucket ``b``'s padded flat tensor (a view)."""
+        """This rank's slice of bucket ``b``'s padded flat tensor (a view; ``flat`` itself when
+        unsharded)."""
+        if self.size == 1 and flat.numel() == self.hi[b]:
+            return flat
         return flat[self.lo[b]:self.hi[b]]
 
 

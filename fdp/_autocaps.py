@@ -4,19 +4,23 @@ chooses with: ``fdp/_cost.py``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
+import time
+from dataclasses import astuple, replace
+from typing import Any
 
 import torch
 
 from . import _comm
-from ._bucket import BucketPlan, itemsize
+from ._bucket import BucketPlan, MiB, itemsize
 from ._cost import Choice, Prediction, StepProfile, choose_caps
+from ._fused_run import chunks
+from ._fused_state import split_chain
 from ._group import Group
-from ._link import Link, measure_link
+from ._link import Link, linear_fit, measure_link
 from ._log import log
 from ._timeline import Timeline
 
-__all__ = ["AutoCaps"]
+__all__ = ["AutoCaps", "update_cost"]
 
 
 class AutoCaps:
@@ -39,8 +43,12 @@ class AutoCaps:
       frozen: whether the caps are chosen (the plan never changes afterwards).
       choice: the ``fdp.cost.Choice`` (None before the freeze), the same on every rank.
       link: the measured ``fdp.cost.Link`` (None before the freeze).
-      contention: the ``StepProfile.contention`` rank 0 chose with (None before the freeze;
-        on rank 0 only).
+      profile: the ``fdp.cost.StepProfile`` rank 0 chose with (its arrivals, contention and
+        update cost; None before the freeze, and on other ranks).
+      optimizer: the ``fdp.optim`` optimizer (or chain) of the fused step the caps are for
+        (``fdp.cost.calibrate(..., optimizer=)``), or None. Set, every rank also times its
+        kernel on flat buffers of two sizes at the freeze (``update_cost``), and the model
+        prices each bucket's update (``StepProfile.update_fixed``/``update_per_byte``).
     """
 
     CALIBRATION_CAPS_MB = (1 / 16,)
@@ -53,7 +61,8 @@ class AutoCaps:
         self.frozen = False
         self.choice: Choice | None = None
         self.link: Link | None = None
-        self.contention: float | None = None
+        self.profile: StepProfile | None = None
+        self.optimizer: Any = None
         self._seen = 0
         self._timelines: list[Timeline] = []
         self._deferred: list[Timeline] = []
@@ -80,13 +89,15 @@ class AutoCaps:
             return None
         self.link = measure_link(group)
         msg = torch.zeros(12, dtype=torch.float64, device=group.device)
-        mine = [[StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes) for tl in tls]
+        fixed, per_byte = update_cost(self.optimizer, plan) if self.optimizer is not None else (0.0, 0.0)
+        mine = [[replace(StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes),
+                         update_fixed=fixed, update_per_byte=per_byte) for tl in tls]
                 for tls in (self._deferred, self._timelines)]
         profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
         if group.rank == 0:
             profile = StepProfile.with_contention(StepProfile.over_ranks([p[0] for p in profiles]),
                                                   StepProfile.over_ranks([p[1] for p in profiles]))
-            self.contention = profile.contention
+            self.profile = profile
             c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
                             hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
             msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
@@ -97,6 +108,32 @@ class AutoCaps:
         self.frozen, self._timelines, self._deferred = True, [], []
         log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s%s): %s", group.size,
                  self.link.alpha * 1e6, 1e-9 / self.link.beta if self.link.beta else math.inf,
-                 "" if self.contention is None else f", backward loses {self.contention * 2**20 * 1e3:.2f} ms "
+                 "" if self.profile is None else f", backward loses {self.profile.contention * 2**20 * 1e3:.2f} ms "
                  "per MiB communicated beside it", self.choice.describe())
         return self.choice.caps
+
+
+def update_cost(opt: Any, plan: BucketPlan, sizes: tuple[int, ...] = (256 * 1024, 4 * MiB),
+                repeats: int = 3) -> tuple[float, float]:
+    """``(fixed seconds, seconds per byte)`` of ``opt``'s fused per-bucket update on this rank:
+    its kernel timed on flat buffers of ``sizes`` bytes in the plan's dtype and device, in the
+    fused step's chunks (the fastest of ``repeats``), fitted to a line."""
+    kernel = split_chain(opt, "fdp.cost.calibrate", sharded=False)[1].leaf_kernel
+    dtype, device = (plan.buckets[0].dtype, plan.buckets[0].device) if plan.buckets else (
+        torch.float32, torch.device("cpu"))
+    count = torch.ones((), dtype=torch.float32)  # (not the first step, which SGD takes apart)
+    xs, ys = [], []
+    for nbytes in sizes:
+        n = max(1, nbytes // itemsize(dtype))
+        p, g = torch.zeros(n, dtype=dtype, device=device), torch.full((n,), 1e-3, dtype=dtype, device=device)
+        states = [torch.full((n,), kernel.init_value, dtype=dtype, device=device) for _ in kernel.fields]
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernel.step(0, chunks(p), chunks(g), [chunks(x) for x in states], count)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        xs.append(n * itemsize(dtype))
+        ys.append(best)
+    return linear_fit(xs, ys)

@@ -290,7 +290,7 @@ class Reducer:
         """
         if self.tuning is not None and not self.tuning.frozen:
             raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
-                               "run fdp.cost.calibrate(reducer, loss_fn, *args) first (the fused plan is built once)")
+                               "run fdp.cost.calibrate(reducer, loss_fn, *args, optimizer=opt) first (the fused plan is built once)")
         config = dict(mesh=self._mesh, shard=self.shard, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
                       debug=self.debug, hook_threshold_bytes=self._hook_threshold, engine=self._engine,
                       skip_nonfinite=self.skip_nonfinite)

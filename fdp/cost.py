@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._autocaps import AutoCaps as AutoCaps
+from ._autocaps import update_cost as update_cost
 from ._cost import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
 from ._cost import DDP_CAPS as DDP_CAPS
 from ._cost import MIN_GAIN as MIN_GAIN
@@ -26,6 +27,7 @@ from ._cost import on_the_wire as on_the_wire
 from ._cost import predict as predict
 from ._cost import reached as reached
 from ._cost import share as share
+from ._fused_state import split_chain
 from ._link import Link as Link
 from ._link import linear_fit as linear_fit
 from ._link import measure_link as measure_link
@@ -34,17 +36,22 @@ from ._link import measure_link as measure_link
 # describes them in ``choose_caps``.
 __all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
            "hooked_count", "linear_fit", "lost", "measure_link", "on_the_wire", "predict",
-           "reached", "share"]
+           "reached", "share", "update_cost"]
 
 
 def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,
-              **kwargs: Any) -> Choice:
+              optimizer: Any = None, **kwargs: Any) -> Choice:
     """Run ``reducer.grad(fn, has_aux=has_aux)(*args, **kwargs)`` until an ``"auto"`` reducer
     has frozen its caps (results discarded); return the choice. For the fused step, whose
-    plan is built from the frozen caps: call this before ``reducer.grad_and_update``."""
+    plan is built from the frozen caps: call this before ``reducer.grad_and_update``, with
+    its ``optimizer`` (an ``fdp.optim`` optimizer or chain) so that the choice prices each
+    bucket's update too (``AutoCaps.optimizer``)."""
     tuning = reducer.tuning
     if tuning is None:
         raise ValueError("fdp.cost.calibrate: the reducer was not built with bucket_cap_mb='auto'")
+    if optimizer is not None:
+        split_chain(optimizer, "fdp.cost.calibrate", sharded=tuning.shard)  # one the fused step can run
+        tuning.optimizer = optimizer
     grad_fn = reducer.grad(fn, has_aux=has_aux)
     for _ in range(max_steps):
         if tuning.frozen:

@@ -426,6 +426,34 @@ def test_auto_freezes_the_same_plan_on_every_rank(backend):
         assert pred.backward_end > 0 and pred.comm_done >= 0 and pred.step >= pred.backward_end
 
 
+def test_calibrate_with_the_fused_steps_optimizer_prices_its_update():
+    params = {"w": torch.randn(300_000), "b": torch.randn(1000)}
+    loss = lambda p: p["w"].square().sum() + p["b"].sum()  # noqa: E731
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
+    reducer = fdp.Reducer(params, bucket_cap_mb="auto")
+    with pytest.raises(TypeError, match="torch.optim kernel"):  # one the fused step cannot run
+        fdp.cost.calibrate(reducer, loss, params, optimizer=fdp.optim.partition(lambda path, p: "all", {"all": fdp.optim.sgd(0.1)}))
+    fdp.cost.calibrate(reducer, loss, params, optimizer=opt)
+    prof = reducer.tuning.profile
+    assert reducer.tuning.optimizer is opt and prof.update_per_byte > 0 and prof.update_fixed >= 0
+    # the fitted line prices a bucket's update about as a timed one costs (loose: a loaded VM)
+    fixed, per_byte = fdp.cost.update_cost(opt, reducer.plan)
+    assert (fixed, per_byte) != (0.0, 0.0)
+    flat = [torch.zeros(2**20), torch.ones(2**20), torch.zeros(2**20), torch.zeros(2**20)]
+    t0 = time.perf_counter()
+    opt.parts[-1].leaf_kernel.step(0, [flat[0]], [flat[1]], [[flat[2]], [flat[3]]], torch.ones(()))
+    took = time.perf_counter() - t0
+    assert 0.2 < (fixed + 4 * 2**20 * per_byte) / took < 5
+    # the step built afterwards runs on the frozen caps
+    step = reducer.grad_and_update(loss, opt)
+    new, _, _ = step(params, step.init(params))
+    assert set(new) == {"w", "b"}
+    # without an optimizer: no update term
+    plain = fdp.Reducer(params, bucket_cap_mb="auto")
+    fdp.cost.calibrate(plain, loss, params)
+    assert plain.tuning.profile.update_per_byte == 0 and plain.tuning.profile.update_fixed == 0
+
+
 def test_calibrate_runs_the_auto_steps_and_refuses_fixed_caps():
     params = {"w": torch.randn(1000)}
     reducer = fdp.Reducer(params, bucket_cap_mb="auto")

@@ -38,6 +38,7 @@ from fdp.cost import DDP_CAPS, MIN_GAIN, AutoCaps, StepProfile, calibrate, measu
 from .predict import caps_text, setup
 
 SWEEP = (0.25, 1, 4, 25, 100)
+OPTIMIZER = fdp.optim.adamw(lr=1e-4)  # the fused and sharded steps' (auto calibrates with it)
 
 
 def _barrier(group: fdp.Group) -> None:
@@ -66,7 +67,7 @@ class _Fused:
     """A fused AdamW step of one reducer, called like ``reducer.grad(loss_fn)``."""
 
     def __init__(self, reducer: fdp.Reducer, loss_fn: Any, params: dict) -> None:
-        self.step = reducer.grad_and_update(loss_fn, fdp.optim.adamw(lr=1e-4), has_aux=True, donate=True)
+        self.step = reducer.grad_and_update(loss_fn, OPTIMIZER, has_aux=True, donate=True)
         self.params = {k: v.clone() for k, v in params.items()}
         self.state = self.step.init(self.params)
 
@@ -84,7 +85,8 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     reducers = {k: fdp.Reducer(params, group, bucket_caps_mb=[c / 2**20 for c in v], shard=shard)
                 for k, v in caps.items()}
     auto = fdp.Reducer(params, group, bucket_cap_mb="auto", shard=shard)
-    choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True)
+    choice = calibrate(auto, loss_fn, params, buffers, *batches[0], has_aux=True,
+                       optimizer=None if cfg.step == "grad" else OPTIMIZER)
     reducers["auto"], caps["auto"] = auto, auto.tuning.choice.caps
     reducers["calibration"] = fdp.Reducer(params, group, bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB, shard=shard)
     # The calibration plan's reducer.grad steps with no communication beside the backward.

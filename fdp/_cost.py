@@ -14,6 +14,7 @@ model of the step", gives the inputs and the validation.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -29,7 +30,7 @@ from ._step import HOOK_MEAN_BYTES
 from ._timeline import Timeline
 
 __all__ = ["Choice", "Prediction", "StepProfile", "assign", "choose_caps",
-           "hooked_count", "lost", "on_the_wire", "predict", "reached", "share", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]
+           "hooked_count", "lost", "on_the_wire", "predict", "reached", "share", "span", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]
 
 # DDP's defaults, the baseline every choice is compared with: 1 MiB first bucket, then 25 MiB.
 DDP_CAPS = (1 * MiB, 25 * MiB)
@@ -46,7 +47,8 @@ class StepProfile:
       leaf_group: per leaf, its (device, dtype) group (leaves of two groups never share a bucket).
       leaf_ready: per leaf, seconds from the step's start until its gradient arrived (None:
         not observed; taken as the backward's end).
-      backward_end: when the backward returned, less the calibration plan's launch overheads.
+      backward_end: when the backward's own work ended: the measured end less the plan's
+        launch overheads, the fused updates and the contention inside it.
       tail: seconds from the later of backward end and last collective to the step's end.
       fill_per_leaf, fill_per_byte: the main thread's cost to fill a bucket (the
         multi-tensor copy with the scale fused in) per leaf and per byte.
@@ -90,9 +92,10 @@ class StepProfile:
         hooked = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         per_byte = copy_seconds_per_byte(plan.slots[0].device) if plan.slots else 0.0
         for tl in timelines:
-            wire = on_the_wire(tl, link, contention)
+            wire = on_the_wire(tl, contention)
+            pairs = list(zip(plan.buckets, tl.buckets))
             prev = tl.backward_start or 0.0
-            for b, bt in zip(plan.buckets, tl.buckets):
+            for b, bt in pairs:
                 if bt.update_start is not None and bt.update_end is not None:
                     upd.append((b.nbytes * update_fraction, bt.update_end - bt.update_start))
                 if bt.ready is None:  # (a bucket without leaf hooks: filled after the backward)
@@ -109,14 +112,13 @@ class StepProfile:
             # buckets without hooks are filled and launched one by one after the backward (and,
             # deferred, after the hooked ones)
             prev = max([end] + [bt.launch for bt in tl.buckets[:hooked] if bt.launch is not None])
-            for b, bt in list(zip(plan.buckets, tl.buckets))[hooked:]:
+            for b, bt in pairs[hooked:]:
                 if bt.launch is not None and tl.backward_end is not None:
                     fills.append((bt.launch - prev - link.overhead - b.nbytes * per_byte) / len(b.leaves))
                     prev = bt.launch
             # The hooked buckets' issue overheads ran inside the backward (``predict`` adds the
             # plan's own); a deferred step filled them after it (as if inside, as predicted).
-            inside = [b for b, bt in list(zip(plan.buckets, tl.buckets))[:hooked]
-                      if bt.launch is not None and bt.launch <= end]
+            inside = [b for b, bt in pairs[:hooked] if bt.launch is not None and bt.launch <= end]
             # A fused step's updates that ran inside the backward are the update term's
             # (``predict`` adds each plan's own).
             updating = sum(bt.update_end - bt.update_start for bt in tl.buckets if bt.update_start is not None
@@ -147,7 +149,6 @@ class StepProfile:
             c = max(0.0, overlapped.backward_end - free.backward_end) / overlapped.overlapped_bytes
         return replace(free, contention=c)
 
-
     @classmethod
     def combine(cls, profiles: Sequence[StepProfile], how: Any = max) -> StepProfile:
         """One profile from several, per leaf and per cost: ``how=max`` for one step over
@@ -167,8 +168,10 @@ class StepProfile:
         return cls.combine([cls.combine(step) for step in zip(*per_rank)], statistics.median)
 
 
+@functools.cache
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
-    """Seconds per byte of a scaled copy on ``device`` (what a bucket fill does per byte)."""
+    """Seconds per byte of a scaled copy on ``device`` (what a bucket fill does per byte),
+    measured once per process (every profile of every calibration step uses it)."""
     src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -181,16 +184,22 @@ def copy_seconds_per_byte(device: torch.device, nbytes: int = 4 * MiB) -> float:
     return min(times) / nbytes
 
 
-def on_the_wire(tl: Timeline, link: Link, contention: float) -> list[tuple[float, float, float, int]]:
-    """A measured step's collectives as ``(start, seconds, backward lost, bytes)``: each starts
-    on the wire when issued and the one before it is done (they go one at a time)."""
+def span(start: float, seconds: float, nbytes: int, contention: float) -> tuple[float, float, float, int]:
+    """A collective on the wire: ``(start, seconds, backward lost, bytes)``, the backward
+    losing ``contention`` per byte (at most the collective's whole time)."""
+    return start, seconds, min(contention * nbytes, seconds), nbytes
+
+
+def on_the_wire(tl: Timeline, contention: float) -> list[tuple[float, float, float, int]]:
+    """A measured step's collectives as ``span``s: each starts on the wire when issued and the
+    one before it is done (they go one at a time)."""
     out, free = [], 0.0
     for bt in tl.buckets:
         if bt.launch is None or bt.done is None:
             continue
         start = max(bt.launch, free)
         free = max(start, bt.done)
-        out.append((start, free - start, min(contention * bt.nbytes, free - start), bt.nbytes))
+        out.append(span(start, free - start, bt.nbytes, contention))
     return out
 
 
@@ -304,7 +313,7 @@ def predict(profile: StepProfile, caps: Sequence[int], link: Link, world: int, *
         start = max(launched, wire_free)
         wire_free = start + cost
         # (contention is per gradient byte: its calibration ran with the same wire dtype)
-        wire.append((start, cost, min(profile.contention * nbytes, cost), nbytes))
+        wire.append(span(start, cost, nbytes, profile.contention))
         done.append(wire_free)
     bwd = reached(wire, free_bwd)
     comm_done = done[-1] if done else 0.0

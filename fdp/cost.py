@@ -27,6 +27,7 @@ from ._cost import on_the_wire as on_the_wire
 from ._cost import predict as predict
 from ._cost import reached as reached
 from ._cost import share as share
+from ._cost import span as span
 from ._fused_state import split_chain
 from ._link import Link as Link
 from ._link import linear_fit as linear_fit
@@ -36,7 +37,7 @@ from ._link import measure_link as measure_link
 # describes them in ``choose_caps``.
 __all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
            "hooked_count", "linear_fit", "lost", "measure_link", "on_the_wire", "predict",
-           "reached", "share", "update_cost"]
+           "reached", "share", "span", "update_cost"]
 
 
 def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,

@@ -121,7 +121,7 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     prof = replace(StepProfile.with_contention(free, overlapped), update_fixed=overlapped.update_fixed,
                    update_per_byte=overlapped.update_per_byte)
     rows = {}
-    caps["calibration"] = caps["deferred"] = reducers["calibration"].plan.caps
+    caps["calibration"] = reducers["calibration"].plan.caps
     for k in (k for k in kinds if k != "deferred"):  # (a source of the profile, not a plan)
         pr = predict(prof, caps[k], link, group.size, shard=shard)
         ms = statistics.median(times[k]) * 1e3

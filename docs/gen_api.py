@@ -60,9 +60,9 @@ OUTRO = """\
   Reducer's bucket plan.
 * `FDP_KERNELS=torch|triton`: force the flatten/unflatten implementation (default: Triton for
   CUDA tensors when it is installed, stock torch ops otherwise).
-* `FDP_MALLOC=os`: leave glibc's malloc thresholds alone. By default the first `fdp.Reducer`
-  raises them so freed memory stays in the process for the next step instead of being
-  faulted in again (`fdp/_malloc.py`; docs/performance.md).
+* `FDP_MALLOC=os`: the default of `fdp.init(malloc=)`: leave glibc's malloc thresholds alone.
+  By default (`keep`) `fdp.init` raises them so freed memory stays in the process for the
+  next step instead of being faulted in again (`fdp/_comm/lifetime.py`; docs/performance.md).
 """
 
 # (section title, module, name patterns in order; a pattern ending in '*' takes the rest of

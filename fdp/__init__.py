@@ -9,34 +9,34 @@ from . import cost as cost
 from . import hooks as hooks
 from . import optim as optim
 from . import testing as testing
-from ._bucket import Bucket as Bucket
-from ._bucket import BucketPlan as BucketPlan
 from ._checkpoint import load as load
 from ._checkpoint import save as save
+from ._comm.agree import any_rank as any_rank
+from ._comm.group import Group as Group
+from ._comm.group import init as init
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
 from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
-from ._fused import FusedState as FusedState
-from ._fused import FusedStep as FusedStep
-from ._group import Group as Group
-from ._group import init as init
+from ._fused.core import FusedState as FusedState
+from ._fused.core import FusedStep as FusedStep
+from ._plan.bucket import Bucket as Bucket
+from ._plan.bucket import BucketPlan as BucketPlan
 from ._psum import pmean as pmean
 from ._psum import psum as psum
 from ._reducer import Pending as Pending
 from ._reducer import Reducer as Reducer
 from ._replicas import ReplicaCheck as ReplicaCheck
 from ._replicas import assert_replicas_equal as assert_replicas_equal
+from ._replicas import assert_same_shapes as assert_same_shapes
 from ._rng import rng_state as rng_state
 from ._rng import set_rng_state as set_rng_state
-from ._sync import any_rank as any_rank
-from ._sync import assert_same_shapes as assert_same_shapes
+from ._step.record import BucketTimes as BucketTimes
+from ._step.record import StepRecord as StepRecord
+from ._step.record import Timeline as Timeline
 from ._sync import broadcast as broadcast
 from ._sync import sync_buffers as sync_buffers
-from ._timeline import BucketTimes as BucketTimes
-from ._timeline import StepRecord as StepRecord
-from ._timeline import Timeline as Timeline
 
 __version__ = "0.1.0"
 

@@ -37,11 +37,12 @@ from typing import Any
 
 import torch
 
-from . import _comm, _tree
+from . import _tree
+from ._comm.agree import count_ranks
+from ._comm.group import Group, resolve
 from ._errors import CheckpointError
-from ._group import Group, resolve
+from ._fused.shard import is_shard
 from ._rng import is_per_rank, mark_per_rank, rng_state, set_rng_state
-from ._shard import is_shard
 
 __all__ = ["load", "rng_state", "save", "set_rng_state"]
 
@@ -98,7 +99,7 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
     # The barrier: rank 0 reports whether the file is in place; nobody returns before it is.
-    if _comm.count_ranks(error is not None, group, f"fdp.save({path!r})"):
+    if count_ranks(error is not None, group, f"fdp.save({path!r})"):
         if error is not None:
             raise CheckpointError(f"fdp.save: could not write {path}: {error}") from error
         raise CheckpointError(f"fdp.save: rank 0 could not write {path} (see rank 0's error)")

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from . import _comm, _tree, kernels
-from ._group import Group, resolve
-from ._sync import verify_layout
+from . import _tree, kernels
+from ._comm import collectives as comm
+from ._comm.agree import verify_layout
+from ._comm.group import Group, resolve
 
 _NUMBER_DTYPES = {bool: torch.int64, int: torch.int64, float: torch.float64}
 
@@ -115,11 +116,11 @@ def _reduce(tree: Any, g: Group, *, mean: bool, what: str) -> Any:
         flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=dtype, device=device)
         scale = 1.0 / g.size if mean and _prescaled(dtype) and g.size > 1 else None
         kernels.flatten([tensors[i].to(dtype) for i in idx], flat, scale=scale)
-        works.append(_comm.all_reduce(flat, g, f"{what}: all-reduce {n} of {len(groups)} ({dtype})",
+        works.append(comm.all_reduce(flat, g, f"{what}: all-reduce {n} of {len(groups)} ({dtype})",
                                       async_op=True))
         flats.append(flat)
     for w in works:
-        _comm.wait(w, g, what)
+        comm.wait(w, g, what)
     out: list[Any] = [None] * len(tensors)
     for flat, ((_, dtype), idx) in zip(flats, groups.items()):
         if mean and not _prescaled(dtype):

@@ -23,21 +23,20 @@ from typing import Any
 
 import torch
 
-from . import _functorch, _tree
-from ._autocaps import AutoCaps
-from ._autodiff import local_grads, resolve_engine, select
-from ._bucket import BucketPlan
-from ._buffers import BucketBuffers
-from ._comm import count_and_check_active
-from ._fused import FusedCore, FusedStep, fused_step
-from ._group import Group
+from . import _tree
+from ._comm.agree import count_and_check_active, verify_layout
+from ._comm.group import Group
+from ._comm.mesh import resolve_mesh
+from ._fused.core import FusedCore, FusedStep, fused_step
 from ._log import debug_mode, log
-from ._malloc import keep_freed_memory
-from ._shard import resolve_mesh
-from ._step import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
-from ._sync import verify_layout
-from ._timeline import StepRecord, Timeline
-from ._traced import traced_all_reduce
+from ._plan.bucket import BucketPlan
+from ._plan.buffers import BucketBuffers
+from ._step import functorch
+from ._step.autodiff import local_grads, resolve_engine, select
+from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
+from ._step.record import StepRecord, Timeline
+from ._step.traced import traced_all_reduce
+from .cost.autocaps import AutoCaps
 from .hooks import CommHook, as_hook
 from .optim import Optimizer
 
@@ -156,7 +155,6 @@ class Reducer:
         self._mesh = resolve_mesh(group)
         self.group = self._mesh.full
         self.shard = bool(shard)
-        keep_freed_memory()  # no page faults per step from memory handed back to the kernel
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
             raise ValueError("fdp.Reducer: bucket_cap_mb='auto' chooses every cap; pass no first_bucket_cap_mb/bucket_caps_mb")
         self.tuning = AutoCaps(shard=bool(shard)) if bucket_cap_mb == "auto" else None
@@ -389,7 +387,7 @@ class Reducer:
                 "torch.func.grad and average them with reducer.all_reduce(grads), which compiles to "
                 "functional collectives (docs/compile.md)"
             )
-        if _functorch.in_transform():
+        if functorch.in_transform():
             raise RuntimeError("fdp.Reducer.grad cannot run inside another torch.func transform "
                                "(vmap/grad/jvp); call it at the top level of the train step")
         plan = self.plan
@@ -400,7 +398,7 @@ class Reducer:
         leaves = plan.leaves_of(select(args, argnums), "reducer.grad params")
         plan.check_devices(leaves, "reducer.grad params")
         engine = self._engine
-        if not self.overlap or (engine == "functorch" and not _functorch.AVAILABLE):
+        if not self.overlap or (engine == "functorch" and not functorch.AVAILABLE):
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        None, None)
             if acc is not None:

@@ -1,4 +1,5 @@
-"""``assert_replicas_equal``: are the replicas bit-identical? One small collective says.
+"""Replica checks: ``assert_replicas_equal`` (are the replicas bit-identical?) and
+``assert_same_shapes`` (do all ranks hold the same layout?). One small collective each.
 
 Each rank hashes every leaf's bytes, position by position, and all ranks compare a digest
 of those hashes with one all-gather of five int64s; only when they differ do two more
@@ -27,10 +28,11 @@ from typing import Any
 
 import torch
 
-from . import _comm, _tree
+from . import _tree
+from ._comm import collectives as comm
+from ._comm.agree import describe_layouts, tree_meta, verify_layout
+from ._comm.group import Group, resolve
 from ._errors import ReplicaMismatchError
-from ._group import Group, resolve
-from ._sync import describe_layouts, tree_meta
 
 _SPAN = 1 << 18  # positions per weight table (2 MiB of int64 per device)
 _SEED_TABLE, _SEED_SPANS = 0x5F3759DF, 0x2545F491
@@ -135,7 +137,7 @@ class ReplicaCheck:
         if self._work is None:
             return
         work, self._work = self._work, None
-        _comm.wait(work, self._g, "assert_replicas_equal")
+        comm.wait(work, self._g, "assert_replicas_equal")
         rows = self._rows.cpu()
         if not bool((rows == rows[0]).all()):
             _report_drift(self._tree, self._hashes, rows, self._g)
@@ -192,7 +194,7 @@ def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = 
     values = hashlib.sha256(hashes.numpy().tobytes()).digest()
     mine = torch.tensor([len(leaves), *(int.from_bytes(d[:7], "little") for d in (layout, layout[7:], values, values[7:]))],
                         dtype=torch.int64, device=g.device)
-    work, rows = _comm.all_gather_start(mine, g, "assert_replicas_equal")
+    work, rows = comm.all_gather_start(mine, g, "assert_replicas_equal")
     check = ReplicaCheck(tree, hashes, work, rows, g)
     if not wait:
         return check
@@ -203,10 +205,10 @@ def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = 
 def _report_drift(tree: Any, hashes: torch.Tensor, rows: torch.Tensor, g: Group) -> None:
     meta, _ = tree_meta(tree)
     if not bool((rows[:, :3] == rows[0, :3]).all()):  # the layouts differ
-        everyone = _comm.all_gather_object((list(meta), ""), g, "assert_replicas_equal (layout report)")
+        everyone = comm.all_gather_object((list(meta), ""), g, "assert_replicas_equal (layout report)")
         raise ReplicaMismatchError("fdp: assert_replicas_equal: " + describe_layouts(everyone)
                                    + f" (reported on rank {g.rank})")
-    per_leaf = _comm.all_gather(hashes.to(g.device), g, "assert_replicas_equal (leaf report)").cpu()
+    per_leaf = comm.all_gather(hashes.to(g.device), g, "assert_replicas_equal (leaf report)").cpu()
     by_leaf: dict[int, list[int]] = {}
     for r, i in (per_leaf != per_leaf[0]).nonzero().tolist():
         by_leaf.setdefault(i, []).append(r)
@@ -216,3 +218,20 @@ def _report_drift(tree: Any, hashes: torch.Tensor, rows: torch.Tensor, g: Group)
         f"fdp: replicas have drifted: {len(by_leaf)} of {len(meta)} leaves differ from rank 0: "
         f"{shown}{more} (reported on rank {g.rank})"
     )
+
+
+def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
+    """Check that every rank holds a tree with the same leaf paths, shapes and dtypes.
+
+    Raises:
+      ReplicaMismatchError: on every rank, naming the first differing leaf path, the ranks
+        and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
+        (4, 9) float32 on rank 1``), or the leaf counts.
+
+    A collective (one all-gather of a digest). Non-tensor leaves are compared by type only.
+
+    Example:
+      >>> fdp.assert_same_shapes({"w": torch.zeros(4, 8)})  # a world of one: always the same
+    """
+    meta, _ = tree_meta(tree)
+    verify_layout(meta, resolve(group), "assert_same_shapes")

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from . import _comm
+from ._comm import collectives as comm
+from ._comm.group import Group, resolve
 from ._errors import CheckpointError
-from ._group import Group, resolve
 from ._marks import TensorMarks
 
 __all__ = ["is_per_rank", "mark_per_rank", "rng_state", "set_rng_state"]
@@ -64,15 +64,15 @@ def rng_state(group: Group | Any | None = None) -> dict[str, torch.Tensor]:
         cuda = torch.stack(torch.cuda.get_rng_state_all())
     # Ranks must agree on what they gather (all_gather needs equal shapes everywhere).
     header = [cpu.numel(), *(cuda.shape if cuda is not None else (0, 0))]
-    headers = _comm.all_gather(torch.tensor(header, device=group.device), group, what).tolist()
+    headers = comm.all_gather(torch.tensor(header, device=group.device), group, what).tolist()
     if any(h != headers[0] for h in headers):
         raise CheckpointError(
             f"fdp.rng_state: ranks disagree on their RNG states (per rank [cpu bytes, cuda "
             f"devices, cuda bytes]: {headers}); initialise CUDA on every rank or on none"
         )
-    out = {"cpu": mark_per_rank(_comm.all_gather(cpu.to(group.device), group, what).cpu())}
+    out = {"cpu": mark_per_rank(comm.all_gather(cpu.to(group.device), group, what).cpu())}
     if cuda is not None:
-        out["cuda"] = mark_per_rank(_comm.all_gather(cuda.to(group.device), group, what).cpu())
+        out["cuda"] = mark_per_rank(comm.all_gather(cuda.to(group.device), group, what).cpu())
     return out
 
 

@@ -1,74 +1,24 @@
-"""Replica consistency: init broadcast, the explicit buffer step, and cross-rank layout checks.
+"""The explicit broadcast steps: the init broadcast and the buffer step.
 
 DDP keeps replicas identical with a broadcast at construction and a hidden buffer broadcast
-before every forward. fdp makes both explicit calls (``broadcast``, ``sync_buffers``), and
-adds the checks DDP runs internally as user-callable functions (``assert_same_shapes`` here,
-``assert_replicas_equal`` in ``_replicas.py``). Every function here is a collective: all
-ranks must call it.
+before every forward. fdp makes both explicit calls (``broadcast``, ``sync_buffers``); the
+checks DDP runs internally are user-callable functions in ``_replicas.py``. Every function
+here is a collective: all ranks must call it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import zlib
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import _comm, _tree, kernels
-from ._bucket import BucketPlan, MiB, contiguous_strides
-from ._errors import ReplicaMismatchError
-from ._group import Group, resolve
+from . import _tree, kernels
+from ._comm import collectives as comm
+from ._comm.agree import Meta, digest, tree_meta, verify_digest, verify_layout
+from ._comm.group import Group, resolve
+from ._plan.bucket import BucketPlan, MiB, contiguous_strides
 
 BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
-
-Meta = tuple[str, tuple[int, ...], str]  # (path, shape, dtype)
-
-
-# ---------------------------------------------------------------------------- layout checks
-
-
-def tree_meta(tree: Any) -> tuple[list[Meta], list[Any]]:
-    paths, leaves, _ = _tree.flatten_with_paths(tree)
-    meta = []
-    for p, t in zip(paths, leaves):
-        if isinstance(t, torch.Tensor):
-            meta.append((p, tuple(t.shape), str(t.dtype).replace("torch.", "")))
-        else:
-            meta.append((p, (), type(t).__name__))
-    return meta, leaves
-
-
-def _digest(meta: Sequence[Any], extra: str = "") -> torch.Tensor:
-    h = hashlib.sha256(extra.encode())
-    for m in meta:
-        h.update(repr(m).encode())
-    d = h.digest()
-    return torch.tensor(
-        [len(meta), int.from_bytes(d[:7], "little"), int.from_bytes(d[7:14], "little")],
-        dtype=torch.int64,
-    )
-
-
-def verify_layout(meta: Sequence[Meta], group: Group, what: str, extra: str = "") -> None:
-    """Raise ``ReplicaMismatchError`` on every rank unless all ranks have the same layout.
-
-    One tiny all-gather of (leaf count, digest) when they agree; when they do not, a second
-    gather of the full metadata so the error can name the first differing leaf and ranks.
-    """
-    _verify_digest(_digest(meta, extra), lambda: (list(meta), extra), group, what)
-
-
-def _verify_digest(mine: torch.Tensor, report: Any, group: Group, what: str) -> None:
-    if group.process_group is None:
-        return
-    rows = _comm.all_gather(mine.to(group.device), group, f"{what} (layout check)").cpu()
-    if bool((rows == rows[0]).all()):
-        return
-    everyone = _comm.all_gather_object(report(), group, f"{what} (layout report)")
-    raise ReplicaMismatchError(f"fdp: {what}: " + describe_layouts(everyone) + f" (reported on rank {group.rank})")
-
 
 # sync_buffers checks the layout, mode and src on every call: skipping the check once ranks
 # had agreed let a float tree on one rank and an int tree on another (both seen before)
@@ -88,55 +38,12 @@ def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> t
     if hit is not None:
         return hit
     meta, _ = _tensor_leaves(buffers, "sync_buffers")
-    hit = (_digest(meta, extra), meta)
+    hit = (digest(meta, extra), meta)
     if key is not None:
         if len(_DIGESTS) >= _DIGESTS_MAX:
             _DIGESTS.pop(next(iter(_DIGESTS)))
         _DIGESTS[key] = hit
     return hit
-
-
-def describe_layouts(everyone: list[tuple[list[Meta], str]]) -> str:
-    ref, ref_extra = everyone[0]
-    problems = []
-    for r, (meta, extra) in enumerate(everyone[1:], start=1):
-        if len(meta) != len(ref):
-            problems.append(f"rank 0 has {len(ref)} leaves but rank {r} has {len(meta)}")
-            n = min(len(meta), len(ref))
-            longer, who = (ref, 0) if len(ref) > len(meta) else (meta, r)
-            if longer[n:]:
-                problems[-1] += f" (first extra leaf on rank {who}: {longer[n][0]})"
-            continue
-        for a, b in zip(ref, meta):
-            if a != b:
-                if a[0] != b[0]:
-                    problems.append(f"leaf {a[0]} on rank 0 is {b[0]} on rank {r}")
-                else:
-                    problems.append(
-                        f"leaf {a[0]} has shape {a[1]} {a[2]} on rank 0 but {b[1]} {b[2]} on rank {r}"
-                    )
-                break
-        else:
-            if extra != ref_extra:
-                problems.append(f"rank 0 uses {ref_extra} but rank {r} uses {extra}")
-    return "ranks disagree (compared with rank 0): " + "; ".join(problems)
-
-
-def assert_same_shapes(tree: Any, group: Group | Any = None) -> None:
-    """Check that every rank holds a tree with the same leaf paths, shapes and dtypes.
-
-    Raises:
-      ReplicaMismatchError: on every rank, naming the first differing leaf path, the ranks
-        and both values (e.g. ``leaf ['fc.weight'] has shape (4, 8) float32 on rank 0 but
-        (4, 9) float32 on rank 1``), or the leaf counts.
-
-    A collective (one all-gather of a digest). Non-tensor leaves are compared by type only.
-
-    Example:
-      >>> fdp.assert_same_shapes({"w": torch.zeros(4, 8)})  # a world of one: always the same
-    """
-    meta, _ = tree_meta(tree)
-    verify_layout(meta, resolve(group), "assert_same_shapes")
 
 
 # ---------------------------------------------------------------------------- broadcast
@@ -177,12 +84,12 @@ def _coalesced_broadcast(tree: Any, src: int, g: Group, what: str, *, aliases: b
         # float8, uint16/32/64 or complex (gloo raises "Invalid scalar type" at the wait,
         # torch 2.13), but every backend carries bytes.
         wire = flat.view(torch.uint8)
-        pending.append(_comm.broadcast(wire, src, g, f"{what}: broadcast of bucket {b.index}", async_op=True))
+        pending.append(comm.broadcast(wire, src, g, f"{what}: broadcast of bucket {b.index}", async_op=True))
         flats.append(flat)
         if len(pending) >= 2:  # as c10d's broadcast_coalesced: at most two buckets in flight
-            _comm.wait(pending.pop(0), g, f"{what}: broadcast")
+            comm.wait(pending.pop(0), g, f"{what}: broadcast")
     for w in pending:
-        _comm.wait(w, g, f"{what}: broadcast")
+        comm.wait(w, g, f"{what}: broadcast")
     if not aliases:
         return plan.views(flats)
     leaves = [None] * len(leaves)
@@ -281,7 +188,7 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         return buffers
     extra = f"mode={mode} src={src}"
     digest, meta = _sync_layout(buffers, leaves, treedef, extra)
-    _verify_digest(digest, lambda: (meta, extra), g, "sync_buffers")
+    verify_digest(digest, lambda: (meta, extra), g, "sync_buffers")
     if not leaves:
         return buffers
     if mode == "broadcast":
@@ -293,10 +200,10 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         ftree = [leaves[i] if leaves[i].dtype in _SUM_DTYPES else leaves[i].float() for i in floating]
         plan = BucketPlan.from_caps(ftree, (BROADCAST_BUCKET_MB * MiB,), floating_only=True)
         flats = plan.flatten(ftree, scale=1.0 / g.size)
-        works = [_comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
+        works = [comm.all_reduce(f, g, f"sync_buffers(mean): bucket {b.index}", async_op=True)
                  for b, f in zip(plan.buckets, flats)]
         for w in works:
-            _comm.wait(w, g, "sync_buffers(mean)")
+            comm.wait(w, g, "sync_buffers(mean)")
         for i, t in zip(floating, plan.views(flats)):
             out[i] = t if t.dtype == leaves[i].dtype else t.to(leaves[i].dtype)
     if others:
@@ -322,65 +229,11 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
     for dtype, idx in by_dtype.items():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
         if mode == "mean" and dtype.is_floating_point:
-            flat = _comm.traced_all_reduce(flat * (1.0 / g.size), g)
+            flat = comm.traced_all_reduce(flat * (1.0 / g.size), g)
         else:
-            flat = _comm.traced_broadcast(flat, src, g)
+            flat = comm.traced_broadcast(flat, src, g)
         for i, part in zip(idx, torch.split(flat, [leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(treedef, out)
 
 
-# ---------------------------------------------------------------------------- debug mode
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-# Every dtype this torch knows, by code: a peer's code is named even if this process never
-# used that dtype (the table used to hold only the dtypes seen locally, so a gloo peer's
-# bfloat16 printed as a raw number).
-_DTYPE_NAMES: dict[int, str] = {
-    zlib.crc32(_dtype_name(d).encode()): _dtype_name(d)
-    for d in (getattr(torch, n, None) for n in dir(torch)) if isinstance(d, torch.dtype)
-}
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    name = _dtype_name(dtype)
-    code = zlib.crc32(name.encode())  # the same number in every process
-    _DTYPE_NAMES.setdefault(code, name)
-    return code
-
-
-def check_collective(group: Group, step: int, bucket: int, numel: int, dtype: torch.dtype, what: str) -> None:
-    """Debug mode: before a bucket collective, check that every rank issues the same one."""
-    code = _dtype_code(dtype)
-    mine = torch.tensor([step, bucket, numel, code], dtype=torch.int64, device=group.device)
-    rows = _comm.all_gather(mine, group, f"{what} (debug fingerprint)").cpu()
-    if bool((rows == rows[0]).all()):
-        return
-    shown = "; ".join(
-        f"rank {r}: (step={int(s)}, bucket={int(b)}, numel={int(n)}, dtype={_DTYPE_NAMES.get(int(c), int(c))})"
-        for r, (s, b, n, c) in enumerate(rows.tolist())
-    )
-    raise ReplicaMismatchError(
-        f"fdp debug: ranks are about to issue different collectives ({what}): {shown}. "
-        f"Without debug mode this would hang or mix data. (reported on rank {group.rank})"
-    )
-
-
-def any_rank(flag: bool, group: Group | Any = None) -> bool:
-    """True on every rank if ``flag`` is true on at least one (one tiny all-reduce).
-
-    The loop condition for uneven inputs: ``while fdp.any_rank(batch is not None): ...``
-    ends on the same iteration everywhere, so no rank waits for a collective that the
-    others never issue. A collective: every rank calls it.
-
-    Raises:
-      CollectiveError: a rank did not join within the group's timeout.
-
-    Example:
-      >>> fdp.any_rank(True), fdp.any_rank(False)
-      (True, False)
-    """
-    return _comm.any_rank(bool(flag), resolve(group), "fdp.any_rank")

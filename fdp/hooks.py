@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from . import _comm
-from ._bucket import Bucket
-from ._group import Group
+from ._comm import collectives as comm
+from ._comm.group import Group
+from ._plan.bucket import Bucket
 
 HookFn = Callable[[Bucket, torch.Tensor, Group], Any]
 TracedFn = Callable[[torch.Tensor, Group], torch.Tensor]
@@ -119,9 +119,9 @@ class CommHook:
         ``TypeError`` naming the hook and the bucket otherwise.
         """
         if self.in_place:
-            _comm.wait(handle, group, what)
+            comm.wait(handle, group, what)
             return flat
-        value = _comm.wait_future(handle, group, f"{what} (comm hook {self.name})")
+        value = comm.wait_future(handle, group, f"{what} (comm hook {self.name})")
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel or not value.is_floating_point():
@@ -168,23 +168,23 @@ def as_hook(hook: CommHook | HookFn | None) -> CommHook:
 
 
 def _sum_in_place(bucket: Bucket, flat: torch.Tensor, group: Group) -> Any:
-    return _comm.all_reduce(flat, group, f"all-reduce of bucket {bucket.index}", async_op=True)
+    return comm.all_reduce(flat, group, f"all-reduce of bucket {bucket.index}", async_op=True)
 
 
 def _noop(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
-    return _comm.completed(flat)
+    return comm.completed(flat)
 
 
-allreduce = CommHook(_sum_in_place, name="allreduce", in_place=True, traced=_comm.traced_all_reduce)
+allreduce = CommHook(_sum_in_place, name="allreduce", in_place=True, traced=comm.traced_all_reduce)
 allreduce.__doc__ = "Sum the prescaled buckets: the mean over ranks (the default)."
 
 fp16_compress = CommHook(_sum_in_place, dtype=torch.float16, name="fp16_compress", in_place=True,
-                         traced=_comm.traced_all_reduce)
+                         traced=comm.traced_all_reduce)
 fp16_compress.__doc__ = """Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
 the gradients' dtype. Halves the bytes on the wire (DDP's ``fp16_compress_hook``)."""
 
 bf16_compress = CommHook(_sum_in_place, dtype=torch.bfloat16, name="bf16_compress", in_place=True,
-                         traced=_comm.traced_all_reduce)
+                         traced=comm.traced_all_reduce)
 bf16_compress.__doc__ = """Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa.
 
 DDP's ``bf16_compress_hook``, which fdp also allows on gloo and the CPU.
@@ -267,7 +267,7 @@ def powersgd(
 
     def _powersgd(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
         if group.process_group is None:
-            return _comm.completed(flat)
+            return comm.completed(flat)
         state = holder.get("state")
         if state is None:
             state = psgd.PowerSGDState(

@@ -60,8 +60,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._group import Group
-from ._malloc import keep_freed_memory
+from ._comm.group import Group
+from ._comm.lifetime import tune_malloc
 
 __all__ = ["run"]
 
@@ -297,7 +297,7 @@ def _child(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
         pg_timeout = timedelta(seconds=timeout)
         store = dist.FileStore(store_path, world_size)
         store.set_timeout(pg_timeout)
-        keep_freed_memory()  # as fdp.init does, before gloo's threads start
+        tune_malloc()  # as fdp.init does, before gloo's threads start
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
         # Every rank's gloo mesh is up before any rank runs `fn`: a rank that finishes `fn`
         # and exits at once must not close connections a slower rank is still opening.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ._timeline import Timeline
+from ._step.record import Timeline
 
 __all__ = ["plot_timeline"]
 

@@ -1,6 +1,8 @@
 """The rules that keep fdp carryable (docs/architecture.md), checked on the source itself.
 
-* No file in ``fdp/`` or ``kernels/`` over ~450 lines.
+* Layers: each concept folder imports only the layers below it (``LAYERS``); in particular
+  the plan does not import the step, the step machine imports neither the Reducer nor the
+  fused step, and the cost model does not import the fused step (it is handed what it prices).
 * No import cycle between fdp's modules (module-level imports).
 * No module uses another module's private name: a leading underscore means "this file
   only". Modules themselves may be private (``fdp._tree``); what one module shares with
@@ -14,7 +16,6 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MAX_LINES = 450
 
 
 def package_modules():
@@ -63,12 +64,6 @@ def imports_of(name: str, path: pathlib.Path, top_level_only: bool):
     return out
 
 
-def test_no_file_in_the_library_is_over_the_size_limit():
-    too_long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
-                if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not too_long, f"files over {MAX_LINES} lines (split them by concept): {too_long}"
-
-
 def test_there_is_no_import_cycle_between_modules():
     graph = {}
     for name, path in MODULES.items():
@@ -101,6 +96,73 @@ def test_there_is_no_import_cycle_between_modules():
     for m in graph:
         if m not in state:
             visit(m)
+
+
+# The layers, lowest first: a module imports only modules of its own layer or below, and
+# within a layer only its own folder. Names are module prefixes.
+LAYERS = [
+    ("fdp._tree", "fdp._errors", "fdp._log", "fdp.kernels"),       # pytrees, errors, the copy kernels
+    ("fdp._comm",),                                                # groups, collectives, agreement, lifetime
+    ("fdp._plan", "fdp.optim"),                                    # layouts in flat buckets; optimizers
+    ("fdp.hooks", "fdp._sync", "fdp._replicas", "fdp._psum", "fdp._rng", "fdp._checkpoint",
+     "fdp._functional"),                                           # what users call beside the step
+    ("fdp._step",),                                                # one step over a plan
+    ("fdp._fused", "fdp.cost"),                                    # the fused step; the cost model
+    ("fdp._reducer",),                                             # the Reducer
+    ("fdp", "fdp.testing", "fdp.viz", "fdp.bench"),                # the public face, tools
+]
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, the prefix that matched) of an fdp module: the longest prefix wins."""
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (i, p)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best
+
+
+def module_deps(name: str, path: pathlib.Path) -> set[str]:
+    deps = set()
+    for module, names, _, _ in imports_of(name, path, top_level_only=False):
+        if module in MODULES:
+            deps.add(module)
+        for n in names:
+            if f"{module}.{n}" in MODULES:
+                deps.add(f"{module}.{n}")
+    return deps - {name}
+
+
+def test_every_module_imports_only_its_layer_or_below():
+    wrong = []
+    for name, path in MODULES.items():
+        mine, my_prefix = layer_of(name)
+        for dep in module_deps(name, path):
+            theirs, their_prefix = layer_of(dep)
+            if name.startswith(dep + ".") or dep == "fdp":  # a package's __init__ / the top package
+                continue
+            if theirs > mine or (theirs == mine and their_prefix != my_prefix and my_prefix != "fdp"):
+                wrong.append(f"{name} (layer {mine}) imports {dep} (layer {theirs})")
+    assert not wrong, "imports against the layers (LAYERS in this file): " + "; ".join(sorted(wrong))
+
+
+@pytest.mark.parametrize("lower,higher", [
+    ("fdp._plan", "fdp._step"), ("fdp._step", "fdp._reducer"), ("fdp._step", "fdp._fused"),
+    ("fdp.cost", "fdp._fused"), ("fdp._comm", "fdp._plan"), ("fdp.optim", "fdp._fused"),
+])
+def test_named_layering_rules(lower, higher):
+    """The rules docs/architecture.md states by name (also implied by LAYERS)."""
+    bad = [f"{n} imports {d}" for n, p in MODULES.items() if n == lower or n.startswith(lower + ".")
+           for d in module_deps(n, p) if d == higher or d.startswith(higher + ".")]
+    assert not bad, bad
+
+
+def test_every_folder_of_the_library_says_what_it_is():
+    for init in sorted((ROOT / "fdp").rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and len(doc.split()) >= 5, f"{init.relative_to(ROOT)} needs a docstring naming its concept"
 
 
 def private_uses(path: pathlib.Path, name: str | None):
@@ -150,14 +212,11 @@ def test_no_module_uses_another_modules_private_name(rel, path, name):
     assert not found, f"{rel} reaches into private names of other modules: {found}"
 
 
-def test_the_rule_catches_a_private_name():
-    probe = ROOT / "tests" / "_probe_private_use.py"
-    probe.write_text("import fdp\nfrom fdp._bucket import _caps\nx = fdp._reducer._HOOK\ny = fdp._tree.flatten\n")
-    try:
-        found = private_uses(probe, None)
-    finally:
-        probe.unlink()
-    assert found == ["line 2: from fdp._bucket import _caps", "line 3: fdp._reducer._HOOK"], found
+def test_the_rule_catches_a_private_name(tmp_path):
+    probe = tmp_path / "probe_private_use.py"
+    probe.write_text("import fdp\nfrom fdp._plan.bucket import _caps\nx = fdp._reducer._HOOK\ny = fdp._tree.flatten\n")
+    found = private_uses(probe, None)
+    assert found == ["line 2: from fdp._plan.bucket import _caps", "line 3: fdp._reducer._HOOK"], found
 
 
 def test_the_top_level_layout_is_the_projects():

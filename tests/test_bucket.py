@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fdp
-from fdp._bucket import MiB
+from fdp._plan.bucket import MiB
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 

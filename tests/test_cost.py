@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fdp
-from fdp._bucket import MiB
+from fdp._plan.bucket import MiB
 from fdp.cost import (
     DDP_CAPS,
     AutoCaps,

@@ -1,6 +1,7 @@
 """No fresh memory per step in steady state: the plain and the fused step take (almost) no
 minor page faults once warm, as DDP's reused buckets do (issue 18). Counted with getrusage in
-a fresh process, since the allocator setting is per process (fdp/_malloc.py). The plain step
+a fresh process, since the allocator setting is per process (``fdp.init(malloc=)``,
+fdp/_comm/lifetime.py). The plain step
 is timed with an update that allocates nothing itself (torch.optim's per-leaf kernels make
 temporaries of each leaf's size: those are torch.optim's, and DDP + torch.optim has them too);
 the fused step with AdamW, whose update is fdp's."""
@@ -15,6 +16,7 @@ SCRIPT = r"""
 import json, resource, sys, torch, torch.nn as nn, torch.nn.functional as F, fdp
 torch.set_num_threads(1)
 torch.manual_seed(0)
+fdp.init()  # malloc: FDP_MALLOC, else 'keep'
 net = nn.Sequential(nn.Linear(1024, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(), nn.Linear(2048, 10))
 apply, params, buffers = fdp.functionalize(net)
 reducer = fdp.Reducer(params)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import fdp
 from fdp import _tree
-from fdp._bucket import MiB
+from fdp._plan.bucket import MiB
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

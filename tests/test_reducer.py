@@ -8,7 +8,7 @@ from models import batch, ce_loss, mlp
 from torch import nn
 
 import fdp
-from fdp._bucket import MiB
+from fdp._plan.bucket import MiB
 
 OVERLAP = [True, False]
 

@@ -9,8 +9,9 @@ from models import batch, cnn, mlp
 from torch import nn
 
 import fdp
-import fdp._buffers
-import fdp._step
+import fdp._comm.agree
+import fdp._plan.buffers
+import fdp._step.machine
 
 BACKENDS = ["threads", "gloo"]
 
@@ -182,8 +183,8 @@ def test_debug_mode_turns_a_skipped_bucket_into_an_error_on_every_rank():
         reducer.all_reduce(params)  # a healthy step passes the checks
         if group.rank == 1:
             # Simulate a desync bug: rank 1 skips bucket 0 and launches from bucket 1.
-            machine = fdp._step.StepMachine(reducer.plan, group, reducer.hook,
-                                            fdp._buffers.BucketBuffers(reducer.plan, [torch.float32] * 99, reuse=False),
+            machine = fdp._step.machine.StepMachine(reducer.plan, group, reducer.hook,
+                                            fdp._plan.buffers.BucketBuffers(reducer.plan, [torch.float32] * 99, reuse=False),
                                             debug=True)
             machine.completed = reducer.steps
             step = machine.start("all_reduce", scale=0.5)
@@ -377,7 +378,7 @@ def test_replica_check_finds_a_swap_between_far_apart_blocks_of_a_big_leaf():
 def test_debug_fingerprint_mismatch_names_a_dtype_only_the_peer_used():
     def body(group):
         dtype = torch.float32 if group.rank == 0 else torch.float8_e5m2  # never used on rank 0
-        fdp._sync.check_collective(group, 3, 0, 16, dtype, "bucket 0")
+        fdp._comm.agree.check_collective(group, 3, 0, 16, dtype, "bucket 0")
 
     with pytest.raises(fdp.ReplicaMismatchError,
                        match=r"rank 0: \(step=3, bucket=0, numel=16, dtype=float32\); "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import fdp
-from fdp._bucket import NO_CAP
+from fdp._plan.bucket import NO_CAP
 from fdp.cost import DDP_CAPS, AutoCaps, Link, StepProfile, choose_caps, predict
 
 from .zoo import MODELS, loss

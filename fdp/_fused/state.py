@@ -13,11 +13,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import _comm, _tree
-from ._bucket import BucketPlan
-from ._group import Group
-from ._shard import Shards, mark_shard
-from .optim import ChainState, GradientTransform, Optimizer
+from .. import _tree
+from .._comm import collectives as comm
+from .._comm.group import Group
+from .._plan.bucket import BucketPlan
+from ..optim import ChainState, GradientTransform, Optimizer
+from .shard import Shards, mark_shard
 
 __all__ = ["FusedState", "StateLayout", "split_chain"]
 
@@ -130,7 +131,7 @@ class StateLayout:
             return mine
         out = mine.new_empty(s.padded[b])
         what = f"{self.name}: gathering bucket {b}'s optimizer state"
-        _comm.wait(_comm.all_gather_into(out, mine.contiguous(), self.group, what), self.group, what)
+        comm.wait(comm.all_gather_into(out, mine.contiguous(), self.group, what), self.group, what)
         return out
 
     def from_tree(self, tree_state: Any, params: Any) -> FusedState:

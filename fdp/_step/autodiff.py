@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from . import _functorch, _tree
+from .. import _tree
+from . import functorch
 
 ENGINES = ("auto", "autograd", "functorch")
 
@@ -87,7 +88,7 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
     if hooks is not None:
         for leaf, hook in zip(inputs, hooks):
             if hook is not None:
-                _functorch.set_leaf_hook(leaf, hook)
+                functorch.set_leaf_hook(leaf, hook)
     args = replace(args, argnums, _tree.unflatten(treedef, inputs))
     with torch.enable_grad():
         out = fn(*args, **kwargs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._bucket import BucketPlan
+from .bucket import BucketPlan
 
 # torch's count of references to a storage (c10's intrusive use count): every tensor or view
 # on it holds one. Private; present on torch 2.4 and 2.13. Without it nothing is reused.

@@ -36,17 +36,16 @@ behind the choice are in docs/performance.md ("The sharded step").
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from . import _comm
-from ._bucket import BucketPlan
-from ._group import Group, resolve
-from ._marks import TensorMarks
+from .._comm import collectives as comm
+from .._comm.group import Group
+from .._marks import TensorMarks
+from .._plan.bucket import BucketPlan
 
-__all__ = ["Mesh", "Shards", "is_shard", "mark_shard", "resolve_mesh", "Scatter"]
+__all__ = ["Scatter", "Shards", "is_shard", "mark_shard"]
 
 
 class Shards:
@@ -79,40 +78,6 @@ class Shards:
         if self.size == 1 and flat.numel() == self.hi[b]:
             return flat
         return flat[self.lo[b]:self.hi[b]]
-
-
-class Mesh(NamedTuple):
-    """The groups a (possibly sharded) fused step talks over.
-
-    ``full``: every rank (the mean's denominator, the step status, the plan checks);
-    ``shard``: the ranks a bucket is cut over (``full`` for a 1-D group); ``replicate``: the
-    ranks holding the same slice (2-D meshes), else None.
-    """
-
-    full: Group
-    shard: Group
-    replicate: Group | None
-
-
-def resolve_mesh(group: Any) -> Mesh:
-    """The ``Mesh`` for a Reducer's ``group=``: a 2-D ``DeviceMesh`` with dims (replicate,
-    shard), or anything ``fdp.Group`` accepts (then every rank is in one shard group)."""
-    if hasattr(group, "get_group") and hasattr(group, "mesh") and group.ndim == 2:
-        names = tuple(group.mesh_dim_names or ("replicate", "shard"))
-        if set(names) != {"replicate", "shard"}:
-            raise ValueError(
-                f"fdp.Reducer: a 2-D DeviceMesh must name its dims ('replicate', 'shard') (HSDP: "
-                f"buckets are cut over 'shard' and the slices all-reduced over 'replicate'); got {names}"
-            )
-        shard = Group.from_mesh(group, "shard")
-        replicate = Group.from_mesh(group, "replicate")
-        if group.size() == dist.get_world_size():
-            full = Group.from_process_group(None, device=shard.device)
-        else:  # the mesh is part of a larger job: its ranks as one group (made by torch, cached)
-            full = Group.from_mesh(group._flatten(), 0)
-        return Mesh(full, shard, replicate)
-    full = resolve(group)
-    return Mesh(full, full, None)
 
 
 # ---------------------------------------------------------------------------- shard marks
@@ -185,13 +150,13 @@ class Scatter:
         group, s = self.group, self.shards
         what = f"reduce-scatter of bucket {b}"
         if group.process_group is None:
-            return _comm.DONE
+            return comm.DONE
         if self.mode == "native":
-            return _comm.reduce_scatter(s.mine(b, flat), flat, group, what)
+            return comm.reduce_scatter(s.mine(b, flat), flat, group, what)
         if self.mode == "all_to_all":
-            return _comm.all_to_all(self._stage(b, flat), flat, group, what)
+            return comm.all_to_all(self._stage(b, flat), flat, group, what)
         got = self._stage(b, flat).narrow(0, 0, len(self.peers) * s.numel(b)).view(len(self.peers), -1)
-        return _comm.exchange([(self._slice(b, flat, j), j) for j in self.peers],
+        return comm.exchange([(self._slice(b, flat, j), j) for j in self.peers],
                               list(zip(got.unbind(0), self.peers)), group, what, tag=2 * b)
 
     def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
@@ -213,15 +178,15 @@ class Scatter:
         group, s = self.group, self.shards
         what = f"all-gather of bucket {b}'s params"
         if group.process_group is None:
-            return _comm.DONE
+            return comm.DONE
         mine = s.mine(b, flat)
         if self.mode == "native":
-            return _comm.all_gather_into(flat, mine, group, what)
+            return comm.all_gather_into(flat, mine, group, what)
         if self.mode == "all_to_all":
             send = self._stage(b, flat)
             send.view(s.size, -1).copy_(mine.expand(s.size, -1))  # this rank's slice, for every rank
-            return _comm.all_to_all(flat, send, group, what)
-        return _comm.exchange([(mine, j) for j in self.peers], [(self._slice(b, flat, j), j) for j in self.peers],
+            return comm.all_to_all(flat, send, group, what)
+        return comm.exchange([(mine, j) for j in self.peers], [(self._slice(b, flat, j), j) for j in self.peers],
                               group, what, tag=2 * b + 1)
 
     def gathered(self, b: int) -> None:

@@ -11,27 +11,27 @@ before the fused step). The model itself: docs/performance.md, "A cost model of 
 from collections.abc import Callable
 from typing import Any
 
-from ._autocaps import AutoCaps as AutoCaps
-from ._autocaps import update_cost as update_cost
-from ._cost import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
-from ._cost import DDP_CAPS as DDP_CAPS
-from ._cost import MIN_GAIN as MIN_GAIN
-from ._cost import Choice as Choice
-from ._cost import Prediction as Prediction
-from ._cost import StepProfile as StepProfile
-from ._cost import assign as assign
-from ._cost import choose_caps as choose_caps
-from ._cost import hooked_count as hooked_count
-from ._cost import lost as lost
-from ._cost import on_the_wire as on_the_wire
-from ._cost import predict as predict
-from ._cost import reached as reached
-from ._cost import share as share
-from ._cost import span as span
-from ._fused_state import split_chain
-from ._link import Link as Link
-from ._link import linear_fit as linear_fit
-from ._link import measure_link as measure_link
+from .._fused.state import split_chain
+from .autocaps import AutoCaps as AutoCaps
+from .autocaps import update_cost as update_cost
+from .link import Link as Link
+from .link import linear_fit as linear_fit
+from .link import measure_link as measure_link
+from .model import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
+from .model import DDP_CAPS as DDP_CAPS
+from .model import MIN_GAIN as MIN_GAIN
+from .model import Choice as Choice
+from .model import Prediction as Prediction
+from .model import StepProfile as StepProfile
+from .model import assign as assign
+from .model import choose_caps as choose_caps
+from .model import hooked_count as hooked_count
+from .model import lost as lost
+from .model import on_the_wire as on_the_wire
+from .model import predict as predict
+from .model import reached as reached
+from .model import share as share
+from .model import span as span
 
 # The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
 # describes them in ``choose_caps``.

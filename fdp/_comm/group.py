@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._malloc import keep_freed_memory
+from .lifetime import install_exit_hook, tune_malloc
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -107,7 +104,7 @@ class Group:
             else:
                 device = torch.device("cpu")
         if timeout is None:
-            timeout = _pg_timeout(pg, torch.device(device))
+            timeout = pg_timeout(pg, torch.device(device))
         group = cls(pg, rank, size, local_rank, torch.device(device), timeout, backend)
         if pg is dist.group.WORLD:
             _remember_world(group, replace=False)
@@ -141,7 +138,7 @@ class Group:
         )
 
 
-def _pg_timeout(pg: Any, device: torch.device) -> timedelta:
+def pg_timeout(pg: Any, device: torch.device) -> timedelta:
     """The timeout the process group was created with (gloo and NCCL backends expose it).
 
     Not while torch.compile traces: dynamo cannot read a backend's options (torch 2.13:
@@ -161,7 +158,8 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIMEOUT) -> Group:
+def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIMEOUT,
+         malloc: str | None = None) -> Group:
     """Join the world described by torchrun's environment and return its ``Group``.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``.
@@ -174,6 +172,13 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     Args:
       backend: the process group's backend (default: ``"nccl"`` with CUDA, else ``"gloo"``).
       timeout: the process group's timeout, for every collective fdp waits on.
+      malloc: ``"keep"``: raise glibc's malloc thresholds (and cap its arenas) so memory a
+        step frees stays in the process for the next step instead of being faulted in again
+        (no page faults per step once warm, as DDP's reused buckets; docs/performance.md);
+        ``"os"``: leave glibc's defaults. ``None`` (default): the ``FDP_MALLOC`` environment
+        variable, else ``"keep"``. Applied once per process, before the process group
+        starts its threads (a process group made before ``fdp.init`` keeps the arenas it
+        made: set ``MALLOC_ARENA_MAX=4`` in its environment).
 
     Returns:
       The world's ``Group`` (``Group.single()`` without torchrun).
@@ -181,6 +186,7 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     Raises:
       RuntimeError: ``RANK`` and ``WORLD_SIZE`` are set but another torchrun variable is
         missing. Rendezvous errors come from ``torch.distributed.init_process_group``.
+      ValueError: an unknown ``malloc`` mode.
 
     Example:
       >>> group = fdp.init()
@@ -189,6 +195,7 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     """
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
+    tune_malloc(malloc)  # before the backend's threads start: it caps the malloc arenas too
     if dist.is_available() and dist.is_initialized():
         return Group.from_process_group(dist.group.WORLD, timeout=timeout)
     if not _under_torchrun():
@@ -213,123 +220,18 @@ def init(backend: str | None = None, *, timeout: timedelta | float = DEFAULT_TIM
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"fdp/attempt-{attempt}", store)
-    keep_freed_memory()  # before the backend's threads start: it caps the malloc arenas too
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    _install_shutdown()
+    install_exit_hook()
     group = Group.from_process_group(dist.group.WORLD, device=device, timeout=timeout)
     _remember_world(group, replace=True)
     return group
-
-
-_failed = False  # an uncaught exception is ending this process
-_collective_failed = False  # a collective raised or timed out (see mark_failed)
-_kept: list[tuple[Any, timedelta]] = []  # work handles of failed collectives (see keep_until_exit)
-
-
-def mark_failed() -> None:
-    """Record that a collective failed: the exit hook then skips its barrier (see below)."""
-    global _collective_failed
-    _collective_failed = True
-
-
-def keep_until_exit(work: Any, group: Group) -> None:
-    """Hold the work handle of a collective whose wait failed until this process exits.
-
-    A wait that times out returns while the backend still runs the collective. When gloo's
-    worker thread later finishes it and drops the last reference to the work, the work's
-    tensors release their Python objects from that thread; during interpreter teardown that
-    thread cannot take the GIL, and the process dies with "terminate called without an
-    active exception" (SIGABRT) after the program chose its exit status. gdb shows the stack
-    ``ProcessGroupGloo::runLoop -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject ->
-    take_gil -> pthread_exit -> std::terminate`` (torch 2.13). So the handle is held here and,
-    at exit, waited for once more, for at most the process group's own timeout (by then the
-    backend has ended the operation), so that the last reference is this module's, released
-    by the main thread.
-    """
-    mark_failed()
-    if not _kept:
-        atexit.register(_drain)  # registered after _shutdown, so it runs before it
-    limit = max(group.timeout, _pg_timeout(group.process_group, group.device))
-    _kept.append((work, limit))
-
-
-def _drain() -> None:
-    for work, timeout in _kept:
-        try:
-            work.wait(timeout)
-        except Exception:  # noqa: BLE001 - it failed already; only its end matters
-            pass
-
-
-def _install_shutdown() -> None:
-    """Shut the group down at exit, in step with the other ranks.
-
-    Left to the interpreter's teardown, a rank that finishes first closes its gloo
-    connections while a peer's gloo threads still use them, and the peer can die with
-    "terminate called without an active exception" (exit code -6) after a successful run
-    (seen in about 1 of 10 two-rank torchrun runs of plain torch on this machine). So at a
-    normal exit every rank meets the others in a barrier, then destroys the group. After an
-    uncaught exception the barrier is skipped: the others may be stuck in a collective, and
-    this rank should exit now so torchrun can restart or stop the job.
-
-    The group is destroyed in every case, also when the barrier fails or is skipped: after
-    a collective timed out, gloo's connections are broken and the barrier raises at once;
-    skipping the destroy then left the group's threads to the interpreter's teardown, and a
-    rank that had caught the timeout and finished died with SIGABRT instead of the exit
-    status it chose (issue 15). After a failed collective the barrier is skipped too.
-    """
-    previous = sys.excepthook
-
-    def excepthook(*exc_info: Any) -> None:
-        global _failed
-        _failed = True
-        previous(*exc_info)
-
-    sys.excepthook = excepthook
-    atexit.register(_shutdown)
-
-
-EXIT_GRACE_S = 0.2  # see _shutdown
-
-
-def _shutdown() -> None:
-    """The exit hook (see ``_install_shutdown``).
-
-    After the barrier the main thread sleeps ``EXIT_GRACE_S`` before it lets the interpreter
-    finalize. gloo's worker thread releases a finished work (and its tensors) a moment after
-    the waiting thread has woken, and on an oversubscribed machine it can be descheduled in
-    between. If it releases the last reference to a tensor whose Python object finalization
-    has already freed, it must take the GIL, cannot, and the process aborts ("terminate
-    called without an active exception") after a successful run. Core dumps of such aborts
-    (4-rank torchrun runs that saved a sharded checkpoint just before exiting, about 1 in 13)
-    showed ``ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
-    TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate`` (the exit
-    barrier's work keeps the works that were in flight when it was issued; torch 2.13) and,
-    with a one-element all-reduce tried as the barrier, the same from
-    ``~AsyncAllreduceWork``; the main thread was in ``Py_FinalizeEx`` each time. The sleep
-    gives up the GIL, which such a release may need.
-    """
-    if not dist.is_initialized():
-        return
-    gloo = str(dist.get_backend()).lower() == "gloo"
-    if not (_failed or _collective_failed):
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - exiting anyway; a dead peer must not block the exit
-            pass
-    if gloo:
-        time.sleep(EXIT_GRACE_S)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - as above
-        pass
 
 
 # The world's Group, made once per process group (per thread with simulated ranks, where
 # every thread has its own world): `group=None` is the common argument of every fdp call,
 # and making a Group queries the backend (rank, size, name, timeout). Resolving it once,
 # eagerly (by fdp.init, or the first call), also keeps that query out of code that
-# torch.compile traces, where reading the backend's options fails (see _pg_timeout).
+# torch.compile traces, where reading the backend's options fails (see pg_timeout).
 _worlds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _worlds_lock = threading.Lock()
 

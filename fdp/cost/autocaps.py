@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from . import _comm
-from ._bucket import BucketPlan, MiB, itemsize
-from ._cost import Choice, Prediction, StepProfile, choose_caps
-from ._fused_run import chunks
-from ._fused_state import split_chain
-from ._group import Group
-from ._link import Link, linear_fit, measure_link
-from ._log import log
-from ._timeline import Timeline
+from .._comm import collectives as comm
+from .._comm.group import Group
+from .._fused.run import chunks
+from .._fused.state import split_chain
+from .._log import log
+from .._plan.bucket import BucketPlan, MiB, itemsize
+from .._step.record import Timeline
+from .link import Link, linear_fit, measure_link
+from .model import Choice, Prediction, StepProfile, choose_caps
 
 __all__ = ["AutoCaps", "update_cost"]
 
@@ -93,7 +93,7 @@ class AutoCaps:
         mine = [[replace(StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes),
                          update_fixed=fixed, update_per_byte=per_byte) for tl in tls]
                 for tls in (self._deferred, self._timelines)]
-        profiles = _comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
+        profiles = comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
         if group.rank == 0:
             profile = StepProfile.with_contention(StepProfile.over_ranks([p[0] for p in profiles]),
                                                   StepProfile.over_ranks([p[1] for p in profiles]))
@@ -102,7 +102,7 @@ class AutoCaps:
                             hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
             msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
                                dtype=torch.float64, device=group.device)
-        _comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
+        comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
         v = msg.tolist()
         self.choice = Choice((int(v[0]), int(v[1])), Prediction(*v[2:6], int(v[6])), Prediction(*v[7:11], int(v[11])))
         self.frozen, self._timelines, self._deferred = True, [], []

@@ -29,19 +29,21 @@ from typing import Any
 
 import torch
 
-from . import _functorch, _tree, kernels
-from ._autodiff import local_grads
-from ._bucket import BucketPlan, contiguous_strides
-from ._buffers import BucketBuffers, held_elsewhere
-from ._comm import all_reduce, count_and_check_active
-from ._fused_run import Run
-from ._fused_state import FusedState, StateLayout, split_chain
-from ._shard import Mesh, Scatter, Shards
-from ._step import StepMachine
-from ._sync import verify_layout
-from ._timeline import StepRecord
-from .hooks import CommHook
-from .optim import Optimizer
+from .. import _tree, kernels
+from .._comm.agree import count_and_check_active, verify_layout
+from .._comm.collectives import all_reduce
+from .._comm.mesh import Mesh
+from .._plan.bucket import BucketPlan, contiguous_strides
+from .._plan.buffers import BucketBuffers, held_elsewhere
+from .._step import functorch
+from .._step.autodiff import local_grads
+from .._step.machine import StepMachine
+from .._step.record import StepRecord
+from ..hooks import CommHook
+from ..optim import Optimizer
+from .run import Run
+from .shard import Scatter, Shards
+from .state import FusedState, StateLayout, split_chain
 
 __all__ = ["FusedState", "FusedStep"]
 
@@ -171,7 +173,7 @@ class FusedCore:
             raise RuntimeError(f"{self.name} cannot be traced by torch.compile (its per-bucket updates "
                                "run from hooks inside autograd); compile a step of torch.func.grad, "
                                "reducer.all_reduce and opt.update instead (docs/compile.md)")
-        if _functorch.in_transform():
+        if functorch.in_transform():
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
         state = self.check_state(state)
         plan, machine = self.plan, self.machine

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from ._comm import all_reduce, count_ranks, wait
-from ._fused_state import FusedState
-from ._step import all_finite
+from .._comm.agree import count_ranks
+from .._comm.collectives import all_reduce, wait
+from .._step.machine import all_finite
+from .state import FusedState
 
 __all__ = ["CHUNK", "Run", "chunks"]
 

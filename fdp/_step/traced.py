@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from . import _tree
-from ._bucket import BucketPlan
-from ._group import Group
-from .hooks import CommHook
+from .. import _tree
+from .._comm.group import Group
+from .._plan.bucket import BucketPlan
+from ..hooks import CommHook
 
 
 def traced_all_reduce(grads: Any, plan: BucketPlan, hook: CommHook, wire: list[torch.dtype], group: Group,

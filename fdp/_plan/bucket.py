@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import _tree, kernels
+from .. import _tree, kernels
 
 MiB = 1024 * 1024
 # The cap of ``bucket_cap_mb=float("inf")``: no bucket ever reaches it, so each (device, dtype)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _comm
-from ._bucket import MiB
-from ._group import Group
+from .._comm import collectives as comm
+from .._comm.group import Group
+from .._plan.bucket import MiB
 
 __all__ = ["Link", "linear_fit", "measure_link"]
 
@@ -129,15 +129,15 @@ def measure_link(group: Group, sizes: Sequence[int] = (4096, 512 * 1024, 8 * MiB
     medians, issue = [], []
     for n in sizes:
         t = torch.zeros(max(1, n // 4), dtype=torch.float32, device=group.device)
-        _comm.all_reduce(t, group, "fdp.cost.measure_link (warm-up)")
+        comm.all_reduce(t, group, "fdp.cost.measure_link (warm-up)")
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            work = _comm.all_reduce(t, group, "fdp.cost.measure_link", async_op=True)
+            work = comm.all_reduce(t, group, "fdp.cost.measure_link", async_op=True)
             issue.append(time.perf_counter() - t0)
-            _comm.wait(work, group, "fdp.cost.measure_link")
+            comm.wait(work, group, "fdp.cost.measure_link")
             times.append(time.perf_counter() - t0)
         medians.append(min(times) if n == min(sizes) else statistics.median(times))
     mine = torch.tensor([*medians, statistics.median(issue)], dtype=torch.float64, device=group.device)
-    slowest = _comm.all_gather(mine, group, "fdp.cost.measure_link (results)").amax(0).tolist()
+    slowest = comm.all_gather(mine, group, "fdp.cost.measure_link (results)").amax(0).tolist()
     return Link.fit([max(1, n // 4) * 4 for n in sizes], slowest[:-1], group.size, overhead=slowest[-1])

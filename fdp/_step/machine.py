@@ -39,15 +39,16 @@ from typing import Any
 
 import torch
 
-from . import _functorch, kernels
-from ._bucket import BucketPlan, itemsize
-from ._buffers import BucketBuffers
-from ._comm import all_reduce, is_completed, wait
-from ._errors import CollectiveError
-from ._group import Group
-from ._sync import check_collective
-from ._timeline import BucketTimes, Timeline
-from .hooks import CommHook
+from .. import kernels
+from .._comm.agree import check_collective
+from .._comm.collectives import all_reduce, is_completed, wait
+from .._comm.group import Group
+from .._errors import CollectiveError
+from .._plan.bucket import BucketPlan, itemsize
+from .._plan.buffers import BucketBuffers
+from ..hooks import CommHook
+from . import functorch
+from .record import BucketTimes, Timeline
 
 # Gradients smaller than this are left to autograd: handing autograd a zero in their place
 # costs more than the memory it frees.
@@ -176,7 +177,7 @@ class StepMachine:
 
 
 def _leaf_hook(live: _Live, i: int, wrapped: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    unwrap = _functorch.unwrap if wrapped else None
+    unwrap = functorch.unwrap if wrapped else None
 
     def hook(grad: torch.Tensor) -> torch.Tensor | None:
         step = live.step
@@ -239,14 +240,14 @@ class Step:
         self.stash[i] = grad
         self.got[i] = 1
         if self.in_flight and self.on_ready is not None:
-            with _functorch.outside_transforms():
+            with functorch.outside_transforms():
                 self.stamp_done()  # a landed bucket is updated while the backward goes on
         b = self.bucket_of[i]
         self.pending[b] -= 1
         if self.pending[b] == 0:
             self.times[b].ready = time.perf_counter() - self.t0
             if b == self.next and not self.defer:
-                with _functorch.outside_transforms():
+                with functorch.outside_transforms():
                     self.launch_ready()
         # Hand autograd a free zero instead: the gradient then lives only in the stash.
         return original.new_zeros(()).expand(original.shape) if self.release[i] else None

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from ._bucket import NO_CAP, BucketPlan, MiB, itemsize
-from ._link import Link, linear_fit
-from ._step import HOOK_MEAN_BYTES
-from ._timeline import Timeline
+from .._plan.bucket import NO_CAP, BucketPlan, MiB, itemsize
+from .._step.machine import HOOK_MEAN_BYTES
+from .._step.record import Timeline
+from .link import Link, linear_fit
 
 __all__ = ["Choice", "Prediction", "StepProfile", "assign", "choose_caps",
            "hooked_count", "lost", "on_the_wire", "predict", "reached", "share", "span", "DDP_CAPS", "CANDIDATE_CAPS_MB", "MIN_GAIN"]

@@ -6,7 +6,6 @@ None``) never communicates: the calls return their input.
 
 from __future__ import annotations
 
-import collections
 import pickle
 from datetime import timedelta
 from typing import Any
@@ -14,9 +13,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CollectiveError, ReplicaMismatchError
-from ._group import Group, keep_until_exit, mark_failed
-from ._log import debug_mode
+from .._errors import CollectiveError
+from .._log import debug_mode
+from .group import Group, pg_timeout
+from .lifetime import hold, keep_until_exit, mark_failed
 
 
 class Done:
@@ -38,25 +38,6 @@ DONE = Done()
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (absent before).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-# The small tensors of recent collectives (counts, digests, flags), held a little longer than
-# their callers hold them. gloo's worker thread drops its reference to a finished collective
-# after the caller has seen it complete; when that is the last reference to a tensor made in
-# Python, the thread must take the GIL to free it, and at interpreter shutdown it cannot: the
-# process aborts ("terminate called without an active exception"; see
-# fdp._group.keep_until_exit for the stack). Holding them here makes the main thread the one
-# that frees them. Large tensors (buckets) are held by their owners anyway; the bound (64 KiB
-# each, 2 MiB in all) covers the RNG states of fdp.rng_state (about 5 KB), which nothing
-# else holds once the gather returns.
-_RECENT: collections.deque = collections.deque(maxlen=32)
-_SMALL_BYTES = 64 * 1024
-
-
-def _hold(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.numel() * t.element_size() <= _SMALL_BYTES:
-            _RECENT.append(t)
-
 
 def completed(value: Any) -> torch.futures.Future:
     """A Future that already holds ``value``."""
@@ -98,7 +79,7 @@ def wait(work: Any, group: Group, what: str) -> None:
             work.wait(group.timeout)
     except Exception as e:
         if group.backend != "threaded":  # threads share this process: nothing outlives it
-            keep_until_exit(work, group)
+            keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
         raise collective_error(group, what, e) from e
 
 
@@ -112,7 +93,7 @@ def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = Fal
         work = dist.all_reduce(t, op=reduce_op, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    _hold(t)
+    hold(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -128,7 +109,7 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    _hold(t)
+    hold(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -210,7 +191,7 @@ def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, tor
         work = _all_gather_single(out, src, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    _hold(src, out)
+    hold(src, out)
     return work, out.view(group.size, *t.shape)
 
 
@@ -230,20 +211,6 @@ def all_gather_object(obj: Any, group: Group, what: str) -> list[Any]:
     return [
         pickle.loads(gathered[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(group.size)
     ]
-
-
-def any_rank(flag: bool, group: Group, what: str = "fdp.any_rank") -> bool:
-    """True on every rank if ``flag`` is true on at least one rank (one tiny all-reduce)."""
-    return count_ranks(flag, group, what) > 0
-
-
-def count_ranks(flag: bool, group: Group, what: str = "fdp.count_ranks") -> int:
-    """How many ranks passed a true ``flag`` (the same number on every rank)."""
-    if group.process_group is None:
-        return int(bool(flag))
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=group.device)
-    all_reduce(t, group, what)
-    return int(t.item())
 
 
 def wait_future(fut: torch.futures.Future, group: Group, what: str) -> Any:
@@ -282,23 +249,3 @@ def traced_broadcast(flat: torch.Tensor, src: int, group: Group) -> torch.Tensor
     return funcol.wait_tensor(funcol.broadcast(flat, src, group.process_group))
 
 
-def count_and_check_active(active: bool | None, group: Group, what: str) -> int:
-    """Number of active ranks for ``all_reduce(active=...)``, checking that every rank passed it.
-
-    One 2-element all-reduce carries (active, passed); ranks that passed ``active=`` and
-    ranks that did not would otherwise issue different collectives and hang until the
-    timeout. Raises ``ReplicaMismatchError`` on every rank when they disagree.
-    """
-    if group.process_group is None:
-        return 1 if active is None else int(bool(active))
-    t = torch.tensor([1 if active is None or active else 0, 0 if active is None else 1],
-                     dtype=torch.int64, device=group.device)
-    all_reduce(t, group, what)
-    n, passed = (int(v) for v in t.tolist())
-    if 0 < passed < group.size:
-        mine = "passed active=" if active is not None else "did not pass active="
-        raise ReplicaMismatchError(
-            f"fdp: {what}: {passed} of {group.size} ranks passed active= and the others did not; "
-            f"every rank must pass it, or none (rank {group.rank} {mine})"
-        )
-    return n

@@ -74,7 +74,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
                           "BucketPlan", "Bucket"]),
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
                              "assert_replicas_equal", "ReplicaCheck"]),
-    ("Checkpoints", "fdp", ["save", "load", "rng_state", "set_rng_state"]),
+    ("Checkpoints", "fdp", ["save", "load", "rng_state", "set_rng_state", "RngState"]),
     ("Errors", "fdp", ["ReplicaMismatchError", "CollectiveError", "CheckpointError"]),
     ("`fdp.hooks` — communication hooks", "fdp.hooks", ["*"]),
     ("`fdp.optim` — functional optimizers", "fdp.optim", ["*"]),

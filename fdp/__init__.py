@@ -30,6 +30,7 @@ from ._reducer import Reducer as Reducer
 from ._replicas import ReplicaCheck as ReplicaCheck
 from ._replicas import assert_replicas_equal as assert_replicas_equal
 from ._replicas import assert_same_shapes as assert_same_shapes
+from ._rng import RngState as RngState
 from ._rng import rng_state as rng_state
 from ._rng import set_rng_state as set_rng_state
 from ._step.record import BucketTimes as BucketTimes
@@ -54,6 +55,7 @@ __all__ = [
     "Reducer",
     "ReplicaCheck",
     "ReplicaMismatchError",
+    "RngState",
     "StepRecord",
     "Timeline",
     "any_rank",

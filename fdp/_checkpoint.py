@@ -41,10 +41,8 @@ from . import _tree
 from ._comm.agree import count_ranks
 from ._comm.group import Group, resolve
 from ._errors import CheckpointError
-from ._fused.shard import is_shard
-from ._rng import is_per_rank, mark_per_rank, rng_state, set_rng_state
 
-__all__ = ["load", "rng_state", "save", "set_rng_state"]
+__all__ = ["load", "save"]
 
 FORMAT = "fdp.checkpoint"
 VERSION = 2
@@ -171,24 +169,31 @@ def load(
         if p not in known:
             raise CheckpointError(f"fdp.load: {path} has a leaf {p}, which the train state lacks")
     out = [_match(path, p, values[p], want) for p, want in zip(paths, leaves)]
-    for p, value in zip(paths, out):
-        if per_rank and p in per_rank:
-            mark_per_rank(value)  # saved again, it stays per-rank
-    return _tree.unflatten(treedef, out)
+    loaded = _tree.unflatten(treedef, out)
+    # States that know their layout (a fused optimizer state) say whether they fit ``like``'s.
+    for (p, got), (_, want) in zip(_tree.nodes_with(loaded, "__fdp_check_load__"),
+                                   _tree.nodes_with(like, "__fdp_check_load__")):
+        problem = got.__fdp_check_load__(want)
+        if problem:
+            raise CheckpointError(f"fdp.load: {path}: {p}: {problem}")
+    return loaded
 
 
 # ------------------------------------------------------------------------------- helpers
 
 
 def _refuse_shards(tree: Any) -> None:
-    for p, leaf in zip(*_tree.flatten_with_paths(tree)[:2]):
-        if is_shard(leaf):
-            raise CheckpointError(
-                f"fdp.save: leaf {p} is this rank's slice of a sharded optimizer state "
-                "(Reducer(shard=True)), and rank 0's slices alone are not the state; save "
-                "step.state_to_tree(opt_state, params) instead (gathered, per leaf: it loads into "
-                "any world size, and step.state_from_tree slices it again)"
-            )
+    """States that know they are one rank's part (``FusedState`` of a sharded step) say so."""
+    for p, node in _tree.nodes_with(tree, "__fdp_unsaveable__"):
+        reason = node.__fdp_unsaveable__()
+        if reason:
+            raise CheckpointError(f"fdp.save: {p} cannot be saved as it is: {reason}")
+
+
+def _per_rank(tree: Any) -> list[str]:
+    """Paths of the leaves under an ``RngState``: one row per rank, tied to the world size."""
+    return [p + q for p, node in _tree.nodes_with(tree, "__fdp_per_rank__") for q in _tree.paths(_tree.structure(node))
+            if q != "<root>"]
 
 
 def _payload(tree: Any, world_size: int) -> dict[str, Any]:
@@ -209,7 +214,7 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
     return {"format": FORMAT, "version": VERSION, "world_size": world_size,
             "torch": str(torch.__version__), "leaves": out,
             "crc32": {p: _crc32(v) for p, v in out.items()},
-            "per_rank": [p for p, leaf in zip(paths, leaves) if is_per_rank(leaf)]}
+            "per_rank": _per_rank(tree)}
 
 
 def _crc32(value: Any) -> int:

@@ -36,7 +36,7 @@ from ._step.autodiff import local_grads, resolve_engine, select
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
 from ._step.record import StepRecord, Timeline
 from ._step.traced import traced_all_reduce
-from .cost.autocaps import AutoCaps
+from .cost._autocaps import AutoCaps
 from .hooks import CommHook, as_hook
 from .optim import Optimizer
 

@@ -1,51 +1,79 @@
-"""Every rank's random-number-generator states: ``rng_state`` and ``set_rng_state``.
+"""Every rank's random-number-generator states: ``rng_state``, ``set_rng_state``, ``RngState``.
 
-The trees ``rng_state`` returns are the per-rank state of a checkpoint: one row per rank,
-so they do not carry over to a world of another size. Their tensors are remembered (weakly)
-so that ``fdp.save`` can record which leaves are per-rank, and ``fdp.load`` can then allow a
-world-size change for a checkpoint that holds none.
+The ``RngState`` that ``rng_state`` returns is the per-rank state of a checkpoint: one row
+per rank, so it does not carry over to a world of another size. Its type says so: every
+copy, ``fdp.save`` and ``fdp.load`` see an ``RngState`` (a NamedTuple), so ``fdp.save``
+records which leaves are per-rank, and ``fdp.load`` allows a world-size change for a
+checkpoint that holds none.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
+import optree
 import torch
 
+from . import _tree
 from ._comm import collectives as comm
 from ._comm.group import Group, resolve
 from ._errors import CheckpointError
-from ._marks import TensorMarks
 
-__all__ = ["is_per_rank", "mark_per_rank", "rng_state", "set_rng_state"]
-
-_per_rank = TensorMarks()
+__all__ = ["RngState", "rng_state", "set_rng_state"]
 
 
-def mark_per_rank(t: torch.Tensor) -> torch.Tensor:
-    """Remember ``t`` as per-rank state (a row per rank); returns ``t``."""
-    return _per_rank.mark(t)
+class RngState(NamedTuple):
+    """Every rank's RNG states, as ``fdp.rng_state`` gathers them (one row per rank).
+
+    Attributes:
+      cpu: ``uint8[world, n]``: each rank's ``torch.get_rng_state()``.
+      cuda: ``uint8[world, devices, m]``: each rank's ``torch.cuda.get_rng_state_all()``, or
+        None when CUDA is not initialised.
+
+    ``state["cpu"]`` reads a field too (the dict this used to be). In checkpoints its leaves
+    are ``['cpu']`` and ``['cuda']``.
+    """
+
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None = None
+    __fdp_per_rank__ = True  # fdp.save: these leaves hold a row per rank
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, str):
+            if key not in self._fields:
+                raise KeyError(key)
+            return getattr(self, key)
+        return tuple.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default) if key in self._fields else default
 
 
-def is_per_rank(t: Any) -> bool:
-    """Whether ``t`` is a tensor ``rng_state`` made (or ``fdp.load`` restored as per-rank)."""
-    return t in _per_rank
+# In fdp's namespace its leaves keep the paths of the dict it used to be (['cpu'], ['cuda']),
+# so checkpoints written before it load into it. (optree warns that a NamedTuple is already
+# a node elsewhere: that is the point, other namespaces keep the NamedTuple form.)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    optree.register_pytree_node(
+        RngState, lambda s: ((s.cpu, s.cuda), None, ("cpu", "cuda")), lambda _, children: RngState(*children),
+        path_entry_type=optree.MappingEntry, namespace=_tree.NAMESPACE)
 
 
-def rng_state(group: Group | Any | None = None) -> dict[str, torch.Tensor]:
+def rng_state(group: Group | Any | None = None) -> RngState:
     """Every rank's random-number-generator states, gathered; a collective over ``group``.
 
-    Returns the same tree on every rank, ready to save: ``{"cpu": uint8[world, n]}`` with
-    each rank's ``torch.get_rng_state()``, plus ``"cuda": uint8[world, devices, m]`` with
-    each rank's ``torch.cuda.get_rng_state_all()`` when CUDA is initialised. Restore with
+    Returns the same ``RngState`` on every rank, ready to save: ``cpu``, ``uint8[world, n]`` with
+    each rank's ``torch.get_rng_state()``, and ``cuda``, ``uint8[world, devices, m]`` with
+    each rank's ``torch.cuda.get_rng_state_all()`` when CUDA is initialised (else None). Restore with
     ``set_rng_state``, which picks this rank's row.
 
     Args:
       group: the ranks (default: the world, or a world of one).
 
     Returns:
-      ``{"cpu": Tensor[, "cuda": Tensor]}`` of CPU tensors, indexed by rank on dim 0.
+      An ``fdp.RngState`` of CPU tensors, indexed by rank on dim 0.
 
     Raises:
       CheckpointError: the ranks disagree on whether CUDA is initialised or on the shape of
@@ -70,13 +98,12 @@ def rng_state(group: Group | Any | None = None) -> dict[str, torch.Tensor]:
             f"fdp.rng_state: ranks disagree on their RNG states (per rank [cpu bytes, cuda "
             f"devices, cuda bytes]: {headers}); initialise CUDA on every rank or on none"
         )
-    out = {"cpu": mark_per_rank(comm.all_gather(cpu.to(group.device), group, what).cpu())}
-    if cuda is not None:
-        out["cuda"] = mark_per_rank(comm.all_gather(cuda.to(group.device), group, what).cpu())
-    return out
+    cpus = comm.all_gather(cpu.to(group.device), group, what).cpu()
+    cudas = comm.all_gather(cuda.to(group.device), group, what).cpu() if cuda is not None else None
+    return RngState(cpus, cudas)
 
 
-def set_rng_state(state: Mapping[str, torch.Tensor], group: Group | Any | None = None) -> None:
+def set_rng_state(state: RngState | Mapping[str, torch.Tensor], group: Group | Any | None = None) -> None:
     """Restore this rank's RNG states from ``rng_state``'s tree (no communication).
 
     Args:
@@ -96,9 +123,9 @@ def set_rng_state(state: Mapping[str, torch.Tensor], group: Group | Any | None =
       True
     """
     group = resolve(group)
-    cpu = state.get("cpu") if isinstance(state, Mapping) else None
+    cpu = state.get("cpu") if isinstance(state, (Mapping, RngState)) else None
     if not isinstance(cpu, torch.Tensor) or cpu.dim() != 2 or cpu.dtype != torch.uint8:
-        raise CheckpointError("fdp.set_rng_state: expected the dict fdp.rng_state() returns")
+        raise CheckpointError("fdp.set_rng_state: expected the RngState fdp.rng_state() returns")
     if cpu.shape[0] != group.size:
         raise CheckpointError(
             f"fdp.set_rng_state: the RNG states are from a world of {cpu.shape[0]} ranks, "

@@ -99,6 +99,16 @@ def _format(accessor: optree.PyTreeAccessor) -> str:
     return accessor.codify("") or "<root>"  # e.g. "['a'][0]", "['n'].mu"
 
 
+def nodes_with(tree: Any, attr: str) -> list[tuple[str, Any]]:
+    """``(path, node)`` of every node of ``tree`` whose type defines ``attr`` (a protocol a
+    state type uses to tell ``fdp.save``/``fdp.load`` about itself), outermost first."""
+    def has(x: Any) -> bool:
+        return hasattr(type(x), attr)
+
+    found, spec = optree.tree_flatten(tree, is_leaf=has, namespace=NAMESPACE)
+    return [(p, x) for p, x in zip(paths(spec), found) if has(x)]
+
+
 def first_difference(expected: TreeDef, got: TreeDef) -> str:
     """Describe where two tree structures first differ (for error messages)."""
     exp_paths, got_paths = paths(expected), paths(got)

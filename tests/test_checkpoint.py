@@ -11,7 +11,7 @@ from torch import nn
 import fdp
 import fdp._tree
 import fdp.testing
-from fdp._checkpoint import load, rng_state, save, set_rng_state
+from fdp import load, rng_state, save, set_rng_state
 from fdp.optim import AdamWState, SGDState
 
 

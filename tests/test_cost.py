@@ -11,19 +11,8 @@ import torch
 
 import fdp
 from fdp._plan.bucket import MiB
-from fdp.cost import (
-    DDP_CAPS,
-    AutoCaps,
-    Link,
-    StepProfile,
-    assign,
-    choose_caps,
-    hooked_count,
-    lost,
-    predict,
-    reached,
-    share,
-)
+from fdp.cost import DDP_CAPS, AutoCaps, Link, StepProfile, choose_caps, predict
+from fdp.cost._contention import lost, reached, share
 
 
 def test_ring_and_tree_costs_match_the_formulas():
@@ -71,36 +60,6 @@ def test_link_parse_and_fit():
     # the line from the smallest size to the largest, never a free link.
     inverted = Link.fit([4096, 256 * 1024, 2 * MiB], [1e-4, 2.1e-3, 2e-3], 2)
     assert inverted.beta == pytest.approx((2e-3 - 1e-4) / (2 * MiB - 4096))
-
-
-def random_tree(seed):
-    g = torch.Generator().manual_seed(seed)
-    tree = {}
-    for i in range(int(torch.randint(1, 40, (), generator=g))):
-        n = int(torch.randint(1, 300_000, (), generator=g))
-        dtype = (torch.float32, torch.float16, torch.float64)[int(torch.randint(0, 3, (), generator=g))]
-        tree[f"l{i}"] = torch.empty(n, dtype=dtype)
-    return tree
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_assign_is_the_plans_greedy_rule(seed):
-    tree = random_tree(seed)
-    plan0 = fdp.BucketPlan.build(tree)
-    groups = {}
-    leaf_group = [groups.setdefault(s.dtype, len(groups)) for s in plan0.slots]
-    leaf_bytes = [s.numel * s.dtype.itemsize for s in plan0.slots]
-    for caps in [(1 * MiB, 25 * MiB), (100_000,), (64 * 1024, 300_000, 2 * MiB), (1,)]:
-        plan = fdp.BucketPlan.from_caps(tree, caps)
-        assert assign(leaf_bytes, leaf_group, caps) == [list(b.leaves) for b in plan.buckets], caps
-
-
-def test_hooked_count_is_the_reducers_rule():
-    params = {"big": torch.zeros(50_000), "tiny": torch.zeros(10), "big2": torch.zeros(50_000),
-              "t1": torch.zeros(3), "t2": torch.zeros(3)}
-    for threshold in (0, 1024, 16 * 1024, 10**9):
-        r = fdp.Reducer(params, bucket_caps_mb=[1e-6], hook_threshold_bytes=threshold)
-        assert hooked_count([(b.nbytes, len(b.leaves)) for b in r.plan.buckets], threshold) == r.hooked_buckets
 
 
 def two_leaves(**kw):
@@ -437,7 +396,7 @@ def test_calibrate_with_the_fused_steps_optimizer_prices_its_update():
     prof = reducer.tuning.profile
     assert reducer.tuning.optimizer is opt and prof.update_per_byte > 0 and prof.update_fixed >= 0
     # the fitted line prices a bucket's update about as a timed one costs (loose: a loaded VM)
-    fixed, per_byte = fdp.cost.update_cost(opt, reducer.plan)
+    fixed, per_byte = fdp.cost._autocaps.update_cost(opt, reducer.plan)
     assert (fixed, per_byte) != (0.0, 0.0)
     flat = [torch.zeros(2**20), torch.ones(2**20), torch.zeros(2**20), torch.zeros(2**20)]
     t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 (bit for bit on two ranks), 1/world of the optimizer state per rank, on 1-D groups and on a
 2-D (replicate, shard) mesh, with every feature of the unsharded step."""
 
+import optree
 import pytest
 import torch
 from models import FailOnce, batch, mlp
@@ -217,8 +218,13 @@ def saved(group, tmp):
     state = step.init(params)
     for i in range(2):
         params, state, _ = step(params, state, *batch(0, i))  # every rank the same data
-    with pytest.raises(fdp.CheckpointError, match="slice of a sharded optimizer state"):
+    with pytest.raises(fdp.CheckpointError, match=r"\['opt'\] cannot be saved.*slices of a state sharded over 2"):
         fdp.save(f"{tmp}/wrong.pt", {"opt": state}, group)
+    # The shard fact travels with the state's type: a copy is refused the same way.
+    copy = optree.tree_map(torch.clone, state)
+    assert isinstance(copy, fdp.FusedState) and copy.sharded
+    with pytest.raises(fdp.CheckpointError, match="slices of a state sharded over 2"):
+        fdp.save(f"{tmp}/wrong.pt", {"opt": copy}, group)
     fdp.save(f"{tmp}/ckpt.pt", {"params": params, "opt": step.state_to_tree(state, params)}, group)
     for i in range(2, 4):
         params, state, _ = step(params, state, *batch(0, i))

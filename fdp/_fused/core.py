@@ -41,9 +41,10 @@ from .._step.machine import StepMachine
 from .._step.record import StepRecord
 from ..hooks import CommHook
 from ..optim import Optimizer
+from ..optim._flat import split_chain
 from .run import Run
 from .shard import Scatter, Shards
-from .state import FusedState, StateLayout, split_chain
+from .state import FusedState, StateLayout
 
 __all__ = ["FusedState", "FusedStep"]
 
@@ -220,7 +221,7 @@ class FusedCore:
         if finite:
             state.step.add_(1)
             self.cur = dst
-        out = FusedState(state.step, state.buffers, tuple(run.tstates))
+        out = state._replace(transforms=tuple(run.tstates))
         self.last = StepRecord(step.n, step.kind, finite, step.timeline())
         return plan.views(self.cur.flats), out, value
 

@@ -16,29 +16,10 @@ import torch
 from .._comm.agree import count_ranks
 from .._comm.collectives import all_reduce, wait
 from .._step.machine import all_finite
+from ..optim._flat import chunks
 from .state import FusedState
 
-__all__ = ["CHUNK", "Run", "chunks"]
-
-# Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
-# passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
-# whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
-# block, while over chunks that fit in the cache the passes stay there (CUDA's
-# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). Each
-# chunk also costs the kernel's Python per tensor (about 25 us for AdamW): on a tree of five
-# 512 x 512 matrices, 64K/128K/256K/512K/1M-element chunks measured 1.11-1.16, 1.05-1.07,
-# 1.02-1.04, 1.03-1.08 and 1.04-1.09x torch.optim's per-leaf step (three interleaved runs
-# each); the models' fused steps did not move between 128K and 256K. A bucket that fits in
-# one chunk goes to the kernel as itself, and an unsharded step's "slice" is the flat tensor
-# itself: no view per call (on that tree 1.018-1.027x before, 0.997-1.004x after). Figures in
-# docs/performance.md ("The fused step").
-CHUNK = 256 * 1024
-
-
-def chunks(t: torch.Tensor) -> list[torch.Tensor]:
-    """``t`` as ``CHUNK``-element views (itself when it fits in one)."""
-    return [t] if t.numel() <= CHUNK else list(t.split(CHUNK))
-
+__all__ = ["Run"]
 
 class Run:
     """One fused step's per-bucket progress after the step machine: a bucket *arrives* when

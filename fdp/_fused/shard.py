@@ -42,10 +42,9 @@ import torch
 
 from .._comm import collectives as comm
 from .._comm.group import Group
-from .._marks import TensorMarks
 from .._plan.bucket import BucketPlan
 
-__all__ = ["Scatter", "Shards", "is_shard", "mark_shard"]
+__all__ = ["Scatter", "Shards"]
 
 
 class Shards:
@@ -78,22 +77,6 @@ class Shards:
         if self.size == 1 and flat.numel() == self.hi[b]:
             return flat
         return flat[self.lo[b]:self.hi[b]]
-
-
-# ---------------------------------------------------------------------------- shard marks
-# Tensors that hold this rank's slices of a sharded state: ``fdp.save`` refuses them, as
-# rank 0's slices alone are not the state.
-_marked = TensorMarks()
-
-
-def mark_shard(t: torch.Tensor) -> torch.Tensor:
-    """Remember ``t`` as one rank's slice of a sharded state; returns ``t``."""
-    return _marked.mark(t)
-
-
-def is_shard(t: Any) -> bool:
-    """Whether ``t`` is a slice of a sharded optimizer state (``Reducer(shard=True)``)."""
-    return t in _marked
 
 
 # ---------------------------------------------------------------------------- collectives

@@ -17,54 +17,78 @@ from .. import _tree
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
-from ..optim import ChainState, GradientTransform, Optimizer
-from .shard import Shards, mark_shard
+from ..optim import ChainState, Optimizer
+from .shard import Shards
 
-__all__ = ["FusedState", "StateLayout", "split_chain"]
+__all__ = ["FusedState", "StateLayout"]
 
 
 class FusedState(NamedTuple):
     """The fused step's optimizer state, flat per bucket (save its per-leaf form with
     ``step.state_to_tree``; unsharded, ``fdp.save`` takes it as it is).
 
+    The state knows its layout: ``layout`` says which bucket plan (leaf paths, order, shapes,
+    dtypes, caps and param groups) its flat tensors follow and, sharded, which slice of each
+    bucket this rank holds. It travels with every copy, ``fdp.save`` and ``fdp.load``: a
+    step refuses a state of another layout (a params dict built in another key order, another
+    mask or caps) instead of applying its moments to the wrong leaves, and ``fdp.save``
+    refuses a sharded state (one rank's slices are not the state), copies included.
+
     Attributes:
       step: the optimizer's count of updates applied (the tensor the per-leaf state holds).
       buffers: per state field (e.g. ``"exp_avg"``), one flat tensor per bucket (sharded:
         this rank's slice of each bucket).
       transforms: the states of the chain's gradient transforms (e.g. a ``ClipState``).
+      layout: an int64 tensor ``[version, shard rank, shard ranks, plan digest x 3]`` (see
+        ``describe_layout``); ``shard ranks`` is 1 for an unsharded state.
     """
 
     step: torch.Tensor
     buffers: dict[str, list[torch.Tensor]]
     transforms: tuple
+    layout: torch.Tensor
+
+    @property
+    def sharded(self) -> bool:
+        """Whether ``buffers`` holds one rank's slices of a sharded state (``Reducer(shard=True)``)."""
+        return int(self.layout[2]) > 1
+
+    def __fdp_unsaveable__(self) -> str | None:
+        """Why ``fdp.save`` must not write this state as it is (None: it may)."""
+        if not self.sharded:
+            return None
+        rank, ranks = (int(v) for v in self.layout[1:3])
+        return (f"it is rank {rank}'s slices of a state sharded over {ranks} ranks "
+                "(Reducer(shard=True)), and rank 0's slices alone are not the state; save "
+                "step.state_to_tree(opt_state, params) instead (gathered, per leaf: it loads into "
+                "any world size, and step.state_from_tree slices it again)")
+
+    def __fdp_check_load__(self, like: Any) -> str | None:
+        """Why a loaded state cannot stand where ``like`` stood (None: it can)."""
+        if isinstance(like, FusedState) and not torch.equal(self.layout.cpu(), like.layout.cpu()):
+            return (f"the checkpoint's fused optimizer state has layout {describe_layout(self.layout)}, the "
+                    f"train state's {describe_layout(like.layout)}: it was made for another bucket plan "
+                    "(params in another key order, another mask, caps or param groups) or sharding; "
+                    "save step.state_to_tree(opt_state, params), the per-leaf form, to load it into another layout")
+        return None
 
 
-def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
-                ) -> tuple[tuple[GradientTransform, ...], Optimizer]:
-    """(gradient transforms, optimizer with a leaf kernel), or a ``TypeError`` saying why not."""
-    if not isinstance(opt, Optimizer):
-        raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
-    transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
-    if optimizer.leaf_kernel is None:
-        raise TypeError(
-            f"{name}: the fused step runs a torch.optim kernel per bucket, so it needs sgd, adam, adamw, "
-            "adagrad or rmsprop (optionally in a chain after gradient transforms); for other optimizers "
-            "(partition, your own) use reducer.grad and opt.update"
-        )
-    for t in transforms:
-        if t.update_in_place is None:
-            raise TypeError(
-                f"{name}: every gradient transform of the chain must work in place on the reduced "
-                "buckets (fdp.optim's clip_by_global_norm and clip_by_value do; GradientTransform("
-                "update_in_place=...) declares it for your own); for others use reducer.grad and opt.update"
-            )
-        if sharded and not t.elementwise and t.update_sharded is None and t.coefficient is None:
-            raise TypeError(
-                f"{name}: with shard=True each rank holds only its slice of the gradients, so a "
-                "whole-tree gradient transform must declare how to combine the slices "
-                "(GradientTransform(update_sharded=...) or partial=/coefficient=; fdp.optim.clip_by_global_norm has both)"
-            )
-    return transforms, optimizer
+LAYOUT_VERSION = 1
+
+
+def layout_tensor(plan: BucketPlan, shards: Shards) -> torch.Tensor:
+    """The ``FusedState.layout`` of a state in ``plan``'s buckets cut by ``shards``."""
+    fp = plan.fingerprint
+    words = [int(fp[i:i + 15], 16) for i in (0, 15, 30)]  # 60 bits each: positive int64s
+    return torch.tensor([LAYOUT_VERSION, shards.rank, shards.size, *words], dtype=torch.int64)
+
+
+def describe_layout(layout: torch.Tensor) -> str:
+    v = [int(x) for x in layout.tolist()]
+    if len(v) != 6 or v[0] != LAYOUT_VERSION:
+        return f"unknown ({v})"
+    where = "unsharded" if v[2] == 1 else f"slice {v[1]} of {v[2]}"
+    return f"plan {v[3]:015x}..., {where}"
 
 
 class StateLayout:
@@ -75,6 +99,7 @@ class StateLayout:
         self.opt, self.transforms, self.plan, self.shards, self.group = opt, transforms, plan, shards, group
         self.kernel = (opt.parts[-1] if opt.parts else opt).leaf_kernel
         self.name = name
+        self.layout = layout_tensor(plan, shards)
 
     def init(self, params: Any) -> FusedState:
         self.plan.leaves_of(params, f"{self.name}: init params")  # checked against the plan
@@ -82,13 +107,9 @@ class StateLayout:
         # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
         empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
         count = self.template(empty).step.clone()
-        buffers = {f: [self._mark(torch.full((self.shards.numel(b.index),), self.kernel.init_value,
-                                             dtype=b.dtype, device=b.device))
-                       for b in self.plan.buckets] for f in self.kernel.fields}
-        return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms))
-
-    def _mark(self, t: torch.Tensor) -> torch.Tensor:
-        return mark_shard(t) if self.shards.sharded else t
+        buffers = {f: [torch.full((self.shards.numel(b.index),), self.kernel.init_value, dtype=b.dtype,
+                                  device=b.device) for b in self.plan.buckets] for f in self.kernel.fields}
+        return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms), self.layout)
 
     def template(self, params: Any) -> Any:
         state = self.opt.init(params)
@@ -102,6 +123,15 @@ class StateLayout:
             raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
                              f"{len(state.transforms)} transform states; this optimizer keeps "
                              f"{sorted(self.kernel.fields)} and {len(self.transforms)}")
+        layout = state.layout
+        if layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
+                                              and torch.equal(layout.cpu(), self.layout)):
+            shown = describe_layout(layout) if isinstance(layout, torch.Tensor) else repr(layout)
+            raise ValueError(
+                f"{self.name}: opt_state was made for another layout ({shown}; this step: "
+                f"{describe_layout(self.layout)}): its flat tensors follow another bucket plan (params in another "
+                "key order, another mask, caps or param groups) or another sharding, so its moments would land on "
+                "the wrong leaves. Convert it: step.state_from_tree(old_step.state_to_tree(opt_state, params), params)")
         for f, flats in state.buffers.items():
             if len(flats) != len(self.plan.buckets) or any(
                     t.numel() != self.shards.numel(b.index) or t.dtype != b.dtype or t.device != b.device
@@ -145,9 +175,9 @@ class StateLayout:
         for f in self.kernel.fields:
             whole = self.plan.flatten(getattr(tree_state, f))
             if self.shards.sharded:
-                whole = [mark_shard(self.shards.mine(b, self._padded(b, t)).clone()) for b, t in enumerate(whole)]
+                whole = [self.shards.mine(b, self._padded(b, t)).clone() for b, t in enumerate(whole)]
             buffers[f] = whole
-        return FusedState(tree_state.step.clone(), buffers, transforms)
+        return FusedState(tree_state.step.clone(), buffers, transforms, self.layout)
 
     def _padded(self, b: int, t: torch.Tensor) -> torch.Tensor:
         n = self.shards.padded[b]

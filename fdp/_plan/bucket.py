@@ -110,6 +110,34 @@ def _caps(bucket_cap_mb: float, first_bucket_cap_mb: float, bucket_caps_mb: Sequ
     return tuple(NO_CAP if math.isinf(c) else max(1, min(NO_CAP, int(c * MiB))) for c in caps_mb)
 
 
+def assign(leaf_bytes: Sequence[int], leaf_keys: Sequence[Any], caps: Sequence[int]) -> list[list[int]]:
+    """DDP's greedy bucket assignment (c10d's ``compute_bucket_assignment_by_size``): the
+    buckets as lists of leaf indices, in buffer order, the buckets in fill order.
+
+    Leaves are taken in reverse order (the order a backward produces them); leaves of
+    different ``leaf_keys`` (device, dtype, optimizer group) never share a bucket; each key
+    fills its buckets greedily, its k-th bucket closing once its bytes reach ``caps[k]``
+    (the last cap repeating), the crossing leaf included. Buckets are ordered by their
+    first leaf, largest index first. ``BucketPlan`` and the cost model both use this one.
+    """
+    open_: dict[Any, list] = {}
+    level: dict[Any, int] = {}
+    closed: list[list[int]] = []
+    for i in reversed(range(len(leaf_bytes))):
+        key = leaf_keys[i]
+        b = open_.get(key)
+        if b is None:
+            b = open_[key] = [[], 0, caps[min(level.get(key, 0), len(caps) - 1)]]
+        b[0].append(i)
+        b[1] += leaf_bytes[i]
+        if b[1] >= b[2]:
+            closed.append(open_.pop(key)[0])
+            level[key] = level.get(key, 0) + 1
+    closed.extend(b[0] for b in open_.values())
+    closed.sort(key=lambda members: -members[0])
+    return closed
+
+
 class BucketPlan:
     """How a pytree of tensors is packed into flat buckets: static, immutable, hashable.
 
@@ -204,25 +232,15 @@ class BucketPlan:
                 )
             if t.is_sparse or t.layout != torch.strided:
                 raise TypeError(f"fdp.BucketPlan: leaf {p} has layout {t.layout}; only dense tensors are supported")
-        # Greedy assignment, exactly as c10d's compute_bucket_assignment_by_size.
-        open_: dict[tuple, dict] = {}
-        level: dict[tuple, int] = {}  # buckets closed so far per (device, dtype)
-        closed: list[dict] = []
-        for i in reversed(range(len(leaves))):
-            t = leaves[i]
-            key = (t.device, t.dtype) if groups is None else (t.device, t.dtype, int(groups[i]))
-            b = open_.get(key)
-            if b is None:
-                cap = caps[min(level.get(key, 0), len(caps) - 1)]
-                b = open_[key] = {"key": key, "leaves": [], "bytes": 0, "cap": cap}
-            b["leaves"].append(i)
-            b["bytes"] += t.numel() * t.element_size()
-            if b["bytes"] >= b["cap"]:
-                closed.append(open_.pop(key))
-                level[key] = level.get(key, 0) + 1
-        closed.extend(open_.values())
-        # Order by the first leaf to arrive in a backward (largest tree index first).
-        closed.sort(key=lambda b: -b["leaves"][0])
+        keys = [(t.device, t.dtype) if groups is None else (t.device, t.dtype, int(groups[i]))
+                for i, t in enumerate(leaves)]
+        assigned = assign([t.numel() * t.element_size() for t in leaves], keys, caps)
+        level: dict[tuple, int] = {}  # buckets of each key so far (in fill order: closing order)
+        closed = []
+        for members in assigned:
+            key = keys[members[0]]
+            k = level[key] = level.get(key, -1) + 1
+            closed.append({"key": key, "leaves": members, "cap": caps[min(k, len(caps) - 1)]})
         slots: list[LeafSlot | None] = [None] * len(leaves)
         buckets = []
         for bi, b in enumerate(closed):

@@ -34,7 +34,7 @@ it the summation order that makes fdp's results equal DDP's bit for bit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,14 @@ RELEASE_BYTES = 64 * 1024
 # a trailing bucket whose leaves average less than this (thousands of biases, say) gains less
 # from an early launch than its hooks cost; such buckets launch when the backward returns.
 HOOK_MEAN_BYTES = 16 * 1024
+
+
+def hooked_count(buckets: Sequence[tuple[int, int]], hook_threshold_bytes: int) -> int:
+    """How many leading buckets get leaf hooks (``(nbytes, leaf count)`` per bucket): up to
+    the last whose leaves average at least ``hook_threshold_bytes``; the rest launch when
+    the backward returns. The cost model prices plans with this same rule."""
+    worth = [i for i, (n, k) in enumerate(buckets) if n >= hook_threshold_bytes * k]
+    return worth[-1] + 1 if worth else 0
 
 
 class StatusSlot:
@@ -102,8 +110,7 @@ class StepMachine:
         self.plan, self.group, self.hook, self.buffers, self.debug = plan, group, hook, buffers, debug
         self.bucket_of = [s.bucket for s in plan.slots]
         self.release = [s.numel * itemsize(s.dtype) >= RELEASE_BYTES for s in plan.slots]
-        worth = [i for i, b in enumerate(plan.buckets) if b.nbytes >= hook_threshold_bytes * len(b.leaves)]
-        self.hooked_buckets = worth[-1] + 1 if worth else 0
+        self.hooked_buckets = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
         # The step status all-reduce (see the module docstring); nothing to pair without buckets.
         self.status = group.process_group is not None and bool(plan.buckets)

@@ -11,33 +11,24 @@ before the fused step). The model itself: docs/performance.md, "A cost model of 
 from collections.abc import Callable
 from typing import Any
 
-from .._fused.state import split_chain
-from .autocaps import AutoCaps as AutoCaps
-from .autocaps import update_cost as update_cost
-from .link import Link as Link
-from .link import linear_fit as linear_fit
-from .link import measure_link as measure_link
-from .model import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
-from .model import DDP_CAPS as DDP_CAPS
-from .model import MIN_GAIN as MIN_GAIN
-from .model import Choice as Choice
-from .model import Prediction as Prediction
-from .model import StepProfile as StepProfile
-from .model import assign as assign
-from .model import choose_caps as choose_caps
-from .model import hooked_count as hooked_count
-from .model import lost as lost
-from .model import on_the_wire as on_the_wire
-from .model import predict as predict
-from .model import reached as reached
-from .model import share as share
-from .model import span as span
+from ..optim._flat import split_chain
+from ._autocaps import AutoCaps as AutoCaps
+from ._link import Link as Link
+from ._link import measure_link as measure_link
+from ._predict import CANDIDATE_CAPS_MB as CANDIDATE_CAPS_MB
+from ._predict import DDP_CAPS as DDP_CAPS
+from ._predict import MIN_GAIN as MIN_GAIN
+from ._predict import Choice as Choice
+from ._predict import Prediction as Prediction
+from ._predict import choose_caps as choose_caps
+from ._predict import predict as predict
+from ._profile import StepProfile as StepProfile
 
-# The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN) are importable; the reference
-# describes them in ``choose_caps``.
-__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "assign", "calibrate", "choose_caps",
-           "hooked_count", "linear_fit", "lost", "measure_link", "on_the_wire", "predict",
-           "reached", "share", "span", "update_cost"]
+# What users call and what it returns. The constants (CANDIDATE_CAPS_MB, DDP_CAPS, MIN_GAIN)
+# are importable; the reference describes them in ``choose_caps``. The model's pieces
+# (``_contention``, ``_profile``, ``_predict``) are private modules, tested on their own.
+__all__ = ["AutoCaps", "Choice", "Link", "Prediction", "StepProfile", "calibrate", "choose_caps",
+           "measure_link", "predict"]
 
 
 def calibrate(reducer: Any, fn: Callable, *args: Any, has_aux: bool = False, max_steps: int = 16,

@@ -12,13 +12,13 @@ import torch
 
 from .._comm import collectives as comm
 from .._comm.group import Group
-from .._fused.run import chunks
-from .._fused.state import split_chain
 from .._log import log
 from .._plan.bucket import BucketPlan, MiB, itemsize
 from .._step.record import Timeline
-from .link import Link, linear_fit, measure_link
-from .model import Choice, Prediction, StepProfile, choose_caps
+from ..optim._flat import chunks, split_chain
+from ._link import Link, linear_fit, measure_link
+from ._predict import Choice, Prediction, choose_caps
+from ._profile import StepProfile
 
 __all__ = ["AutoCaps", "update_cost"]
 

@@ -1,0 +1,60 @@
+"""Optimizers on flat tensors: what a caller that keeps params, gradients and state in flat
+buffers (the fused step's buckets) needs from an ``fdp.optim`` optimizer or chain.
+
+``split_chain`` takes a chain apart into its gradient transforms and the optimizer whose
+``LeafKernel`` runs per flat tensor, or says why it cannot be; ``chunks`` cuts a long flat
+tensor into the pieces one kernel call takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._base import GradientTransform, Optimizer
+
+# Elements per kernel call of a bucket's update. torch.optim's CPU kernels make several
+# passes over their tensors (AdamW: about ten) and allocate temporaries of their size: over a
+# whole 25 MiB bucket every pass streams from memory and each temporary is a fresh large
+# block, while over chunks that fit in the cache the passes stay there (CUDA's
+# multi_tensor_apply cuts its work into 65,536-element chunks for the same reason). Each
+# chunk also costs the kernel's Python per tensor (about 25 us for AdamW): on a tree of five
+# 512 x 512 matrices, 64K/128K/256K/512K/1M-element chunks measured 1.11-1.16, 1.05-1.07,
+# 1.02-1.04, 1.03-1.08 and 1.04-1.09x torch.optim's per-leaf step (three interleaved runs
+# each); the models' fused steps did not move between 128K and 256K. A bucket that fits in
+# one chunk goes to the kernel as itself, and an unsharded step's "slice" is the flat tensor
+# itself: no view per call (on that tree 1.018-1.027x before, 0.997-1.004x after). Figures in
+# docs/performance.md ("The fused step").
+CHUNK = 256 * 1024
+
+
+def chunks(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` as ``CHUNK``-element views (itself when it fits in one)."""
+    return [t] if t.numel() <= CHUNK else list(t.split(CHUNK))
+
+
+def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
+                ) -> tuple[tuple[GradientTransform, ...], Optimizer]:
+    """(gradient transforms, optimizer with a leaf kernel), or a ``TypeError`` saying why not."""
+    if not isinstance(opt, Optimizer):
+        raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
+    transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
+    if optimizer.leaf_kernel is None:
+        raise TypeError(
+            f"{name}: the fused step runs a torch.optim kernel per bucket, so it needs sgd, adam, adamw, "
+            "adagrad or rmsprop (optionally in a chain after gradient transforms); for other optimizers "
+            "(partition, your own) use reducer.grad and opt.update"
+        )
+    for t in transforms:
+        if t.update_in_place is None:
+            raise TypeError(
+                f"{name}: every gradient transform of the chain must work in place on the reduced "
+                "buckets (fdp.optim's clip_by_global_norm and clip_by_value do; GradientTransform("
+                "update_in_place=...) declares it for your own); for others use reducer.grad and opt.update"
+            )
+        if sharded and not t.elementwise and t.update_sharded is None and t.coefficient is None:
+            raise TypeError(
+                f"{name}: with shard=True each rank holds only its slice of the gradients, so a "
+                "whole-tree gradient transform must declare how to combine the slices "
+                "(GradientTransform(update_sharded=...) or partial=/coefficient=; fdp.optim.clip_by_global_norm has both)"
+            )
+    return transforms, optimizer

@@ -19,8 +19,8 @@ from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
 from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
-from ._fused.core import FusedState as FusedState
-from ._fused.core import FusedStep as FusedStep
+from ._fused.state import FusedState as FusedState
+from ._fused.step import FusedStep as FusedStep
 from ._plan.bucket import Bucket as Bucket
 from ._plan.bucket import BucketPlan as BucketPlan
 from ._psum import pmean as pmean

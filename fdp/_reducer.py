@@ -27,13 +27,14 @@ from . import _tree
 from ._comm.agree import count_and_check_active, verify_layout
 from ._comm.group import Group
 from ._comm.mesh import resolve_mesh
-from ._fused.core import FusedCore, FusedStep, fused_step
+from ._fused.step import FusedCores, FusedStep
 from ._log import debug_mode, log
 from ._plan.bucket import BucketPlan
 from ._plan.buffers import BucketBuffers
 from ._step import functorch
-from ._step.autodiff import local_grads, resolve_engine, select
-from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, all_finite
+from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
+from ._step.config import StepConfig
+from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
 from ._step.record import StepRecord, Timeline
 from ._step.traced import traced_all_reduce
 from .cost._autocaps import AutoCaps
@@ -152,8 +153,8 @@ class Reducer:
         hook_threshold_bytes: int = HOOK_MEAN_BYTES,
         shard: bool = False,
     ) -> None:
-        self._mesh = resolve_mesh(group)
-        self.group = self._mesh.full
+        mesh = resolve_mesh(group)
+        self.group = mesh.full
         self.shard = bool(shard)
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
             raise ValueError("fdp.Reducer: bucket_cap_mb='auto' chooses every cap; pass no first_bucket_cap_mb/bucket_caps_mb")
@@ -166,28 +167,25 @@ class Reducer:
         self.hook.check_config(reduce_dtype, shard, "fdp.Reducer")
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
-        self._engine = resolve_engine(engine)
-        self._hook_threshold = hook_threshold_bytes
-        self._fused: dict[int, tuple[Any, FusedCore]] = {}
-        self._wire_dtype = self.hook.dtype or reduce_dtype
-        self.grad_views = grad_views
-        self.overlap = overlap
-        self.debug = debug_mode() if debug is None else bool(debug)
-        self.skip_nonfinite = skip_nonfinite
-        self.nonfinite_steps = 0  # reducer-level counter: steps whose verdict was not finite
-        self._last: StepRecord | None = None
+        # Everything resolved once, in one frozen object every machine and fused step reads.
+        self._config = StepConfig(
+            mesh=mesh, shard=self.shard, hook=self.hook, wire=self.hook.dtype or reduce_dtype,
+            debug=debug_mode() if debug is None else bool(debug), hook_threshold_bytes=hook_threshold_bytes,
+            engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
+            overlap=bool(overlap), steps=Steps())
+        self._fused = FusedCores(self._config)
         self._use_plan(plan)
 
     def _use_plan(self, plan: BucketPlan) -> None:
         """Build the step machine and buffers for ``plan`` and check it is every rank's."""
-        self.plan, wire = plan, self._wire_dtype
+        config = self._config
+        self.plan, wire = plan, config.wire
         self._wire = [wire or b.dtype for b in plan.buckets]
         old = getattr(self, "_machine", None)
         self._machine = StepMachine(
-            plan, self.group, self.hook, BucketBuffers(plan, self._wire, reuse=self.grad_views),
-            debug=self.debug, hook_threshold_bytes=self._hook_threshold,
+            plan, self.group, self.hook, BucketBuffers(plan, self._wire, reuse=config.grad_views),
+            debug=config.debug, hook_threshold_bytes=config.hook_threshold_bytes, steps=config.steps,
         )
-        self._machine.completed = old.completed if old is not None else 0
         self._buffers = self._machine.buffers
         # Everything that decides which collectives a step issues, and in which dtype, must
         # agree across ranks: the plan, the hook, the wire dtype, debug's fingerprint checks.
@@ -197,7 +195,7 @@ class Reducer:
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",
             extra=(f"bucket caps {list(plan.caps)} bytes, {self.hook.describe()}, reduce dtype {wire_name}, "
-                   f"debug={self.debug}, shard={self.shard} (shard group of {self._mesh.shard.size}){frozen}"),
+                   f"debug={config.debug}, shard={self.shard} (shard group of {config.mesh.shard.size}){frozen}"),
         )
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
@@ -250,7 +248,7 @@ class Reducer:
 
         return grad_and_value_fn
 
-    def grad_and_update(self, fn: Callable, opt: Optimizer, argnums: int = 0, has_aux: bool = False, *,
+    def grad_and_update(self, fn: Callable, opt: Optimizer, *, has_aux: bool = False,
                         accumulate: Any = None, donate: bool = False) -> FusedStep:
         """The fused train step: gradient, all-reduce and optimizer update in one call.
 
@@ -269,7 +267,6 @@ class Reducer:
           fn: the loss function; its first argument is the params.
           opt: ``fdp.optim.sgd/adam/adamw/adagrad/rmsprop``, optionally in a ``chain`` after
             gradient transforms that work in place (``clip_by_global_norm``, ``clip_by_value``).
-          argnums: must be 0 (the params are ``fn``'s first argument).
           has_aux: as for ``grad``.
           accumulate: local gradients of earlier micro-batches, added before averaging.
           donate: update the params in place (the tree passed in is consumed) instead of
@@ -289,10 +286,7 @@ class Reducer:
         if self.tuning is not None and not self.tuning.frozen:
             raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
                                "run fdp.cost.calibrate(reducer, loss_fn, *args, optimizer=opt) first (the fused plan is built once)")
-        config = dict(mesh=self._mesh, shard=self.shard, hook=self.hook, caps=self.plan.caps, wire=self._wire_dtype,
-                      debug=self.debug, hook_threshold_bytes=self._hook_threshold, engine=self._engine,
-                      skip_nonfinite=self.skip_nonfinite)
-        return fused_step(self._fused, fn, opt, argnums, has_aux, accumulate, donate, config)
+        return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
         """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).
@@ -345,27 +339,58 @@ class Reducer:
 
     @property
     def last_step(self) -> StepRecord | None:
-        """The ``fdp.StepRecord`` of the most recent completed step (``None`` before the first)."""
-        return self._last
+        """The ``fdp.StepRecord`` of the most recent completed step, ``grad`` or fused
+        (``grad_and_update``) alike (``None`` before the first)."""
+        return self._config.steps.last
 
     def last_timeline(self) -> Timeline | None:
         """The timeline of the most recent completed step (``None`` before the first)."""
-        return None if self._last is None else self._last.timeline
+        last = self._config.steps.last
+        return None if last is None else last.timeline
 
     @property
     def finite(self) -> bool:
-        """The most recent step's verdict (``last_step.finite``; True before the first step)."""
-        return True if self._last is None else self._last.finite
+        """The most recent step's verdict (``last_step.finite``; True before the first step).
+        For a fused step, False means it updated nothing."""
+        last = self._config.steps.last
+        return True if last is None else last.finite
 
     @property
     def steps(self) -> int:
-        """Number of completed steps (a reducer-level counter, the same on every rank)."""
-        return self._machine.completed
+        """Number of completed steps, ``grad``, ``all_reduce`` and fused alike (a
+        reducer-level counter, the same on every rank)."""
+        return self._config.steps.completed
+
+    @property
+    def nonfinite_steps(self) -> int:
+        """With ``skip_nonfinite=True``, how many steps had a non-finite averaged gradient;
+        also the fused steps a global scale skipped (a loss scaler's overflow)."""
+        return self._config.steps.nonfinite
 
     @property
     def engine(self) -> str:
         """How local gradients are computed: ``"autograd"`` (also for ``engine="auto"``) or ``"functorch"``."""
-        return self._engine
+        return self._config.engine
+
+    @property
+    def debug(self) -> bool:
+        """Whether each collective's fingerprint is checked across ranks first."""
+        return self._config.debug
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        """Whether each step checks the averaged gradients for inf/NaN."""
+        return self._config.skip_nonfinite
+
+    @property
+    def grad_views(self) -> bool:
+        """Whether ``grad`` returns views into buffers reused every step."""
+        return self._config.grad_views
+
+    @property
+    def overlap(self) -> bool:
+        """Whether all-reduces are launched during the backward."""
+        return self._config.overlap
 
     @property
     def hooked_buckets(self) -> int:
@@ -379,7 +404,6 @@ class Reducer:
     # ------------------------------------------------------------------ the steps
     def _grad_step(self, fn: Callable, argnums: Any, has_aux: bool, accumulate: Any,
                    args: tuple, kwargs: dict) -> Any:
-        self._machine.check_idle("grad")
         if _tree.compiling():
             raise RuntimeError(
                 "fdp.Reducer.grad cannot be traced by torch.compile: its overlapped backward runs "
@@ -387,6 +411,12 @@ class Reducer:
                 "torch.func.grad and average them with reducer.all_reduce(grads), which compiles to "
                 "functional collectives (docs/compile.md)"
             )
+        with autograd_on():  # also inside torch.inference_mode(), as torch.func.grad
+            return self._grad_step_recording(fn, argnums, has_aux, accumulate, args, kwargs)
+
+    def _grad_step_recording(self, fn: Callable, argnums: Any, has_aux: bool, accumulate: Any,
+                             args: tuple, kwargs: dict) -> Any:
+        self._machine.check_idle("grad")
         if functorch.in_transform():
             raise RuntimeError("fdp.Reducer.grad cannot run inside another torch.func transform "
                                "(vmap/grad/jvp); call it at the top level of the train step")
@@ -397,7 +427,7 @@ class Reducer:
             plan.check_devices(acc, "accumulate")
         leaves = plan.leaves_of(select(args, argnums), "reducer.grad params")
         plan.check_devices(leaves, "reducer.grad params")
-        engine = self._engine
+        engine = self._config.engine
         if not self.overlap or (engine == "functorch" and not functorch.AVAILABLE):
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        None, None)
@@ -406,8 +436,9 @@ class Reducer:
             step = self._reduce(grads, n=self.group.size, kind="grad")
             return plan.views(self._complete(step)), value
         machine = self._machine
-        step = machine.start("grad", acc=acc, scale=machine.scale_for(self.group.size), what="grad")
-        step.defer = self.tuning is not None and self.tuning.deferring()
+        step = machine.start(StepSpec("grad", what="fdp.Reducer.grad", acc=acc,
+                                      scale=machine.scale_for(self.group.size),
+                                      defer=self.tuning is not None and self.tuning.deferring()))
         try:
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        machine.leaf_hooks[engine], step.on_backward_start)
@@ -421,7 +452,8 @@ class Reducer:
         """Launch every bucket of ``leaves`` for a mean over ``n`` ranks (None: an inactive
         rank, contributing zeros)."""
         machine = self._machine
-        step = machine.start(kind, scale=machine.scale_for(n), active=leaves is not None, what=kind)
+        step = machine.start(StepSpec(kind, what=f"fdp.Reducer.{kind}", scale=machine.scale_for(n),
+                                      active=leaves is not None))
         try:
             if leaves is not None:
                 step.give(leaves)
@@ -435,14 +467,15 @@ class Reducer:
         """Wait for ``step`` and return the flat tensors (gradients' dtype) the result views."""
         results = self._machine.finish(step)
         finite = True
+        steps = self._config.steps
         if self.skip_nonfinite:
             finite = all_finite(results)
-            self.nonfinite_steps += not finite
+            steps.nonfinite += not finite
         flats = self._buffers.grads(results, step.flats)
-        self._last = StepRecord(step.n, step.kind, finite, step.timeline())
+        last = steps.last = StepRecord(step.n, step.kind, finite, step.timeline())
         if self.tuning is not None and not self.tuning.frozen:
-            caps = self.tuning.observe(self.plan, step.kind, self._last.timeline, self.group,
-                                       wire_dtype=self._wire_dtype, hook_threshold_bytes=self._hook_threshold)
+            caps = self.tuning.observe(self.plan, step.kind, last.timeline, self.group,
+                                       wire_dtype=self._config.wire, hook_threshold_bytes=self._config.hook_threshold_bytes)
             if caps is not None:  # freeze: every rank builds the plan of rank 0's caps
                 self._use_plan(BucketPlan.from_caps(self.plan.views(self.plan.new_buffers()), caps))
         return flats

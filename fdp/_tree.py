@@ -192,6 +192,6 @@ def describe_difference(expected: TreeDef, got: TreeDef) -> str:
     return "; ".join(parts) + f" {counts}"
 
 
-def compiling() -> bool:
-    """True while torch.compile traces the calling code (fdp then takes traceable paths)."""
-    return torch.compiler.is_compiling()
+# True while torch.compile traces the calling code (fdp then takes traceable paths): torch's
+# own function under fdp's name (no frame of fdp's own around it on every per-step call).
+compiling = torch.compiler.is_compiling

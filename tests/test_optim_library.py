@@ -439,11 +439,6 @@ def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_p
     assert torch.equal(p["layer1.bias"], params["layer1.bias"]), "the frozen leaf moved"
 
 
-def test_old_type_name_still_imports():
-    assert fdp.optim.GradientTransformation is fdp.optim.Optimizer
-    assert isinstance(fdp.optim.sgd(0.1), fdp.optim.Optimizer)
-
-
 def fdp_lines_in_one_update(opt, n_leaves):
     """Python lines run inside the fdp package during one update past the first."""
     params = {f"layer{i}.{'weight' if i % 2 else 'bias'}": torch.randn(2, 2) if i % 2 else torch.randn(2)
@@ -597,20 +592,28 @@ def test_one_chain_shared_by_simulated_ranks_on_threads_gives_each_rank_its_own_
 # tests/test_docs.py (test_docstring_examples_run), with every other public name's.
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
-def test_clip_partials_combine_to_global_norm_bitwise(norm_type):
-    """clip_by_global_norm's partial/coefficient pair (what the fused step computes as each
-    bucket lands) gives the norm and the clipped grads of update_in_place bit for bit, also
-    with dtypes interleaved (torch stacks the per-tensor norms grouped by dtype)."""
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, 0.5, 0.0, math.inf, -math.inf])
+def test_clip_stats_in_pieces_equal_clip_grad_norm_bitwise(norm_type):
+    """clip_by_global_norm's stats/scale pair, fed one piece of the leaves at a time (as the
+    fused step does, bucket by bucket, then in leaf order), gives torch.nn.utils
+    .clip_grad_norm_'s norm and clipped grads bit for bit, for every norm type, also with
+    dtypes interleaved (torch stacks the per-tensor norms grouped by dtype) and a zero leaf
+    (norm_type=0 counts the leaves that are not all zero)."""
     g = torch.Generator().manual_seed(5)
-    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float64, torch.bfloat16]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float64, torch.bfloat16, torch.float32]
     grads = [torch.randn(97 * (i + 1), generator=g).to(d) for i, d in enumerate(dtypes)]
+    grads[2].zero_()
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t.clone()
+    want_norm = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type)
     clip = fdp.optim.clip_by_global_norm(0.5, norm_type)
-    want = [t.clone() for t in grads]
-    want_state = clip.update_in_place(want, clip.init(grads))
-    parts = [n for t in grads for n in clip.partial([t])]  # one bucket at a time
-    coef, state = clip.coefficient(parts, clip.init(grads), None)
-    got = [t.clone().mul_(coef) for t in grads]
-    assert torch.equal(state.norm, want_state.norm)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"grad {i} ({a.dtype})"
+    stats = [n for lo in range(0, len(grads), 2) for n in clip.stats(grads[lo:lo + 2])]
+    coef, state = clip.scale(stats, clip.init(grads))
+    assert torch.equal(state.norm, want_norm), (state.norm, want_norm)
+    for i, (t, p) in enumerate(zip(grads, params)):
+        assert torch.equal(t.clone().mul_(coef), p.grad), f"grad {i} ({t.dtype})"
+    tree = {f"g{i}": t for i, t in enumerate(grads)}
+    clipped, state = clip.update(tree, clip.init(grads), tree)  # the tree form: the same numbers
+    assert torch.equal(state.norm, want_norm)
+    assert all(torch.equal(clipped[f"g{i}"], p.grad) for i, p in enumerate(params))

@@ -117,36 +117,53 @@ def clipped(group, norm_type):
     return clipped_both_ways(group, opt, 5, 0)
 
 
-def assert_clipped_alike(results):
+def assert_clipped_exactly(results, must_clip=True):
     for rank, ((p, norm), (sp, snorm)) in enumerate(results):
-        assert norm > 0.05, "the test must clip"
-        torch.testing.assert_close(snorm, norm, rtol=1e-6, atol=0, msg=f"rank {rank}: norm")
+        assert norm > 0.05 or not must_clip, "the test must clip"
+        assert torch.equal(snorm, norm), f"rank {rank}: norm {snorm} != {norm}"
         for k in p:
-            torch.testing.assert_close(sp[k], p[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, {k!r}")
+            assert torch.equal(sp[k], p[k]), f"rank {rank}, {k!r}"
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
-def test_global_norm_clipping_combines_the_slices_norms(norm_type):
-    # The whole norm from the slices' norms (their p-th powers summed over the ranks, or their
-    # max): another summation order than the unsharded step's per-bucket norms, so the clip
-    # coefficient may differ in its last bits; with the inf-norm it cannot.
-    results = fdp.testing.run(clipped, 2, args=(norm_type,))
-    if norm_type == float("inf"):
-        for (_, norm), (_, snorm) in results:
-            assert torch.equal(snorm, norm)
-    assert_clipped_alike(results)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 0.0, float("inf"), float("-inf")])
+def test_global_norm_clipping_equals_the_unsharded_step_bit_for_bit(norm_type):
+    """Each leaf's norm is computed on one rank, whole (a leaf that crosses a slice boundary
+    is sent to the rank holding its first element), then gathered: the norm of norms in leaf
+    order is the unsharded step's (and clip_grad_norm_'s), for every norm type. The caps
+    make buckets that straddle the slice boundary (the test checks it does)."""
+    # (the -inf "norm" is the smallest |gradient|: it never clips, but it must be torch's)
+    assert_clipped_exactly(fdp.testing.run(clipped, 2, args=(norm_type,)), must_clip=norm_type != float("-inf"))
 
 
 def clipped_after_a_value_clip(group):
-    # a whole-tree transform declaring only the partial/coefficient pair, and not first in
-    # the chain (so not computed on arrival): the sharded step combines its slices with it
-    pair_only = fdp.optim.clip_by_global_norm(0.05)._replace(update_sharded=None)
-    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.5, 0.5), pair_only, fdp.optim.adamw(lr=1e-2))
+    # a whole-tree transform after an element one: its statistics are measured after the
+    # value clip, as each bucket lands
+    opt = fdp.optim.chain(fdp.optim.clip_by_value(-0.5, 0.5), fdp.optim.clip_by_global_norm(0.05),
+                          fdp.optim.adamw(lr=1e-2))
     return clipped_both_ways(group, opt, 4, 1)
 
 
-def test_a_later_whole_tree_transform_with_only_a_partial_pair_is_sharded():
-    assert_clipped_alike(fdp.testing.run(clipped_after_a_value_clip, 2))
+def test_a_global_norm_after_a_value_clip_is_sharded_exactly():
+    assert_clipped_exactly(fdp.testing.run(clipped_after_a_value_clip, 2))
+
+
+def clipped_twice(group):
+    # two global scales: the second's statistics are taken after the first's product
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.2), fdp.optim.clip_by_global_norm(0.05, 1.0),
+                          fdp.optim.adamw(lr=1e-2))
+    return clipped_both_ways(group, opt, 3, 1)
+
+
+def test_two_global_scales_are_sharded_exactly():
+    assert_clipped_exactly(fdp.testing.run(clipped_twice, 2))
+
+
+def test_the_clipping_test_model_has_leaves_across_the_slice_boundary():
+    apply, params, buffers = fdp.functionalize(mlp(seed=3))
+    plan = fdp.Reducer(params, **CAPS).plan
+    straddling = [b.index for b in plan.buckets for off, n in zip(b.offsets, b.numels)
+                  if off < (-(-b.numel // 2)) < off + n]
+    assert straddling, "no leaf crosses a slice boundary: the exact-norm exchange would go untested"
 
 
 def nonfinite_in_one_slice(group):
@@ -259,15 +276,22 @@ def test_ranks_that_disagree_on_the_mesh_are_named_at_construction():
         fdp.testing.run(mixed, 4, backend="gloo", timeout=60)
 
 
-def test_what_cannot_shard_is_refused_with_the_way_out():
+def refusals(group):
     params = {"w": torch.zeros(4)}
     with pytest.raises(TypeError, match="summing hook"):
-        fdp.Reducer(params, shard=True, comm_hook=fdp.hooks.powersgd(1))
-    halve_by_norm = fdp.optim.GradientTransform(
-        init=lambda p: (), update=lambda g, s, p: (g, s), update_in_place=lambda gs, s: s)
-    with pytest.raises(TypeError, match="update_sharded"):
-        fdp.Reducer(params, shard=True).grad_and_update(lambda p: p["w"].sum(),
-                                                        fdp.optim.chain(halve_by_norm, fdp.optim.sgd(lr=0.1)))
+        fdp.Reducer(params, group, shard=True, comm_hook=fdp.hooks.powersgd(1))
+    reducer = fdp.Reducer(params, group, shard=True)
+    per_leaf = fdp.optim.GradientTransform(
+        init=lambda p: (), update=lambda g, s, p: (g, s), reach="leaf", apply=lambda gs, s: s)
+    with pytest.raises(TypeError, match="a slice cuts leaves"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.chain(per_leaf, fdp.optim.sgd(lr=0.1)))
+    whole_tree = fdp.optim.GradientTransform(init=lambda p: (), update=lambda g, s, p: (g, s))
+    with pytest.raises(TypeError, match="not a global scale"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.chain(whole_tree, fdp.optim.sgd(lr=0.1)))
+
+
+def test_what_cannot_shard_is_refused_with_the_way_out():
+    fdp.testing.run(refusals, 2)
 
 
 def failing(group, use_mesh):

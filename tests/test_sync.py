@@ -186,8 +186,8 @@ def test_debug_mode_turns_a_skipped_bucket_into_an_error_on_every_rank():
             machine = fdp._step.machine.StepMachine(reducer.plan, group, reducer.hook,
                                             fdp._plan.buffers.BucketBuffers(reducer.plan, [torch.float32] * 99, reuse=False),
                                             debug=True)
-            machine.completed = reducer.steps
-            step = machine.start("all_reduce", scale=0.5)
+            machine.steps.completed = reducer.steps
+            step = machine.start(fdp._step.machine.StepSpec("all_reduce", scale=0.5))
             step.give(list(fdp._tree.leaves(params)))
             step.next = 1
             step.launch_ready(force=True)

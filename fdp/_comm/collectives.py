@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .._errors import CollectiveError
 from .._log import debug_mode
 from .group import Group, pg_timeout
-from .lifetime import hold, keep_until_exit, mark_failed
+from .lifetime import RECENT, SMALL_BYTES, keep_until_exit, mark_failed
 
 
 class Done:
@@ -93,7 +93,8 @@ def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = Fal
         work = dist.all_reduce(t, op=reduce_op, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    hold(t)
+    if t.numel() * t.element_size() <= SMALL_BYTES:  # see lifetime.RECENT
+        RECENT.append(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -109,7 +110,8 @@ def broadcast(t: torch.Tensor, src: int, group: Group, what: str, *, async_op: b
         work = dist.broadcast(t, src=gsrc, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    hold(t)
+    if t.numel() * t.element_size() <= SMALL_BYTES:  # see lifetime.RECENT
+        RECENT.append(t)
     if async_op:
         return work
     wait(work, group, what)
@@ -125,11 +127,16 @@ def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Group, what: st
         raise collective_error(group, what, e) from e
 
 
-def all_to_all(out: torch.Tensor, flat: torch.Tensor, group: Group, what: str) -> Any:
-    """Launch an all-to-all of equal slices: slice ``j`` of ``flat`` goes to rank ``j``, and
-    ``out``'s slice ``i`` receives rank ``i``'s. Returns the work."""
+def all_to_all(out: torch.Tensor, flat: torch.Tensor, group: Group, what: str, *,
+               out_splits: list[int] | None = None, in_splits: list[int] | None = None) -> Any:
+    """Launch an all-to-all: slice ``j`` of ``flat`` goes to rank ``j``, and ``out``'s slice
+    ``i`` receives rank ``i``'s; equal slices, or the sizes ``in_splits`` (of ``flat``) and
+    ``out_splits`` (of ``out``). Returns the work (``DONE`` in a world of one)."""
+    if group.process_group is None:
+        out.copy_(flat)
+        return DONE
     try:
-        return dist.all_to_all_single(out, flat, group=group.process_group, async_op=True)
+        return dist.all_to_all_single(out, flat, out_splits, in_splits, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
 
@@ -191,7 +198,8 @@ def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, tor
         work = _all_gather_single(out, src, group=group.process_group, async_op=True)
     except Exception as e:
         raise collective_error(group, what, e) from e
-    hold(src, out)
+    if out.numel() * out.element_size() <= SMALL_BYTES:  # see lifetime.RECENT (src is out's size / world)
+        RECENT.extend((src, out))
     return work, out.view(group.size, *t.shape)
 
 

@@ -10,7 +10,7 @@ Each workaround names the torch versions it was seen on and the upstream issue.
    active exception" after a successful run (gdb: ``ProcessGroupGloo::runLoop ->
    ~Async*Work -> TensorImpl::decref_pyobject -> take_gil -> pthread_exit ->
    std::terminate``). fdp makes the main thread the last holder of such tensors:
-   ``hold`` keeps the small tensors of recent collectives, ``keep_until_exit`` the work of
+   ``RECENT`` keeps the small tensors of recent collectives, ``keep_until_exit`` the work of
    a collective whose wait failed, the step machine owns its status tensor
    (``fdp._step.machine.StatusSlot``), and the exit hook sleeps ``EXIT_GRACE_S`` after its
    barrier.
@@ -60,29 +60,23 @@ import time
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .._log import log
 
 # ---------------------------------------------------------------------------- 1. gloo teardown
 # The small tensors of recent collectives (counts, digests, flags), held a little longer than
-# their callers hold them. gloo's worker thread drops its reference to a finished collective
-# after the caller has seen it complete; when that is the last reference to a tensor made in
-# Python, the thread must take the GIL to free it, and at interpreter shutdown it cannot: the
-# process aborts ("terminate called without an active exception"; see
-# the module docstring, 1. for the stack). Holding them here makes the main thread the one
-# that frees them. Large tensors (buckets) are held by their owners anyway; the bound (64 KiB
-# each, 2 MiB in all) covers the RNG states of fdp.rng_state (about 5 KB), which nothing
-# else holds once the gather returns.
-_RECENT: collections.deque = collections.deque(maxlen=32)
-_SMALL_BYTES = 64 * 1024
-
-
-def hold(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.numel() * t.element_size() <= _SMALL_BYTES:
-            _RECENT.append(t)
+# their callers hold them: ``fdp._comm.collectives`` appends every tensor of at most
+# ``SMALL_BYTES`` it issues a collective on. gloo's worker thread drops its reference to a
+# finished collective after the caller has seen it complete; when that is the last reference
+# to a tensor made in Python, the thread must take the GIL to free it, and at interpreter
+# shutdown it cannot: the process aborts ("terminate called without an active exception";
+# the module docstring, 1.). Holding them here makes the main thread the one that frees them.
+# Large tensors (buckets) are held by their owners anyway; the bound (64 KiB each, 2 MiB in
+# all) covers the RNG states of fdp.rng_state (about 5 KB), which nothing else holds once the
+# gather returns.
+RECENT: collections.deque = collections.deque(maxlen=32)
+SMALL_BYTES = 64 * 1024
 
 
 

@@ -1,208 +1,308 @@
-"""One fused step's per-bucket progress after the step machine (``fdp/_fused.py``'s ``Run``).
+"""``Run``: one fused step's per-bucket progress, from the buckets' collectives to the status.
 
-A bucket *arrives* when its collective lands, is *updated* by the optimizer's kernel on its
-(slice of the) flat params, gradients and state, and, sharded, its params are *gathered*
-from every rank. ``FusedCore.run`` makes one ``Run`` per step and hands it the core (plan,
-kernel, transforms, shards, mesh) and the step's param sets.
+A bucket *arrives* when its collective lands (sharded: this rank's slice summed, and over the
+replicas of a 2-D mesh); the chain's leading element and per-leaf transforms (the program's
+*prefix*) run on it then, and a global scale right after them has its per-leaf statistics
+measured. It is *updated* by the optimizer's kernel, per run of leaves of one
+hyper-parameter group, on its (slice of the) flat params, gradients and state: on arrival,
+while the backward goes on, when nothing needs every bucket first (*early*); otherwise once
+every bucket has arrived, after the whole-tree transforms and the finite check. Sharded,
+each bucket's params are then *gathered* from every rank.
+
+Failures. Every collective of a step is issued on every rank, in the same order, whatever
+happened locally: a rank whose backward, transform or kernel failed skips its own work, goes
+on issuing the step's collectives (zeros where it has nothing), and the step's status, issued
+after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
+for every bucket, the buckets' own status comes first (``StepSpec.bucket_status``), so a
+rank whose backward failed stops every rank before any update, and the state stays usable.
+A rank that updated anything in a failed step refuses that state afterwards
+(``FusedCore.broken``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._comm.agree import count_ranks
-from .._comm.collectives import all_reduce, wait
-from .._step.machine import all_finite
+from .._comm.collectives import wait
+from .._errors import CollectiveError
+from .._step.machine import Step, StepSpec, all_finite
+from ..optim import GradientTransform
 from ..optim._flat import chunks
+from .params import ParamSet
+from .program import Program
+from .shard import Replicas
 from .state import FusedState
 
-__all__ = ["Run"]
+if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
+    from .core import FusedCore
+
 
 class Run:
-    """One fused step's per-bucket progress after the step machine: a bucket *arrives* when
-    its collective lands (this rank's slice summed, and all-reduced over the replicas of a
-    2-D mesh), is *updated* (its slice of the params, with its slice of the state), and,
-    sharded, its params are *gathered* from every rank. Updates run on arrival when every
-    transform is elementwise and no finite check is asked for; otherwise once every bucket
-    has arrived (a global norm, the finite verdict)."""
+    """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
 
-    __slots__ = ("core", "step", "state", "src", "dst", "slices", "grads", "rep", "next_rep", "landed",
-                 "updated", "gathers", "tstates", "early", "stats", "coef", "each")
-
-    def __init__(self, core: Any, step: Any, state: FusedState, src: Any, dst: Any) -> None:
+    def __init__(self, core: FusedCore, program: Program, state: FusedState, src: ParamSet, dst: ParamSet, *,
+                 kind: str, acc: list[torch.Tensor] | None, scale: float | None, active: bool) -> None:
         nb = len(core.plan.buckets)
-        self.core, self.step, self.state, self.src, self.dst = core, step, state, src, dst
-        self.slices: list[torch.Tensor | None] = [None] * nb  # reduced gradient slices (wire dtype)
-        self.rep: list[Any] = [None] * nb  # replica all-reduces in flight (2-D meshes)
-        self.next_rep = 0  # buckets whose replica all-reduce was issued
-        self.landed = 0  # ... and of those, whose all-reduce is done
+        self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
+        self.early = not program.whole_tree and not core.config.skip_nonfinite
+        self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
+        self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)
-        self.gathers: list[Any] = []
-        self.grads: list[torch.Tensor | None] = [None] * nb  # ... in the params' dtype
         self.tstates = list(state.transforms)
-        self.early = core.elementwise and not core.skip_nonfinite
-        # The transforms each bucket's update applies itself (index, transform): all of them
-        # when updating on arrival, else those after the whole-tree ones (see finish).
-        self.each: list[tuple[int, Any]] = list(enumerate(core.transforms)) if self.early else []
-        # A leading whole-tree transform with a partial (the global norm): each bucket's part
-        # is computed as the bucket lands, during the backward; the factor after the last.
-        first = core.transforms[0] if core.transforms else None
-        self.stats: list[Any] | None = None
-        if not self.early and first is not None and first.partial is not None and first.coefficient is not None:
-            self.stats = [None] * nb
-        self.coef: torch.Tensor | None = None  # that transform's factor, applied per bucket
+        self.stats: dict[int, torch.Tensor] = {}  # leaf -> the measured global scale's statistic
+        self.coef: torch.Tensor | None = None     # the last global scale's factor, applied in update
+        self.error: BaseException | None = None   # this rank's first failure
+        self.skipped: str | None = None           # why nothing was updated: "nonfinite" or "scale"
+        self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
+        self.gathers: list[tuple[int, Any]] = []
+        # The step's status comes after the updates (and gathers): early, the only one; else a
+        # second one, after the buckets' own (which stops every rank before any update when a
+        # backward failed).
+        self.step: Step = core.machine.start(StepSpec(
+            kind, what=core.name, acc=acc, scale=scale, active=active, on_ready=self.arrive, closes=True,
+            bucket_status=not self.early))
+
+    # ------------------------------------------------------------------ arrival
+    def fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = e
 
     def arrive(self, b: int, flat: torch.Tensor) -> None:
-        """``Step.on_ready``: bucket ``b``'s collective has landed in ``flat``."""
+        """``StepSpec.on_ready``: bucket ``b``'s collective has landed in ``flat``. Runs inside
+        the backward's hooks: it never raises (a failure is kept for the status)."""
         core = self.core
-        self.slices[b] = core.scatter.finish(b, flat) if core.scatter is not None else flat
-        if core.mesh.replicate is not None and core.scatter is not None:
-            self._launch_replicas()
+        try:
+            mine = core.scatter.finish(b, flat) if core.scatter is not None else flat
+        except Exception as e:  # noqa: BLE001 - reported through the step's status
+            self.fail(e)
+            mine = core.shards.mine(b, core.machine.buffers.wire(b))
+        if self.replicas is not None:
+            for landed in self.replicas.arrive(b, mine):
+                self._arrived(landed, self.replicas.slices[landed])
             return
-        self._arrived(b)
+        self._arrived(b, mine)
 
-    def _arrived(self, b: int) -> None:
-        """Bucket ``b``'s (slice of the) averaged gradient is final: update it now (early), or
-        compute its part of the leading whole-tree transform's statistic."""
-        if self.early:
-            self.update(b)
-        elif self.stats is not None:
-            self.stats[b] = self.core.transforms[0].partial([self.grad(b)])
-
-    def _launch_replicas(self, force: bool = False) -> None:
-        """All-reduce the arrived slices over the replicas, in bucket order (zeros if ``force``
-        finds a slice missing: a failed step, whose values every rank discards)."""
-        core, nb = self.core, len(self.slices)
-        while self.next_rep < nb and (force or self.slices[self.next_rep] is not None):
-            b = self.next_rep
-            if self.slices[b] is None:
-                self.slices[b] = core.shards.mine(b, core.machine.buffers.wire(b)).zero_()
-            self.rep[b] = all_reduce(self.slices[b], core.mesh.replicate, f"replica all-reduce of bucket {b}",
-                                     async_op=True)
-            self.next_rep += 1
-        if force:
+    def _arrived(self, b: int, mine: torch.Tensor) -> None:
+        """Bucket ``b``'s (slice of the) averaged gradient is final."""
+        self.slices[b] = mine
+        if self.error is not None:
             return
-        while self.landed < self.next_rep and self.rep[self.landed].is_completed():  # in order
-            self._landed()
+        program = self.program
+        try:
+            g = self.grads[b] = self.core.grad_of(b, mine) if self.core.cast[b] else mine
+            for i in range(program.prefix):
+                self._apply(i, b, g)
+            if self.early:
+                self.update(b)
+            elif program.measure is not None:
+                leaves, views = self._measurable(b, g)
+                self.stats.update(zip(leaves, program.measure.stats(views)))
+        except Exception as e:  # noqa: BLE001 - reported through the step's status
+            self.fail(e)
 
-    def _landed(self) -> None:
-        """The replica all-reduce of bucket ``self.landed`` is done: update it (early)."""
-        b = self.landed
-        self.rep[b] = None
-        self.landed += 1
-        self._arrived(b)
-
-    def reduced(self) -> None:
-        """The step machine finished: wait for the replica all-reduces still in flight."""
+    def _measurable(self, b: int, g: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+        """The leaves of bucket ``b`` this rank measures, as views of its gradient ``g``."""
         core = self.core
-        if core.mesh.replicate is None or core.scatter is None:
-            return
-        while self.landed < self.next_rep:
-            wait(self.rep[self.landed], core.mesh.replicate, f"replica all-reduce of bucket {self.landed}")
-            self._landed()
+        if core.straddles is not None:
+            return core.straddles.inside_views(b, g)
+        bucket = core.plan.buckets[b]
+        return list(bucket.leaves), core.leaf_views(b, g)
 
-    def drain(self) -> None:
-        """The step failed on this rank or another: issue this rank's share of whatever
-        collectives the others may be waiting in (2-D: the replica all-reduces), then return."""
-        core = self.core
-        if core.mesh.replicate is None or core.scatter is None:
-            return
-        self._launch_replicas(force=True)
-        for b, work in enumerate(self.rep):
-            if work is not None:
-                try:
-                    wait(work, core.mesh.replicate, f"replica all-reduce of bucket {b}")
-                except Exception:  # noqa: BLE001 - the step's own error is the one to raise
-                    pass
+    def _apply(self, i: int, b: int, g: torch.Tensor) -> None:
+        t: GradientTransform = self.program.transforms[i]
+        tensors = [g] if t.reach == "element" else self.core.leaf_views(b, g)
+        self.tstates[i] = t.apply(tensors, self.tstates[i])
 
     def grad(self, b: int) -> torch.Tensor:
-        """Bucket ``b``'s (slice of the) gradient in the params' dtype (cast once)."""
+        """Bucket ``b``'s (slice of the) gradient in the params' dtype (a cast wire is cast once)."""
         g = self.grads[b]
         if g is None:
             g = self.grads[b] = self.core.grad_of(b, self.slices[b])
         return g
 
+    # ------------------------------------------------------------------ update
     def update(self, b: int) -> None:
-        core, step = self.core, self.step
+        """Bucket ``b``'s (slice of the) params, with its optimizer state, by the kernel."""
+        core, step, state, kernel = self.core, self.step, self.state, self.program.kernel
         t0 = time.perf_counter()
-        g = self.grad(b)
+        g = self.grads[b]
         if self.coef is not None:
             g.mul_(self.coef)
-        for i, t in self.each:
-            self.tstates[i] = t.update_in_place([g], self.tstates[i])
-        s = core.shards
-        p = s.mine(b, self.dst.flats[b])
+        for i in self.program.suffix:
+            self._apply(i, b, g)
+        p, src = self.dst.flats[b], self.src.flats[b]
+        if core.sharded:
+            p, src = core.shards.mine(b, p), core.shards.mine(b, src)
         if self.dst is not self.src:
-            p.copy_(s.mine(b, self.src.flats[b]))
-        # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
-        # chunk-sized rather than bucket-sized (CHUNK's comment).
-        core.kernel.step(core.plan.buckets[b].group, chunks(p), chunks(g),
-                         [chunks(self.state.buffers[f][b]) for f in core.kernel.fields], self.state.step)
+            p.copy_(src)
+        buffers = state.buffers
+        if core.whole[b]:  # one group, one run, one kernel call: the tensors themselves
+            kernel.step(core.runs[b][0][0], [p], [g], [[buffers[f][b]] for f in kernel.fields], state.step)
+        else:
+            states = [buffers[f][b] for f in kernel.fields]
+            for group, runs in core.runs[b]:
+                # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
+                # chunk-sized rather than bucket-sized (fdp.optim._flat.CHUNK's comment).
+                kernel.step(group, pieces(p, runs), pieces(g, runs), [pieces(s, runs) for s in states], state.step)
         self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
 
+    # ------------------------------------------------------------------ after the buckets
+    def reduced(self) -> None:
+        """The step machine has every bucket: wait for the replica sums still in flight."""
+        if self.replicas is not None:
+            for b in self.replicas.wait_all():
+                self._arrived(b, self.replicas.slices[b])
+
+    def drain(self) -> None:
+        """This rank's step failed before the machine finished (the machine has drained the
+        buckets): issue the rest of the step's collectives, with nothing of its own."""
+        if self.replicas is not None:
+            self.replicas.drain(lambda b: self.core.shards.mine(b, self.core.machine.buffers.wire(b)).zero_())
+
     def finish(self) -> bool:
-        """Update what is left (after the global transforms and the finite check), gather the
-        params of a sharded step; returns the finite verdict (False: nothing was updated)."""
+        """Everything after the buckets: the finite check, the whole-tree transforms, the
+        updates left, the gathers, and the step's verdict. Returns whether the step updated
+        (False: a non-finite step, or a global scale that skipped it); raises this rank's
+        error, or ``CollectiveError`` when another rank failed."""
         core = self.core
-        sharded = core.scatter is not None
-        if core.skip_nonfinite:
-            finite = all_finite(self.slices)
-            if sharded:  # each rank checked its slices: the verdict is every rank's
+        finite = True
+        if core.config.skip_nonfinite:
+            finite = self._guarded(lambda: all_finite(self.slices), True)
+            if core.sharded:  # each rank checked its slices: the verdict is every rank's
                 finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
             if not finite:
+                self.skipped = "nonfinite"
+        if finite and not self.early:
+            finite = self._whole_tree()
+        if finite:
+            for b in range(len(self.slices)):
+                if not self.updated[b] and self.error is None:
+                    try:
+                        self.update(b)
+                    except Exception as e:  # noqa: BLE001 - reported through the step's status
+                        self.fail(e)
+                if core.scatter is not None:  # bucket b's params gather while bucket b + 1 updates
+                    if self.gathers:  # one in flight at a time: its staging buffer serves the next
+                        self._gathered(*self.gathers.pop())
+                    self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+            for b, work in self.gathers:
+                self._gathered(b, work)
+        self.close()
+        return finite
+
+    def _guarded(self, fn: Any, default: Any) -> Any:
+        if self.error is not None:
+            return default
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported through the step's status
+            self.fail(e)
+            return default
+
+    def _whole_tree(self) -> bool:
+        """Every bucket has arrived: run the program's middle transforms over all of them (a
+        global scale's factor from every leaf's statistic, in leaf order). The last global
+        scale's factor is left for ``update`` to multiply each bucket by. Returns False when
+        a global scale skips the step (sharded, every rank decides it from the same gathered
+        statistics, also a rank that failed, so all issue the same collectives after it)."""
+        program = self.program
+        for i in range(program.prefix, program.last_tree + 1):
+            t = program.transforms[i]
+            if self.coef is not None:  # an earlier global scale: its product first
+                self._guarded(lambda coef=self.coef: self._mul_all(coef), None)
+                self.coef = None
+            if t.reach != "tree":
+                self._guarded(lambda i=i: [self._apply(i, b, self.grad(b)) for b in range(len(self.slices))], None)
+                continue
+            stats = self._leaf_stats(t, measured=i == program.prefix)
+            if self.error is not None and not self.core.sharded:
+                continue
+            try:
+                factor, new = t.scale(stats, self.tstates[i])
+            except Exception as e:  # noqa: BLE001 - reported through the step's status
+                self.fail(e)
+                continue
+            if self.error is None:
+                self.tstates[i] = new
+            if factor is None:
+                self.skipped = "scale"
                 return False
-        if not self.early:
-            self._whole_tree(sharded)
-        for b in range(len(self.slices)):
-            if not self.updated[b]:
-                self.update(b)
-            if sharded:  # bucket b's params gather while bucket b + 1 updates
-                if self.gathers:  # one in flight at a time: its staging buffer serves the next
-                    self._gathered(*self.gathers.pop())
-                self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
-        for b, work in self.gathers:
-            self._gathered(b, work)
+            self.coef = factor
         return True
 
-    def _whole_tree(self, sharded: bool) -> None:
-        """Every bucket has arrived: run the chain's transforms up to the last whole-tree one
-        over all buckets; those after it run per bucket in ``update``. A leading transform
-        with a partial only combines the parts computed on arrival into its factor, which
-        ``update`` multiplies each bucket by (the same product as its ``update_in_place``)."""
+    def _mul_all(self, coef: torch.Tensor) -> None:
+        torch._foreach_mul_([self.grad(b) for b in range(len(self.slices))], coef)
+
+    def _leaf_stats(self, t: GradientTransform, measured: bool) -> list[torch.Tensor]:
+        """Every leaf's statistic for the global scale ``t``, in leaf order (sharded: each
+        leaf measured on one rank, then gathered: collectives every rank issues)."""
         core = self.core
-        transforms = core.transforms
-        start = 0
-        if self.stats is not None:
-            parts = [n for b, part in enumerate(self.stats)
-                     for n in (part if part is not None else transforms[0].partial([self.grad(b)]))]
-            self.coef, self.tstates[0] = transforms[0].coefficient(parts, self.tstates[0],
-                                                                    core.reduce if sharded else None)
-            start = 1
-        last = max((i for i, t in enumerate(transforms) if not t.elementwise), default=-1)
-        if last >= start:  # another whole-tree transform: the factor and the rest over every bucket
-            gs = [self.grad(b) for b in range(len(self.slices))]
-            if self.coef is not None:
-                torch._foreach_mul_(gs, self.coef)
-                self.coef = None
-            for i in range(start, last + 1):
-                t = transforms[i]
-                if sharded and not t.elementwise and t.update_sharded is None:  # its partial/coefficient pair
-                    coef, self.tstates[i] = t.coefficient(t.partial(gs), self.tstates[i], core.reduce)
-                    torch._foreach_mul_(gs, coef)
-                elif sharded and not t.elementwise:
-                    self.tstates[i] = t.update_sharded(gs, self.tstates[i], core.reduce)
+        own: dict[int, torch.Tensor] = {}
+        if self.error is None:
+            try:
+                if measured:
+                    own = dict(self.stats)
                 else:
-                    self.tstates[i] = t.update_in_place(gs, self.tstates[i])
-            start = last + 1
-        self.each = [(i, transforms[i]) for i in range(start, len(transforms))]
+                    for b in range(len(self.slices)):
+                        leaves, views = self._measurable(b, self.grad(b))
+                        own.update(zip(leaves, t.stats(views)))
+            except Exception as e:  # noqa: BLE001 - reported through the step's status
+                self.fail(e)
+                own = {}
+        if core.straddles is None:
+            return [own[i] for i in range(len(core.plan.slots))] if self.error is None else []
+        grads = [self.grad(b) if self.error is None else self._zeros(b) for b in range(len(self.slices))]
+        leaves, wholes = core.straddles.exchange(grads, core.mesh.shard)
+        if self.error is None and leaves:
+            try:
+                own.update(zip(leaves, t.stats(wholes)))
+            except Exception as e:  # noqa: BLE001 - reported through the step's status
+                self.fail(e)
+        return core.straddles.gather(own if self.error is None else {}, core.mesh.shard)
+
+    def _zeros(self, b: int) -> torch.Tensor:
+        bucket = self.core.plan.buckets[b]
+        return torch.zeros(self.core.shards.numel(b), dtype=bucket.dtype, device=bucket.device)
 
     def _gathered(self, b: int, work: Any) -> None:
         core = self.core
         wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
         core.scatter.gathered(b)
         self.step.times[b].gathered = time.perf_counter() - self.step.t0
+
+    def close(self) -> None:
+        """The step's verdict on every rank: raise this rank's error, or ``CollectiveError``
+        if another rank failed; a rank that updated anything then refuses the state."""
+        core = self.core
+        n = core.machine.close(self.step, self.error is not None)
+        if not n:
+            return
+        if any(self.updated):
+            core.broken = (f"step {self.step.n} failed on {n} rank(s) after this rank had updated "
+                           f"{sum(self.updated)} of {len(self.updated)} buckets of the optimizer state in place "
+                           "(and with donate=True the params), so the replicas differ now; load a saved state "
+                           "(step.state_from_tree, fdp.load) or make a new one (step.init) to go on")
+        if self.error is not None:
+            raise self.error
+        raise CollectiveError(
+            f"fdp: step {self.step.n} of {core.name} failed on {n} other rank(s) of {core.group.size} after "
+            f"the backward (in a transform, the optimizer's kernel or a gather); this is rank {core.group.rank}. "
+            + ("This rank's state was updated and is refused now: load a saved state to go on."
+               if any(self.updated) else "Nothing was updated on this rank."))
+
+
+def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges), as kernel-call-sized views (``t``
+    itself when one run covers it and fits one call)."""
+    if len(runs) == 1 and runs[0] == (0, t.numel()):
+        return chunks(t)
+    return [c for lo, hi in runs for c in chunks(t[lo:hi])]
+
+
+__all__ = ["Run", "pieces"]

@@ -175,3 +175,158 @@ class Scatter:
     def gathered(self, b: int) -> None:
         if self.staged[b] is not None:
             self._unstage(b, 0)
+
+
+class Replicas:
+    """The replica all-reduces of a 2-D mesh (HSDP): each bucket's reduced slice is summed
+    over ``replicate`` too, issued in bucket order as slices arrive (its own process group,
+    so it never interleaves with the shard group's collectives)."""
+
+    def __init__(self, group: Group, nb: int) -> None:
+        self.group = group
+        self.slices: list[torch.Tensor | None] = [None] * nb
+        self.works: list[Any] = [None] * nb
+        self.issued = 0  # buckets whose replica all-reduce was issued (in order)
+        self.landed = 0  # ... and of those, whose all-reduce is done (in order)
+
+    def arrive(self, b: int, mine: torch.Tensor) -> list[int]:
+        """Bucket ``b``'s slice is reduced over the shard group: issue what is next in order;
+        returns the buckets whose replica sum has landed since (in order)."""
+        self.slices[b] = mine
+        self._issue()
+        out = []
+        while self.landed < self.issued and self.works[self.landed].is_completed():
+            out.append(self._land())
+        return out
+
+    def _issue(self, fill: Any = None) -> None:
+        nb = len(self.slices)
+        while self.issued < nb and (self.slices[self.issued] is not None or fill is not None):
+            b = self.issued
+            if self.slices[b] is None:
+                self.slices[b] = fill(b)
+            self.works[b] = comm.all_reduce(self.slices[b], self.group, f"replica all-reduce of bucket {b}",
+                                            async_op=True)
+            self.issued += 1
+
+    def _land(self) -> int:
+        b = self.landed
+        self.works[b] = None
+        self.landed += 1
+        return b
+
+    def wait_all(self) -> list[int]:
+        """Wait for the replica sums still in flight; returns their buckets in order."""
+        out = []
+        while self.landed < self.issued:
+            comm.wait(self.works[self.landed], self.group, f"replica all-reduce of bucket {self.landed}")
+            out.append(self._land())
+        return out
+
+    def drain(self, zeros: Any) -> None:
+        """A failed step: issue this rank's share of every replica all-reduce the others may
+        be waiting in (``zeros(b)`` for slices that never arrived), and wait for them."""
+        self._issue(fill=zeros)
+        for b in range(self.landed, self.issued):
+            try:
+                comm.wait(self.works[b], self.group, f"replica all-reduce of bucket {b}")
+            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                pass
+        self.landed = self.issued
+
+
+class Straddles:
+    """Per-leaf statistics of a sharded step (the norm of each leaf, for an exact global norm).
+
+    A leaf belongs to the rank whose slice holds its first element. Leaves inside their
+    owner's slice are measured there as their bucket lands. A leaf that crosses a slice
+    boundary is sent whole to its owner first: each other rank holding part of it sends that
+    part (one ``all_to_all_single`` of bytes, every straddling leaf of every bucket at once).
+    Then each leaf's statistic is computed by exactly one rank, on the whole leaf, as the
+    unsharded step computes it, and ``gather`` puts every rank's statistics together with one
+    all-reduce in which each leaf has one non-zero contribution (exact: ``x + 0 = x``).
+    """
+
+    def __init__(self, plan: BucketPlan, shards: Shards) -> None:
+        self.plan, self.shards = plan, shards
+        n, me = shards.size, shards.rank
+        self.inside: list[list[tuple[int, int]]] = []  # per bucket: (leaf, its offset in my slice)
+        self.mine: list[tuple[int, int]] = []     # straddling leaves I own: (bucket, leaf)
+        self.sends: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # to rank j: (b, leaf, lo, hi)
+        self.recvs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # from rank k
+        for b in plan.buckets:
+            per = shards.padded[b.index] // n
+            inside = []
+            for i, off, numel in zip(b.leaves, b.offsets, b.numels):
+                if numel == 0:
+                    continue
+                owner, last = off // per, (off + numel - 1) // per
+                if owner == last:
+                    if owner == me:
+                        inside.append((i, off - me * per))
+                    continue
+                if owner == me:
+                    self.mine.append((b.index, i))
+                for k in range(owner + 1, last + 1):
+                    lo, hi = max(off, k * per), min(off + numel, (k + 1) * per)
+                    if k == me:
+                        self.sends[owner].append((b.index, i, lo, hi))
+                    if owner == me:
+                        self.recvs[k].append((b.index, i, lo, hi))
+            self.inside.append(inside)
+        # Every rank knows every rank's plan: is there any straddling leaf at all?
+        self.any = any(
+            (off // (shards.padded[b.index] // n)) != ((off + numel - 1) // (shards.padded[b.index] // n))
+            for b in plan.buckets for off, numel in zip(b.offsets, b.numels) if numel)
+
+    def inside_views(self, b: int, mine: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+        """Bucket ``b``'s leaves inside this rank's slice ``mine``, as views shaped like them."""
+        slots = self.plan.slots
+        leaves = [i for i, _ in self.inside[b]]
+        views = [mine[o:o + slots[i].numel].view(slots[i].shape) for i, o in self.inside[b]]
+        return leaves, views
+
+    def exchange(self, slices: list[torch.Tensor], group: Group) -> tuple[list[int], list[torch.Tensor]]:
+        """The straddling leaves this rank owns, whole (``slices``: every bucket's reduced
+        slice, in the params' dtype). A collective over the shard group."""
+        if not self.any or group.process_group is None:
+            return [], []
+        s, slots = self.shards, self.plan.slots
+
+        def part(b: int, lo: int, hi: int) -> torch.Tensor:
+            return slices[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8)
+
+        out_parts = [part(b, lo, hi) for j in range(s.size) for b, i, lo, hi in self.sends[j]]
+        send = torch.cat(out_parts) if out_parts else torch.empty(0, dtype=torch.uint8, device=group.device)
+        in_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in self.sends[j]) for j in range(s.size)]
+        out_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in self.recvs[k]) for k in range(s.size)]
+        recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=send.device)
+        what = "exchange of the leaves that cross a slice boundary (per-leaf statistics)"
+        comm.wait(comm.all_to_all(recv, send, group, what, out_splits=out_sizes, in_splits=in_sizes), group, what)
+        got: dict[int, list[torch.Tensor]] = {}
+        pos = 0
+        for k in range(s.size):
+            for _, i, lo, hi in self.recvs[k]:
+                nbytes = (hi - lo) * slots[i].dtype.itemsize
+                got.setdefault(i, []).append(recv[pos:pos + nbytes].view(slots[i].dtype))
+                pos += nbytes
+        leaves, wholes = [], []
+        for b, i in self.mine:
+            off = self.plan.buckets[b].offsets[self.plan.buckets[b].leaves.index(i)]
+            own = slices[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
+            leaves.append(i)
+            wholes.append(torch.cat([own, *got[i]]).view(slots[i].shape))
+        return leaves, wholes
+
+    def gather(self, stats: dict[int, torch.Tensor], group: Group) -> list[torch.Tensor]:
+        """Every leaf's statistic on every rank, in leaf order (``stats``: this rank's, by
+        leaf; each leaf on exactly one rank). One all-reduce of float64 values."""
+        slots = self.plan.slots
+        vec = torch.zeros(len(slots), dtype=torch.float64, device=group.device)
+        dtypes: list[torch.dtype | None] = [None] * len(slots)
+        for i, v in stats.items():
+            vec[i] = v.to(device=vec.device, dtype=torch.float64)
+            dtypes[i] = v.dtype
+        comm.all_reduce(vec, group, "all-reduce of the per-leaf statistics")
+        # A statistic has its leaf's dtype (a norm does); float64 holds every such value exactly.
+        return [vec[i].to(dtypes[i] or slots[i].dtype) for i in range(len(slots))]

@@ -145,10 +145,16 @@ class StateLayout:
     def to_tree(self, state: FusedState, params: Any) -> Any:
         state = self.check(state)
         template = self.template(params)
+        # In params' own structure: a dict given in another key order than the plan's gets
+        # its state in its own order, as opt.init(params) lays it out.
+        want = _tree.structure(params)
         fields = {}
         for f in self.kernel.fields:
             flats = [self._whole(b, t) for b, t in enumerate(state.buffers[f])]
-            fields[f] = _tree.tree_map(torch.clone, self.plan.views(flats))
+            leaves = list(map(torch.Tensor.clone, _tree.leaves(self.plan.views(flats))))
+            if want != self.plan.treedef:
+                leaves = _tree.in_order_of(want, self.plan.treedef, leaves, f"{self.name}: state_to_tree params")
+            fields[f] = _tree.unflatten(want, leaves)
         tree = template._replace(step=state.step.clone(), **fields)
         if self.opt.parts:
             return ChainState(tuple(state.transforms), tree)

@@ -14,7 +14,8 @@ Gradients travel as lists in the plan's leaf order; trees are built once, for th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +67,22 @@ def detach_tree(tree: Any) -> Any:
     return _tree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
 
 
+def autograd_on() -> contextlib.AbstractContextManager:
+    """Autograd recording, also inside ``torch.inference_mode()`` (where it records nothing,
+    and a step would average zeros): a step's own tensors are ordinary tensors, as
+    ``torch.func.grad``'s are there. Outside inference mode, nothing to do."""
+    return _recording() if torch.is_inference_mode_enabled() else _NOTHING
+
+
+@contextlib.contextmanager
+def _recording() -> Iterator[None]:
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+_NOTHING = contextlib.nullcontext()
+
+
 def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
                 leaves: list[torch.Tensor], treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
@@ -84,6 +101,8 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
         instrumented = _instrument(fn, argnums, has_aux, treedef, hooks, on_backward_start)
         grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
         return _tree.leaves(grads), value
+    if any(map(torch.Tensor.is_inference, leaves)):  # made under torch.inference_mode: no autograd on them
+        leaves = [t.clone() if t.is_inference() else t for t in leaves]
     inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
     if hooks is not None:
         for leaf, hook in zip(inputs, hooks):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +49,7 @@ from .._plan.bucket import BucketPlan, itemsize
 from .._plan.buffers import BucketBuffers
 from ..hooks import CommHook
 from . import functorch
-from .record import BucketTimes, Timeline
+from .record import BucketTimes, StepRecord, Timeline
 
 # Gradients smaller than this are left to autograd: handing autograd a zero in their place
 # costs more than the memory it frees.
@@ -65,6 +66,59 @@ def hooked_count(buckets: Sequence[tuple[int, int]], hook_threshold_bytes: int) 
     the backward returns. The cost model prices plans with this same rule."""
     worth = [i for i, (n, k) in enumerate(buckets) if n >= hook_threshold_bytes * k]
     return worth[-1] + 1 if worth else 0
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """How one step runs, given once when it starts (``StepMachine.start``); nothing changes
+    a step from outside afterwards.
+
+    Attributes:
+      kind: ``"grad"`` or ``"all_reduce"`` (the record's kind).
+      what: the caller, named in messages (``"fdp.Reducer.grad"``...).
+      acc: per leaf, gradients added to this rank's before they are averaged (accumulation).
+      scale: the factor fused into each bucket's fill (1/world for a mean), or None.
+      active: False for a rank that contributes zeros (uneven inputs).
+      defer: launch nothing during the backward (ready times are still stamped): a backward
+        with no communication beside it, which ``bucket_cap_mb="auto"`` calibrates on.
+      on_ready: called as ``on_ready(b, reduced)`` once per bucket as soon as its result is
+        known (the fused step's per-bucket update); for ``in_place`` hooks as soon as fdp
+        sees the collective complete, during the backward.
+      closes: the caller ends the step with ``StepMachine.close(step, failed)``: a status is
+        issued then, after whatever the caller does between the buckets and the status (the
+        fused step's updates and gathers), so a failure there fails the step on every rank.
+      bucket_status: with ``closes``, also issue the usual status with the last bucket
+        (checked when the buckets are): a rank whose backward failed then stops every rank
+        before the caller's own work, and the close's status is a second one, for that work.
+    """
+
+    kind: str
+    what: str = "a step"
+    acc: list[torch.Tensor] | None = None
+    scale: float | None = None
+    active: bool = True
+    defer: bool = False
+    on_ready: Callable[[int, torch.Tensor], None] | None = None
+    closes: bool = False
+    bucket_status: bool = False
+
+    @property
+    def buckets_status(self) -> bool:
+        """Whether the status is issued with the last bucket (and checked with the buckets)."""
+        return not self.closes or self.bucket_status
+
+
+class Steps:
+    """What every step of one Reducer adds to, whichever machine ran it (its own, a fused
+    step's): the count of steps whose collectives were all issued (the step number the
+    status checks), the steps with a non-finite verdict, and the last ``StepRecord``."""
+
+    __slots__ = ("completed", "nonfinite", "last")
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.nonfinite = 0
+        self.last: StepRecord | None = None
 
 
 class StatusSlot:
@@ -103,12 +157,15 @@ class StepMachine:
       capabilities decide how buckets are launched and waited for). buffers: the flat
       buffers' owner. debug: check each collective's fingerprint across ranks first.
       hook_threshold_bytes: trailing buckets whose leaves average fewer bytes get no hooks.
+      steps: the count every machine of one Reducer shares (a fresh one by default).
     """
 
     def __init__(self, plan: BucketPlan, group: Group, hook: CommHook, buffers: BucketBuffers, *,
-                 debug: bool = False, hook_threshold_bytes: int = HOOK_MEAN_BYTES) -> None:
+                 debug: bool = False, hook_threshold_bytes: int = HOOK_MEAN_BYTES, steps: Steps | None = None) -> None:
         self.plan, self.group, self.hook, self.buffers, self.debug = plan, group, hook, buffers, debug
+        self.steps = steps if steps is not None else Steps()
         self.bucket_of = [s.bucket for s in plan.slots]
+        self.nbytes = [b.nbytes for b in plan.buckets]
         self.release = [s.numel * itemsize(s.dtype) >= RELEASE_BYTES for s in plan.slots]
         self.hooked_buckets = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
@@ -122,18 +179,15 @@ class StepMachine:
                      for i, s in enumerate(plan.slots)]
             for engine in ("autograd", "functorch")
         }
-        self.completed = 0  # steps whose collectives all completed
 
     @property
     def in_flight(self) -> Step | None:
         return self._live.step
 
-    def start(self, kind: str, *, acc: list[torch.Tensor] | None = None, scale: float | None = None,
-              active: bool = True, what: str = "a step") -> Step:
-        """Begin a step: ``kind`` names it in messages, ``acc`` is added to the local gradients,
-        ``scale`` is fused into the fill, ``active=False`` contributes zeros."""
-        self.check_idle(what)
-        step = Step(self, kind, acc, scale, active)
+    def start(self, spec: StepSpec) -> Step:
+        """Begin a step as ``spec`` says (one step at a time per machine)."""
+        self.check_idle(spec.what)
+        step = Step(self, spec)
         self._live.step = step
         return step
 
@@ -153,26 +207,42 @@ class StepMachine:
         return None if not self.hook.prescale or n == 1 else 1.0 / n
 
     def finish(self, step: Step) -> list[torch.Tensor]:
-        """Launch what is left, wait for every bucket, and return the reduced flats (wire dtype)."""
+        """Launch what is left, wait for every bucket, and return the reduced flats (wire
+        dtype). A step whose spec ``closes`` stays in flight until ``close``."""
         try:
             return step.finish()
         except BaseException as e:
             self.abort(step, e)
             raise
         finally:
-            self._end(step)
+            if not step.spec.closes:
+                self._end(step)
 
     def abort(self, step: Step, exc: BaseException | None = None) -> None:
         """This rank's step failed with ``exc``: issue the rest of its collectives marked as
         failed, then return (the caller re-raises). A step that issued nothing yet needs
         nothing: this rank's next call pairs with the others' current step. After a
         ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
-        another rank's and every rank already knows."""
+        another rank's and every rank already knows. A step whose spec ``closes`` and that was
+        drained stays in flight when its only status is the close's: that status comes from
+        ``close(step, failed=True)``, after the caller's own collectives."""
+        drained = False
         try:
             if step.next > 0 and not isinstance(exc, CollectiveError):
                 step.drain()
+                drained = True
         except CollectiveError:
             pass  # the group is broken: every rank's collectives fail with their own error
+        finally:
+            if not (drained and not step.spec.buckets_status):
+                self._end(step)
+
+    def close(self, step: Step, failed: bool) -> int:
+        """End a step whose spec ``closes``: issue its status (``failed``: this rank's part of
+        the step failed) and return how many ranks failed. Raises ``CollectiveError`` when
+        the ranks ran different steps together, or when the status cannot be exchanged."""
+        try:
+            return step.close(failed)
         finally:
             self._end(step)
 
@@ -180,7 +250,7 @@ class StepMachine:
         if self._live.step is step:
             self._live.step = None
             if step.next == len(self.plan.buckets):
-                self.completed += 1
+                self.steps.completed += 1
 
 
 def _leaf_hook(live: _Live, i: int, wrapped: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
@@ -198,15 +268,15 @@ def _leaf_hook(live: _Live, i: int, wrapped: bool) -> Callable[[torch.Tensor], t
 class Step:
     """One call's exchange (see the module docstring). Made by ``StepMachine.start``."""
 
-    __slots__ = ("n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
+    __slots__ = ("spec", "n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
                  "t0", "times", "bwd_start", "bwd_end", "defer")
 
-    def __init__(self, machine: StepMachine, kind: str, acc: list[torch.Tensor] | None, scale: float | None,
-                 active: bool) -> None:
+    def __init__(self, machine: StepMachine, spec: StepSpec) -> None:
         plan = machine.plan
-        self.n, self.kind, self.plan, self.group = machine.completed, kind, plan, machine.group
+        self.spec = spec
+        self.n, self.kind, self.plan, self.group = machine.steps.completed, spec.kind, plan, machine.group
         self.hook, self.buffers, self.debug = machine.hook, machine.buffers, machine.debug
         self.bucket_of, self.release = machine.bucket_of, machine.release
         self.status = machine.status
@@ -219,20 +289,16 @@ class Step:
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.handles: list[Any] = [None] * len(plan.buckets)
         self.in_flight: list[int] = []  # launched buckets not yet seen complete
-        self.acc, self.scale, self.active = acc, scale, active
+        self.acc, self.scale, self.active = spec.acc, spec.scale, spec.active
         self.armed = False  # set when the outer backward starts (see the module docstring)
-        # Called as on_ready(b, reduced) once per bucket as soon as its result is known
-        # (the fused step's per-bucket update); in_place hooks: as soon as it is seen complete.
-        self.on_ready: Callable[[int, torch.Tensor], None] | None = None
+        self.on_ready = spec.on_ready
         self.readied = bytearray(len(plan.buckets))
         self.failed = False
         self.t0 = time.perf_counter()
-        self.times = [BucketTimes(b.index, b.nbytes) for b in plan.buckets]
+        self.times = list(map(BucketTimes, range(len(plan.buckets)), machine.nbytes))
         self.bwd_start: float | None = None
         self.bwd_end: float | None = None
-        # Launch nothing during the backward (ready times are still stamped): a backward with
-        # no communication beside it, which "auto" calibrates on (fdp/_autocaps.py).
-        self.defer = False
+        self.defer = spec.defer
 
     # ------------------------------------------------------------------ during the backward
     def on_backward_start(self, grad: torch.Tensor) -> None:
@@ -315,7 +381,7 @@ class Step:
                 self._ready(b, flat)
         else:
             self.in_flight.append(b)
-        if bucket.last and self.status and self.hook.in_place:
+        if bucket.last and self.status and self.hook.in_place and self.spec.buckets_status:
             self._start_status()  # overlaps the last bucket's all-reduce
 
     def _start_status(self) -> None:
@@ -362,7 +428,8 @@ class Step:
             self.stamp_done()  # this bucket, and any later one already complete
             if self.times[b].done is None:  # a hook's future may still be running its callbacks
                 self.times[b].done = time.perf_counter() - self.t0
-        self._check_status()
+        if self.spec.buckets_status:
+            self._check_status()
         if self.on_ready is not None:
             for b, r in enumerate(results):
                 self._ready(b, r)
@@ -377,20 +444,28 @@ class Step:
                 self.hook.collect(handle, self.plan.buckets[b], self.flats[b], self.group, self.what(b))
             except (CollectiveError, TypeError):
                 pass
-        if self.status:
+        if self.status and self.spec.buckets_status:
             if self.status_work is None:
                 self._start_status()
             wait(self.status_work, self.group, f"step {self.n} status")
 
-    def _check_status(self) -> None:
+    def close(self, failed: bool) -> int:
+        """The status of a step whose spec ``closes`` (see ``StepMachine.close``)."""
+        self.failed = self.failed or failed
         if not self.status:
-            return
+            return int(self.failed)
+        self._start_status()  # (with bucket_status, the second one: the first was checked already)
+        return self._check_status(raise_failed=False)
+
+    def _check_status(self, raise_failed: bool = True) -> int:
+        if not self.status:
+            return 0
         if self.status_work is None:
             self._start_status()
         n, size = self.n, self.group.size
         wait(self.status_work, self.group, f"step {n} status")
         failed, steps, squares = (int(v) for v in self.status_t.buf.tolist())
-        if failed:
+        if failed and raise_failed:
             raise CollectiveError(
                 f"fdp: step {n} failed on {failed} other rank(s) of {size} after they had launched some "
                 f"of its buckets (an exception in their loss or backward); its gradients are discarded on "
@@ -404,6 +479,7 @@ class Step:
                 "more often than the others, so these gradients mix different steps and are discarded. "
                 "Every rank must make the same sequence of Reducer calls."
             )
+        return failed
 
     def timeline(self) -> Timeline:
         return Timeline(

@@ -20,6 +20,7 @@ from ._base import GradientTransform as GradientTransform
 from ._base import LeafKernel as LeafKernel
 from ._base import Optimizer as Optimizer
 from ._base import chain as chain
+from ._base import global_scale as global_scale
 from ._base import stateless as stateless
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
@@ -38,10 +39,6 @@ from ._transforms import clip_by_value as clip_by_value
 from ._transforms import frozen as frozen
 from ._transforms import global_norm as global_norm
 from ._transforms import partition as partition
-
-# Deprecated: the name borrowed optax's type without its contract (an fdp optimizer returns
-# new params, not updates). Kept so old code imports; use ``Optimizer``.
-GradientTransformation = Optimizer
 
 __all__ = [
     "AdagradState",
@@ -63,6 +60,7 @@ __all__ = [
     "clip_by_value",
     "frozen",
     "global_norm",
+    "global_scale",
     "partition",
     "rmsprop",
     "schedules",

@@ -31,10 +31,17 @@ from torch import Tensor
 
 from .. import _tree
 
-__all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "stateless"]
+__all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "global_scale", "stateless"]
 
-# (shape, dtype, device) of a tensor in one C-level call.
+# (shape, dtype, device) of a tensor in one C-level call; and each alone.
 _meta = operator.attrgetter("shape", "dtype", "device")
+_device = operator.attrgetter("device")
+_dtype = operator.attrgetter("dtype")
+
+
+def _devices_of(leaves: list[Tensor]) -> set[torch.device]:
+    # map() over a C getter: no Python per leaf; dynamo cannot trace attrgetter, so a loop there.
+    return {t.device for t in leaves} if _tree.compiling() else set(map(_device, leaves))
 
 
 def _traced_meta(t: Tensor) -> tuple:
@@ -91,40 +98,42 @@ class LeafKernel(NamedTuple):
 
 
 class GradientTransform(NamedTuple):
-    """A gradient transformation: optax's contract, on gradients only.
+    """A gradient transformation: optax's contract, on gradients only, with its reach declared.
 
     Attributes:
       init: ``init(params) -> state`` (``()`` for a stateless transform).
-      update: ``update(grads, state, params) -> (new_grads, new_state)``; must not modify
-        its inputs.
-      elementwise: True when each output leaf depends only on the same leaf of the inputs
-        (``clip_by_value``); a whole-tree transform (``clip_by_global_norm``) is False.
-      update_in_place: optional ``update_in_place(grad_leaves, state) -> new_state``, the
-        same transform on a list of tensors that it overwrites (fdp's own transforms have
-        one). When every transform of a ``chain`` has one, the chain runs them on a scratch
-        copy of the grads that it reuses from step to step, so clipping allocates no fresh
-        memory per step (as ``clip_grad_norm_`` scales ``.grad`` in place).
-      update_sharded: optional ``update_sharded(grad_slices, state, reduce) -> new_state``
-        for a whole-tree transform under a sharded fused step (``Reducer(shard=True)``):
-        ``grad_slices`` is this rank's part of the gradients (flat slices, overwritten in
-        place), and ``reduce(t, op)`` combines a tensor over the ranks holding the other
-        parts (``op``: ``"sum"`` or ``"max"``, in place; returns ``t``). ``clip_by_global_norm``
-        has one; a sharded step refuses a whole-tree transform without it (its result on a
-        slice alone would be wrong). Elementwise transforms need none.
-      partial, coefficient: optional pair for a whole-tree transform that multiplies every
-        grad by one factor computed from a reduction over all of them (``clip_by_global_norm``).
-        ``partial(grads) -> stats``: statistics of some of the grads (a list of tensors; for
-        the global norm, one norm per tensor); ``coefficient(stats, state, reduce) ->
-        (factor, new_state)``: the factor from every part's statistics, in order (``reduce``
-        as for ``update_sharded`` when the parts are one rank's slices, else ``None``). The
-        fused step computes each bucket's ``partial`` as soon as the bucket lands, during the
-        backward, so only the factor and the multiply are left after the last bucket. The
-        result must equal ``update_in_place``'s on the same tensors.
+      update: ``update(grads, state, params) -> (new_grads, new_state)`` on trees; must not
+        modify its inputs.
+      reach: what one output element depends on, which decides where the fused step
+        (``reducer.grad_and_update``) may run it:
+
+        * ``"element"``: only the same element of the input (``clip_by_value``). It may run
+          on any piece of the gradients: flat buckets, a rank's slice, chunks.
+        * ``"leaf"``: only the same leaf (a per-leaf norm clip). It runs on whole leaves:
+          the fused step hands it each bucket's leaves as views (and refuses it sharded,
+          where a rank's slice cuts leaves).
+        * ``"tree"`` (default): any of the gradients. The fused step runs it only as a
+          global scale (``stats`` and ``scale``), else refuses it.
+      apply: ``apply(tensors, state) -> new_state``, the same transform on a list of tensors
+        that it overwrites (with ``reach="leaf"`` each tensor is a leaf; with ``"tree"``
+        the list is every leaf). Optional; the fused step needs it for ``"element"`` and
+        ``"leaf"``, and ``chain`` uses it to transform the gradients in reused buffers.
+      stats, scale: a whole-tree transform that multiplies every gradient by one factor
+        computed from per-leaf statistics (``clip_by_global_norm``, loss scaling).
+        ``stats(leaves) -> [one 0-d tensor per leaf]``; ``scale(stats, state) -> (factor,
+        new_state)`` takes every leaf's statistic in leaf (tree) order, and returns the
+        factor (a 0-d tensor), or ``None`` to skip the step: then no param and no optimizer
+        state changes, only the transforms' states. The fused step computes each bucket's
+        statistics as soon as it lands (sharded: each leaf's on one rank, then gathered), so
+        only ``scale`` and the multiply are left after the last bucket. ``global_scale``
+        builds ``update`` and ``apply`` from the pair, so the pair is the transform's one
+        definition.
 
     Example:
       >>> halve = fdp.optim.GradientTransform(
       ...     init=lambda params: (),
-      ...     update=lambda grads, state, params: ({k: g / 2 for k, g in grads.items()}, state))
+      ...     update=lambda grads, state, params: ({k: g / 2 for k, g in grads.items()}, state),
+      ...     reach="element", apply=lambda grads, state: (torch._foreach_mul_(grads, 0.5), state)[1])
       >>> opt = fdp.optim.chain(halve, fdp.optim.sgd(lr=1.0))
       >>> params = {"w": torch.ones(2)}
       >>> opt.update({"w": torch.ones(2)}, opt.init(params), params)[0]["w"]
@@ -133,11 +142,90 @@ class GradientTransform(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
-    elementwise: bool = False
-    update_in_place: Callable[[list[Tensor], Any], Any] | None = None
-    update_sharded: Callable[[list[Tensor], Any, Callable[[Tensor, str], Tensor]], Any] | None = None
-    partial: Callable[[list[Tensor]], list[Tensor]] | None = None
-    coefficient: Callable[[list[Tensor], Any, Callable[[Tensor, str], Tensor] | None], tuple[Tensor, Any]] | None = None
+    reach: str = "tree"
+    apply: Callable[[list[Tensor], Any], Any] | None = None
+    stats: Callable[[list[Tensor]], list[Tensor]] | None = None
+    scale: Callable[[list[Tensor], Any], tuple[Tensor | None, Any]] | None = None
+
+    @property
+    def is_global_scale(self) -> bool:
+        """A whole-tree transform given as ``stats`` and ``scale``."""
+        return self.reach == "tree" and self.stats is not None and self.scale is not None
+
+
+REACHES = ("element", "leaf", "tree")
+
+
+def check_transform(t: Any, name: str, i: int) -> None:
+    """``t`` is a well-formed ``GradientTransform`` (part ``i`` of a chain), or a ``TypeError``."""
+    if not isinstance(t, GradientTransform):
+        raise TypeError(f"{name}: part {i} must be a GradientTransform, got {type(t).__name__} "
+                        "(only the last part may be an Optimizer)")
+    if t.reach not in REACHES:
+        raise TypeError(f"{name}: part {i} declares reach={t.reach!r}; one of {REACHES}")
+    if (t.stats is None) != (t.scale is None):
+        raise TypeError(f"{name}: part {i} declares only one of stats/scale; a global scale needs both")
+
+
+def mul_all(tensors: list[Tensor], factor: Tensor) -> None:
+    """``tensors[i] *= factor`` for every tensor, as torch's ``_clip_grads_with_norm_`` does it
+    (one multi-tensor call per device)."""
+    devices = {t.device for t in tensors} if _tree.compiling() else set(map(_device, tensors))
+    if len(devices) == 1:
+        torch._foreach_mul_(tensors, factor.to(devices.pop()))
+        return
+    for device in devices:
+        torch._foreach_mul_([t for t in tensors if t.device == device], factor.to(device))
+
+
+def global_scale(init: Callable[[Any], Any], stats: Callable[[list[Tensor]], list[Tensor]],
+                 scale: Callable[[list[Tensor], Any], tuple[Tensor | None, Any]]) -> GradientTransform:
+    """A whole-tree ``GradientTransform`` that multiplies every gradient by
+    ``scale(stats(leaves), state)``'s factor: its ``update`` (on trees, out of place) and
+    ``apply`` (on a list of tensors, in place) both come from the pair, so the transform is
+    written once (``clip_by_global_norm`` is one).
+
+    A factor of ``None`` skips the step (see ``GradientTransform``): ``update`` then returns
+    the gradients unchanged and ``chain`` leaves params and optimizer state as they were.
+    """
+    def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+        leaves, treedef = _tree.flatten(grads)
+        if not leaves:
+            return grads, state
+        factor, state = scale(stats(leaves), state)
+        if factor is None:
+            return grads, SkipState(state)
+        devices = _devices_of(leaves)
+        if len(devices) == 1:
+            out = list(torch._foreach_mul(leaves, factor.to(devices.pop())))
+        else:
+            on = {d: factor.to(d) for d in devices}
+            out = [torch.mul(t, on[t.device]) for t in leaves]
+        # torch multiplies in place, which keeps each grad's dtype; out of place a 0-d grad
+        # is promoted to the factor's dtype (0-d times 0-d), so cast those back: the product
+        # is computed in the promoted dtype either way, then rounded on store.
+        dtypes = [t.dtype for t in leaves] if _tree.compiling() else list(map(_dtype, leaves))
+        if [t.dtype for t in out] != dtypes:
+            out = [c.to(d) for c, d in zip(out, dtypes)]
+        return _tree.unflatten(treedef, out), state
+
+    def apply(tensors: list[Tensor], state: Any) -> Any:
+        if not tensors:
+            return state
+        factor, state = scale(stats(tensors), state)
+        if factor is None:
+            return SkipState(state)
+        mul_all(tensors, factor)
+        return state
+
+    return GradientTransform(init, update, "tree", apply, stats, scale)
+
+
+class SkipState(NamedTuple):
+    """What a global scale's ``update``/``apply`` returns, wrapped around its new state, when
+    its factor was ``None``: the step is skipped (``chain`` unwraps it)."""
+
+    state: Any
 
 
 class ChainState(NamedTuple):
@@ -147,13 +235,15 @@ class ChainState(NamedTuple):
     optimizer: Any
 
 
-def stateless(fn: Callable[[Any, Any], Any], *, elementwise: bool = False) -> GradientTransform:
+def stateless(fn: Callable[[Any, Any], Any], *, reach: str = "tree") -> GradientTransform:
     """A ``GradientTransform`` from a pure function ``fn(grads, params) -> new_grads``.
 
     Args:
       fn: maps the gradient tree (and the params, for transforms that read them) to a new
         gradient tree of the same structure; must not modify its inputs.
-      elementwise: whether each output leaf depends only on the same input leaf.
+      reach: what an output element depends on (``GradientTransform.reach``). Without an
+        ``apply`` the fused step cannot run it; give one (``GradientTransform(...,
+        apply=...)``) or use ``reducer.grad`` + ``opt.update``.
 
     Returns:
       A ``GradientTransform`` whose state is ``()``.
@@ -165,13 +255,16 @@ def stateless(fn: Callable[[Any, Any], Any], *, elementwise: bool = False) -> Gr
       >>> opt.update({"w": torch.ones(1)}, opt.init(params), params)[0]["w"]
       tensor([1.])
     """
+    if reach not in REACHES:
+        raise ValueError(f"fdp.optim.stateless: reach must be one of {REACHES}, got {reach!r}")
+
     def init(params: Any) -> tuple:
         return ()
 
     def update(grads: Any, state: tuple, params: Any) -> tuple[Any, tuple]:
         return fn(grads, params), state
 
-    return GradientTransform(init, update, elementwise)
+    return GradientTransform(init, update, reach)
 
 
 def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> Optimizer:
@@ -179,19 +272,21 @@ def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> 
 
     Args:
       *parts: zero or more ``GradientTransform`` s followed by exactly one ``Optimizer``.
-      donate_grads: when every transform works in place (``update_in_place``: fdp's
-        clipping transforms do), let them overwrite the gradients passed in, as
+      donate_grads: when every transform works in place (``apply``: fdp's clipping
+        transforms do), let them overwrite the gradients passed in, as
         ``clip_grad_norm_`` scales ``.grad``, instead of a copy the chain keeps (one pass
         over the gradients less per step). The caller's gradients are then consumed:
         after ``update`` they hold the transformed values. Default False: inputs are never
         modified.
 
     Returns:
-      An ``Optimizer`` whose state is a ``ChainState``.
+      An ``Optimizer`` whose state is a ``ChainState``. A global-scale transform whose
+      factor is ``None`` (a non-finite loss-scaled step) skips the step: params and the
+      optimizer's state come back unchanged, the transforms' states updated.
 
     Raises:
       TypeError: the last part is not an ``Optimizer`` or an earlier one is not a
-        ``GradientTransform``.
+        ``GradientTransform`` (or declares an unknown reach, or half of stats/scale).
 
     Example:
       >>> opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.sgd(lr=0.1))
@@ -205,14 +300,12 @@ def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> 
         raise TypeError(f"fdp.optim.chain: the last part must be an Optimizer (sgd, adamw, ...), got {got}")
     transforms, optimizer = parts[:-1], parts[-1]
     for i, t in enumerate(transforms):
-        if not isinstance(t, GradientTransform):
-            raise TypeError(f"fdp.optim.chain: part {i} must be a GradientTransform, got "
-                            f"{type(t).__name__} (only the last part may be an Optimizer)")
+        check_transform(t, "fdp.optim.chain", i)
 
     def init(params: Any) -> ChainState:
         return ChainState(tuple(t.init(params) for t in transforms), optimizer.init(params))
 
-    in_place = bool(transforms) and all(t.update_in_place is not None for t in transforms)
+    in_place = bool(transforms) and all(t.apply is not None for t in transforms)
     scratch = ScratchLeaves()
 
     def update(grads: Any, state: ChainState, params: Any) -> tuple[Any, ChainState]:
@@ -220,18 +313,32 @@ def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> 
             raise TypeError(f"fdp.optim.chain: state must be the ChainState of a chain of "
                             f"{len(transforms)} transforms and an optimizer, got {type(state).__name__}")
         new_states = []
+        skip = False
         if in_place and not _tree.compiling():
             # The transforms' output never leaves the chain (the optimizer returns params),
             # so it can live in one reused buffer: no fresh memory per step.
             leaves, treedef = _tree.flatten(grads)
             work = leaves if donate_grads else scratch.copy_of(leaves)
             for t, s in zip(transforms, state.transforms):
-                new_states.append(t.update_in_place(work, s))
+                if skip:
+                    new_states.append(s)
+                    continue
+                s = t.apply(work, s)
+                if isinstance(s, SkipState):
+                    skip, s = True, s.state
+                new_states.append(s)
             grads = _tree.unflatten(treedef, work)
         else:
             for t, s in zip(transforms, state.transforms):
+                if skip:
+                    new_states.append(s)
+                    continue
                 grads, s = t.update(grads, s, params)
+                if isinstance(s, SkipState):
+                    skip, s = True, s.state
                 new_states.append(s)
+        if skip:
+            return params, ChainState(tuple(new_states), state.optimizer)
         params, opt_state = optimizer.update(grads, state.optimizer, params)
         return params, ChainState(tuple(new_states), opt_state)
 

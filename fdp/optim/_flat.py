@@ -2,8 +2,9 @@
 buffers (the fused step's buckets) needs from an ``fdp.optim`` optimizer or chain.
 
 ``split_chain`` takes a chain apart into its gradient transforms and the optimizer whose
-``LeafKernel`` runs per flat tensor, or says why it cannot be; ``chunks`` cuts a long flat
-tensor into the pieces one kernel call takes.
+``LeafKernel`` runs per flat tensor, or says why it cannot be (a transform's declared
+``reach`` decides where it may run); ``chunks`` cuts a long flat tensor into the pieces one
+kernel call takes.
 """
 
 from __future__ import annotations
@@ -44,17 +45,22 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
             "adagrad or rmsprop (optionally in a chain after gradient transforms); for other optimizers "
             "(partition, your own) use reducer.grad and opt.update"
         )
-    for t in transforms:
-        if t.update_in_place is None:
+    for i, t in enumerate(transforms):
+        where = f"{name}: part {i} of the chain"
+        if t.reach in ("element", "leaf") and t.apply is None:
             raise TypeError(
-                f"{name}: every gradient transform of the chain must work in place on the reduced "
-                "buckets (fdp.optim's clip_by_global_norm and clip_by_value do; GradientTransform("
-                "update_in_place=...) declares it for your own); for others use reducer.grad and opt.update"
-            )
-        if sharded and not t.elementwise and t.update_sharded is None and t.coefficient is None:
+                f"{where} declares reach={t.reach!r} but no apply=: the fused step transforms the reduced "
+                "buckets in place (GradientTransform(..., apply=...)); for a transform without one use "
+                "reducer.grad and opt.update")
+        if t.reach == "tree" and not t.is_global_scale:
             raise TypeError(
-                f"{name}: with shard=True each rank holds only its slice of the gradients, so a "
-                "whole-tree gradient transform must declare how to combine the slices "
-                "(GradientTransform(update_sharded=...) or partial=/coefficient=; fdp.optim.clip_by_global_norm has both)"
-            )
+                f"{where} is a whole-tree transform (reach='tree') that is not a global scale: the fused step "
+                "runs a whole-tree transform only as stats= and scale= (one factor from per-leaf statistics, as "
+                "fdp.optim.clip_by_global_norm and fdp.optim.global_scale); declare reach='element' or 'leaf' "
+                "if that is what it is, or use reducer.grad and opt.update")
+        if sharded and t.reach == "leaf":
+            raise TypeError(
+                f"{where} declares reach='leaf': with shard=True each rank holds a slice of every bucket, "
+                "and a slice cuts leaves, so a per-leaf transform cannot run there; use the unsharded fused "
+                "step, or reducer.grad and opt.update")
     return transforms, optimizer

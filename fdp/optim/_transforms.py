@@ -2,18 +2,19 @@
 
 ``clip_by_global_norm`` computes the norm and the clip coefficient exactly as
 ``torch.nn.utils.clip_grad_norm_`` does (torch/nn/utils/clip_grad.py): per-tensor norms
-grouped by (device, dtype), their norm, ``coef = max_norm / (total + 1e-6)`` clamped at 1,
-and every grad multiplied by it. Where torch has ``torch.nn.utils.get_total_norm`` (2.6 and
-later) fdp calls it, so the summation order is torch's own; before that the same steps are
-written out here. The grads are multiplied out of place (``torch._foreach_mul``, the same
-elementwise product as torch's in-place ``_foreach_mul_``), so the input tree is never modified.
+(``torch._foreach_norm`` where torch uses it), their norm grouped by (device, dtype) in
+first-seen order, ``coef = max_norm / (total + 1e-6)`` clamped at 1, and every grad
+multiplied by it. It is a ``global_scale``: the per-leaf norms are its ``stats`` and the
+coefficient its ``scale``, so the plain path, the fused step and the sharded step compute
+the same numbers from the same two functions. ``global_norm`` calls torch's own
+``get_total_norm`` where it exists (2.6 and later).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
-from collections.abc import Callable
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._base import GradientTransform, Optimizer, leaf_options
+from ._base import GradientTransform, Optimizer, global_scale, leaf_options
 
 __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "global_norm",
            "partition"]
@@ -31,15 +32,6 @@ from torch.utils import _foreach_utils
 _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
 _device = operator.attrgetter("device")
 _dtype = operator.attrgetter("dtype")
-
-
-def _devices(leaves: list[Tensor]) -> set[torch.device]:
-    # map() over a C getter: no Python per leaf; dynamo cannot trace attrgetter, so a loop there.
-    return {t.device for t in leaves} if _tree.compiling() else set(map(_device, leaves))
-
-
-def _dtypes(leaves: list[Tensor]) -> list[torch.dtype]:
-    return [t.dtype for t in leaves] if _tree.compiling() else list(map(_dtype, leaves))
 
 
 def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool = False) -> Tensor:
@@ -87,27 +79,47 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
 
 
 def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
-    """The per-tensor norms ``global_norm`` combines, computed as it computes them
-    (``torch._foreach_norm`` where the device has it, else one ``linalg.vector_norm`` each)."""
-    out: list[Tensor] = []
-    for t in tensors:
-        if _foreach_utils._has_foreach_support([t], t.device):
-            out.extend(torch._foreach_norm([t], norm_type))
-        else:
-            out.append(torch.linalg.vector_norm(t, norm_type))
-    return out
+    """The per-tensor norms ``global_norm`` combines, in the tensors' order, computed as it
+    computes them: grouped by (device, dtype), ``torch._foreach_norm`` per group where the
+    group has foreach support, else one ``linalg.vector_norm`` each. No Python per tensor
+    when the device has foreach (one C++ grouping, a multi-tensor norm per group, and a
+    C-level reordering)."""
+    if not tensors:
+        return []
+    grouped = _foreach_utils._group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
+    if len(grouped) == 1:
+        ((device, _), ([group], _)), = grouped.items()
+        if _foreach_utils._has_foreach_support(group, device):
+            return list(torch._foreach_norm(group, norm_type))
+        return list(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
+    norms: list[Tensor] = []
+    order: list[int] = []
+    for (device, _), ([group], indices) in grouped.items():
+        if _foreach_utils._has_foreach_support(group, device):
+            norms.extend(torch._foreach_norm(group, norm_type))
+        else:  # (map over a C partial: no Python per tensor)
+            norms.extend(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
+        order.extend(indices)
+    # norms[k] is tensor order[k]'s: put them back in the tensors' order.
+    back = sorted(range(len(order)), key=order.__getitem__)
+    return list(operator.itemgetter(*back)(norms)) if len(back) > 1 else norms
 
 
 def norm_of_norms(norms: list[Tensor], norm_type: float = 2.0) -> Tensor:
-    """``global_norm`` of the tensors whose ``tensor_norms`` are ``norms``: their p-norm,
-    stacked in torch's order (grouped by device and dtype, each group in first-seen order)."""
+    """``global_norm`` of the tensors whose ``tensor_norms`` are ``norms`` (in the tensors'
+    order): their p-norm, stacked in torch's order. torch groups the tensors with
+    ``_group_tensors_by_device_and_dtype``, whose group order is its own (not first-seen),
+    each group in the tensors' order. Its order depends only on the sequence of (device,
+    dtype) keys it meets (a hash map filled in first-seen order), and a tensor's norm has its
+    tensor's device and dtype, so grouping the norms, in the tensors' order, with the same
+    function gives the same order."""
     if not norms:
         return torch.tensor(0.0)
-    groups: dict[tuple, list[Tensor]] = {}
-    for n in norms:
-        groups.setdefault((n.device, n.dtype), []).append(n)
     first = norms[0].device
-    return torch.linalg.vector_norm(torch.stack([n.to(first) for g in groups.values() for n in g]), norm_type)
+    grouped = _foreach_utils._group_tensors_by_device_and_dtype([list(norms)])
+    groups = [group for ([group], _) in grouped.values()]  # (C-level maps below: no Python per norm)
+    ordered = list(map(operator.methodcaller("to", first), itertools.chain.from_iterable(groups)))
+    return torch.linalg.vector_norm(torch.stack(ordered), norm_type)
 
 
 class ClipState(NamedTuple):
@@ -120,13 +132,20 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
                         error_if_nonfinite: bool = False) -> GradientTransform:
     """Scale all grads by ``min(1, max_norm / (norm + 1e-6))``: ``clip_grad_norm_``.
 
+    The norm is torch's, bit for bit, for every ``norm_type`` (``inf``, ``-inf``, ``0``,
+    any p): each leaf's norm, then the norm of those in leaf order grouped by (device,
+    dtype), as ``torch.nn.utils.get_total_norm``. The fused step computes the same: each
+    leaf's norm from its view in the reduced bucket as the bucket lands (sharded: on the
+    rank that holds the leaf whole, after the ranks exchange the parts of leaves that cross
+    a slice boundary), then the same norm of norms.
+
     Args:
       max_norm: the largest norm the grads keep.
       norm_type, error_if_nonfinite: as ``torch.nn.utils.clip_grad_norm_``.
 
     Returns:
-      A ``GradientTransform`` whose state is a ``ClipState`` holding the norm before
-      clipping (what ``clip_grad_norm_`` returns).
+      A ``GradientTransform`` (a ``global_scale``) whose state is a ``ClipState`` holding
+      the norm before clipping (what ``clip_grad_norm_`` returns).
 
     Example:
       >>> clip = fdp.optim.clip_by_global_norm(1.0)
@@ -137,6 +156,7 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
     """
     if not max_norm >= 0:
         raise ValueError(f"fdp.optim.clip_by_global_norm: max_norm must be >= 0, got {max_norm}")
+    norm_type = float(norm_type)
 
     def init(params: Any) -> ClipState:
         # The norm's dtype is the promotion of the grads' (torch stacks the per-leaf norms).
@@ -146,77 +166,16 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
         dtype = functools.reduce(torch.promote_types, map(_dtype, leaves))
         return ClipState(torch.zeros((), dtype=dtype, device=leaves[0].device))
 
-    def update(grads: Any, state: ClipState, params: Any) -> tuple[Any, ClipState]:
-        leaves, treedef = _tree.flatten(grads)
-        if not leaves:
-            return grads, state
-        total = global_norm(leaves, norm_type, error_if_nonfinite=error_if_nonfinite)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        devices = _devices(leaves)
-        if len(devices) == 1:
-            # One multi-tensor call (torch's clip_grad_norm_ uses its in-place twin); the
-            # Tensor-scalar overload exists from torch 2.1.
-            clipped = list(torch._foreach_mul(leaves, coef.to(devices.pop())))
-        else:
-            on = {d: coef.to(d) for d in devices}
-            clipped = [torch.mul(t, on[t.device]) for t in leaves]
-        # torch multiplies in place, which keeps each grad's dtype; out of place a 0-d grad
-        # is promoted to the norm's dtype (0-d times 0-d), so cast those back: the product
-        # is computed in the promoted dtype either way, then rounded on store.
-        if _dtypes(clipped) != _dtypes(leaves):
-            clipped = [c.to(t.dtype) for c, t in zip(clipped, leaves)]
-        return _tree.unflatten(treedef, clipped), ClipState(total.detach())
+    def stats(leaves: list[Tensor]) -> list[Tensor]:
+        return tensor_norms(leaves, norm_type)
 
-    def clip_with(grads: list[Tensor], total: Tensor) -> ClipState:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        devices = set(map(_device, grads))  # torch's _clip_grads_with_norm_, per device
-        if len(devices) == 1:
-            torch._foreach_mul_(grads, coef.to(devices.pop()))
-        else:
-            for device in devices:
-                torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
-        return ClipState(total.detach())
-
-    def update_in_place(grads: list[Tensor], state: ClipState) -> ClipState:
-        if not grads:
-            return state
-        return clip_with(grads, global_norm(grads, norm_type, error_if_nonfinite=error_if_nonfinite))
-
-    def update_sharded(grads: list[Tensor], state: ClipState, reduce: Callable[[Tensor, str], Tensor]) -> ClipState:
-        local = global_norm(grads, norm_type) if grads else state.norm.new_zeros(())
-        total = combine_slices(local, state, reduce)
-        return clip_with(grads, total) if grads else ClipState(total.detach())
-
-    def combine_slices(local: Tensor, state: ClipState, reduce: Callable[[Tensor, str], Tensor]) -> Tensor:
-        # The norm of the whole is the p-norm of the parts' norms: sum their p-th powers over
-        # the ranks (max for the inf-norm). Every rank then clips its part by the same coefficient.
-        p = float(norm_type)
-        local = local.to(state.norm.dtype).reshape(1)
-        if p == float("inf"):
-            total = reduce(local, "max")[0]
-        else:
-            total = reduce(local.pow(p), "sum")[0].pow(1.0 / p)
-        return checked(total)
-
-    def checked(total: Tensor) -> Tensor:
+    def scale(norms: list[Tensor], state: ClipState) -> tuple[Tensor, ClipState]:
+        total = norm_of_norms(norms, norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             global_norm([total.reshape(1)], norm_type, error_if_nonfinite=True)  # torch's own message
-        return total
-
-    def partial(grads: list[Tensor]) -> list[Tensor]:
-        return tensor_norms(grads, norm_type)
-
-    def coefficient(norms: list[Tensor], state: ClipState, reduce: Callable[[Tensor, str], Tensor] | None
-                    ) -> tuple[Tensor, ClipState]:
-        if reduce is not None:
-            total = combine_slices(norm_of_norms(norms, norm_type) if norms else state.norm.new_zeros(()),
-                                   state, reduce)
-        else:
-            total = checked(norm_of_norms(norms, norm_type))
         return torch.clamp(max_norm / (total + 1e-6), max=1.0), ClipState(total.detach())
 
-    return GradientTransform(init, update, elementwise=False, update_in_place=update_in_place,
-                             update_sharded=update_sharded, partial=partial, coefficient=coefficient)
+    return global_scale(init, stats, scale)
 
 
 def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
@@ -227,7 +186,7 @@ def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
       min_value, max_value: the bounds.
 
     Returns:
-      A stateless, elementwise ``GradientTransform``.
+      A stateless ``GradientTransform`` of reach ``"element"``.
 
     Example:
       >>> clip = fdp.optim.clip_by_value(-1.0, 1.0)
@@ -245,12 +204,12 @@ def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
         out = list(map(torch.clamp, leaves, repeat(min_value), repeat(max_value)))
         return _tree.unflatten(treedef, out), state
 
-    def update_in_place(grads: list[Tensor], state: tuple) -> tuple:
+    def apply(grads: list[Tensor], state: tuple) -> tuple:
         torch._foreach_clamp_min_(grads, min_value)
         torch._foreach_clamp_max_(grads, max_value)
         return state
 
-    return GradientTransform(init, update, elementwise=True, update_in_place=update_in_place)
+    return GradientTransform(init, update, "element", apply)
 
 
 # ------------------------------------------------------------------------- partition

@@ -1,0 +1,137 @@
+"""``ParamSets``: the fused step's flat param buffers, and which one holds the caller's params.
+
+A fused step keeps the params in one flat tensor per bucket (a *set*); the params it returns
+are views into a set. Pure by default: a step reads one set and writes another, and a set is
+written only once nothing outside fdp refers to it (a storage use count), so a caller that
+keeps old params sees them unchanged, and one that rebinds ``params`` cycles through two sets.
+
+A tree passed in is "the one returned" only if every leaf is exactly the view fdp handed out
+(same data pointer, shape and strides) and unchanged since (its version counter, which a
+view shares with its set, is the one recorded when the step returned). Anything else (a
+tree the caller changed in place, another view of the same memory such as ``w.t()`` of a
+square ``w``, a tree loaded or made by hand) is packed into a free set: one copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from .. import kernels
+from .._plan.bucket import BucketPlan, contiguous_strides
+from .._plan.buffers import held_elsewhere
+
+_version = operator.attrgetter("_version")
+
+
+class ParamSet:
+    """One set of flat param buffers, and what the views fdp handed out of it look like."""
+
+    __slots__ = ("flats", "ptrs", "shapes", "strides", "versions")
+
+    def __init__(self, flats: list[torch.Tensor], plan: BucketPlan) -> None:
+        self.flats = flats
+        self.ptrs = [flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size() for s in plan.slots]
+        self.shapes = [torch.Size(s.shape) for s in plan.slots]
+        self.strides = [contiguous_strides(s.shape) for s in plan.slots]
+        self.versions: list[int] | None = None  # per leaf, its set's version when handed out
+
+    def handed_out(self, plan: BucketPlan) -> None:
+        """The step returns views of this set now: remember its version counters."""
+        per_bucket = [f._version for f in self.flats]
+        self.versions = [per_bucket[s.bucket] for s in plan.slots]
+
+    def holds(self, leaves: list[torch.Tensor]) -> bool:
+        """Whether ``leaves`` are exactly the views handed out, unchanged since (C-level maps:
+        no Python per leaf)."""
+        return (self.versions is not None
+                and list(map(torch.Tensor.data_ptr, leaves)) == self.ptrs
+                and list(map(torch.Tensor.size, leaves)) == self.shapes
+                and list(map(torch.Tensor.stride, leaves)) == self.strides
+                and list(map(_version, leaves)) == self.versions)
+
+
+class ParamSets:
+    """The sets of one fused core: at most two tracked, ``cur`` the one holding the params."""
+
+    def __init__(self, plan: BucketPlan, padded: list[int], name: str) -> None:
+        self.plan, self.padded, self.name = plan, padded, name
+        self.sets: list[ParamSet] = []
+        self.cur: ParamSet | None = None
+
+    def _new(self) -> ParamSet:
+        flats = [torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)]
+        new = ParamSet(flats, self.plan)
+        self.sets.append(new)
+        return new
+
+    def current(self, leaves: list[torch.Tensor], donate: bool) -> tuple[ParamSet, bool]:
+        """The set holding ``leaves`` and whether it is a fresh copy: the current set when
+        they are its views, unchanged (no copy), else a set they are packed into. A fresh
+        copy is fdp's alone, so even a pure step updates it in place (the caller's tree is
+        untouched either way): a packing step holds two params-sized sets, the caller's and
+        the copy, not three.
+
+        Donated, the caller's tensors are consumed: each packed leaf is re-pointed at its
+        place in the set (``Tensor.set_``), so its old memory is freed now if nothing else
+        holds it (a tree loaded from a checkpoint), rather than living beside the set. A
+        donated tree that holds one tensor twice is refused (it would be untied)."""
+        if self.cur is not None and self.cur.holds(leaves):
+            return self.cur, False
+        if donate:
+            self._refuse_aliases(leaves)
+        target = self.free(avoid=self.cur)  # the tree may still hold views of the current set
+        for b, flat in zip(self.plan.buckets, target.flats):
+            if not donate:
+                kernels.flatten([leaves[i] for i in b.leaves], flat[:b.numel])
+                continue
+            storage = flat.untyped_storage()
+            for i, off, n in zip(b.leaves, b.offsets, b.numels):  # leaf by leaf: one leaf's memory extra at most
+                t = leaves[i]
+                flat[off:off + n].view(t.shape).copy_(t)
+                # (not a view: set_ would leave its autograd view metadata pointing at the base)
+                if type(t) is torch.Tensor and not t.requires_grad and t._base is None and t.dtype == flat.dtype:
+                    t.set_(storage, off, t.shape, contiguous_strides(t.shape))
+        self.cur = target
+        return target, True
+
+    def _refuse_aliases(self, leaves: list[torch.Tensor]) -> None:
+        ptrs = [p for p, t in zip(map(torch.Tensor.data_ptr, leaves), leaves) if t.numel()]
+        if len(set(ptrs)) == len(ptrs):
+            return
+        seen: dict[int, str] = {}
+        for s, t in zip(self.plan.slots, leaves):
+            if not t.numel():
+                continue
+            p = t.data_ptr()
+            if p in seen:
+                raise ValueError(
+                    f"{self.name}: params{seen[p]} and params{s.path} are the same memory; with "
+                    "donate=True the step would untie them (each is packed into its own place). Pass "
+                    "each tensor once (fdp.functionalize keeps tied weights once) or use donate=False")
+            seen[p] = s.path
+
+    def free(self, avoid: ParamSet | None) -> ParamSet:
+        """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
+        for ps in self.sets:
+            if ps is not avoid and not any(map(held_elsewhere, ps.flats)):
+                return ps
+        if len(self.sets) >= 2:  # the caller keeps old params: stop tracking one of their sets
+            old = next((ps for ps in self.sets if ps is not avoid and ps is not self.cur), None)
+            if old is not None:
+                self.sets.remove(old)
+        return self._new()
+
+    def views(self, ps: ParamSet) -> Any:
+        """The params tree the step returns: views into ``ps`` (its padding left out)."""
+        out = self.plan.views(ps.flats)
+        ps.handed_out(self.plan)
+        return out
+
+    def leaves_of(self, tree: Any, what: str) -> list[torch.Tensor]:
+        return self.plan.leaves_of(tree, f"{self.name} {what}")
+
+
+__all__ = ["ParamSet", "ParamSets"]

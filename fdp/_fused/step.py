@@ -1,0 +1,151 @@
+"""``FusedStep``, what ``reducer.grad_and_update`` returns, and the Reducer's cache of cores.
+
+A ``FusedStep`` is cheap: it holds the loss function, the optimizer and its ``Program``.
+What is expensive (flat param sets, gradient buffers, the step machine) lives in a
+``FusedCore``, which the Reducer keeps in a small cache (``FusedCores``) keyed by layout, so
+a step made anew each call (for a new ``accumulate=``, or a new ``adamw(lr=...)`` object)
+reuses the core of the step before it, and the cache never holds more than ``MAX`` cores.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .._plan.bucket import BucketPlan
+from .._step.config import StepConfig
+from .._step.record import StepRecord
+from ..optim import Optimizer
+from ..optim._flat import split_chain
+from .core import FusedCore
+from .program import Program
+from .state import FusedState, StateLayout
+
+NAME = "fdp.Reducer.grad_and_update"
+
+
+class FusedCores:
+    """A Reducer's fused cores, by (plan, param groups); the least recently used goes first
+    once there are ``MAX``."""
+
+    MAX = 4
+
+    def __init__(self, config: StepConfig) -> None:
+        self.config = config
+        self._cores: OrderedDict[tuple, FusedCore] = OrderedDict()
+
+    def get(self, plan: BucketPlan, groups: tuple[int, ...]) -> FusedCore:
+        key = (plan.fingerprint, groups)
+        core = self._cores.get(key)
+        if core is None:
+            core = self._cores[key] = FusedCore(self.config, plan, groups, NAME)
+            while len(self._cores) > self.MAX:
+                self._cores.popitem(last=False)
+        else:
+            self._cores.move_to_end(key)
+        return core
+
+    def __len__(self) -> int:
+        return len(self._cores)
+
+
+class FusedStep:
+    """``reducer.grad_and_update(fn, opt, ...)``: gradient, all-reduce and optimizer in one step.
+
+    ``opt_state = step.init(params)``, then ``params, opt_state, value = step(params,
+    opt_state, *rest, **kwargs)`` where ``value`` is what ``reducer.grad_and_value`` returns
+    (the loss, or ``(loss, aux)``). The returned params are views into the step's flat
+    buffers: passing them back costs nothing; any other tree (changed, loaded, made by hand,
+    another view of the same memory) is packed in (one copy). The optimizer state is flat per
+    bucket and updated in place; ``state_to_tree`` / ``state_from_tree`` convert it to and
+    from the per-leaf layout of ``opt.init(params)`` (checkpoints that load into the plain
+    path, another plan or world).
+
+    The numbers equal ``reducer.grad`` + ``opt.update`` bit for bit, on any world size, with
+    every transform fdp.optim has: the buckets are the Reducer's own (DDP's), so every
+    gradient is summed in the same order, and ``clip_by_global_norm``'s norm is each leaf's
+    norm (from its view in the bucket) and then the norm of those in leaf order, as
+    ``clip_grad_norm_`` computes it.
+
+    Sharded (``Reducer(..., shard=True)``), each rank keeps only its slice of every bucket's
+    optimizer state (``FusedState.buffers`` holds slices): a bucket's gradients are
+    reduce-scattered, each rank updates its slice of the params, and the params are
+    all-gathered (docs/concepts.md, "Sharded optimizer state"). A leaf's norm is computed on
+    one rank, whole (the parts of a leaf that crosses a slice boundary are sent to it), so
+    clipping is exact too. On two ranks the numbers equal the unsharded step's bit for bit;
+    on more, the gradient sums of a reduce-scatter may round differently from an
+    all-reduce's.
+
+    A failure on any rank anywhere in a step (the loss, the backward, a transform, the
+    optimizer's kernel, out of memory) fails the step on every rank; a rank whose state was
+    partly updated then refuses it until a fresh one is given (``init``, ``state_from_tree``,
+    a loaded state).
+    """
+
+    def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
+                 accumulate: Any, donate: bool) -> None:
+        split_chain(opt, NAME, sharded=cores.config.sharded)  # refuse an unsupported optimizer now
+        self._cores, self._plan, self.opt = cores, plan, opt
+        self.fn, self.has_aux, self.accumulate, self.donate = fn, has_aux, accumulate, donate
+        self._program: Program | None = None
+        self._core: FusedCore | None = None
+        self._layout: StateLayout | None = None
+        self._last: StepRecord | None = None
+
+    def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+        if self._program is None:
+            self._program = Program(self.opt, params, NAME, sharded=self._cores.config.sharded)
+        core = self._cores.get(self._plan, self._program.groups)
+        if core is not self._core or self._layout is None:
+            self._core, self._layout = core, core.state_layout(self._program)
+        return core, self._program, self._layout
+
+    def init(self, params: Any) -> FusedState:
+        """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
+        checked across ranks)."""
+        core, _, layout = self._bind(params)
+        state = layout.init(params)
+        core.broken = None  # a fresh state: a failed step's partial update is behind us
+        return state
+
+    def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+        core, program, layout = self._bind(params)
+        try:
+            return core.run_grad(program, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
+                                 self.accumulate, self.donate)
+        finally:
+            self._last = self._cores.config.steps.last
+
+    def update(self, grads: Any, opt_state: FusedState, params: Any, *, active: bool | None = None
+               ) -> tuple[Any, FusedState]:
+        """Average ``grads`` computed any other way over the ranks and apply the fused update
+        (uneven inputs: ``active=False`` ranks pass ``grads=None`` and contribute zeros, as
+        ``reducer.all_reduce``)."""
+        core, program, layout = self._bind(params)
+        try:
+            return core.run_update(program, layout, grads, opt_state, params, active, self.donate)
+        finally:
+            self._last = self._cores.config.steps.last
+
+    def state_to_tree(self, opt_state: FusedState, params: Any) -> Any:
+        """The per-leaf optimizer state, as ``opt.init(params)`` lays it out, in ``params``'
+        own structure (a copy). Sharded (``Reducer(shard=True)``), a collective: every rank's
+        slices are gathered, and every rank gets the whole state (save it with ``fdp.save``;
+        it loads into any world size, plan, or the unsharded step)."""
+        core, _, layout = self._bind(params)
+        return layout.to_tree(core.check_state(layout, opt_state), params)
+
+    def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
+        """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
+        core, _, layout = self._bind(params)
+        state = layout.from_tree(tree_state, params)
+        core.broken = None
+        return state
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        """The record of this step's most recent call: its finite verdict (False: nothing was
+        updated) and a timeline with each bucket's update (``BucketTimes.update_start``/
+        ``update_end``). ``reducer.last_step`` is the same record until the Reducer's next step."""
+        return self._last

@@ -35,7 +35,7 @@ from ._base import (
     zeros_like,
 )
 
-__all__ = ["Hyper", "Mask", "Spec", "build", "check_betas", "check_hyper", "host_step", "scalar_dtype",
+__all__ = ["Hyper", "Mask", "MaskGroups", "Spec", "build", "check_betas", "check_hyper", "host_step", "scalar_dtype",
            "value_at"]
 
 Hyper = float | Callable[[Any], Any]
@@ -102,37 +102,50 @@ def host_step(count: Tensor, name: str, why: str | None) -> int | None:
     return None
 
 
-def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate: bool) -> Optimizer:
-    """The ``Optimizer`` (with its ``LeafKernel``) of ``spec``'s kernel and state fields."""
-    name, fields = spec.name, list(spec.needed)
-    used = [f for f in fields if spec.needed[f]]
-    groups_by_tree: dict[Any, list[tuple[Callable | None, bool]]] = {}
-    known = KnownLeaves() if donate else None
+class MaskGroups:
+    """The weight-decay ``mask`` as hyper-parameter groups: torch's "decay" and "no decay"
+    param groups, each updated by its own kernel call (leaves in tree order within each)."""
 
-    def groups(ps: ParamLeaves) -> list[tuple[Callable | None, bool]]:
+    def __init__(self, mask: Mask | None, name: str) -> None:
+        self.mask, self.name = mask, name
+        self._by_tree: dict[Any, list[tuple[Callable | None, bool]]] = {}
+
+    def _flags(self, treedef: Any, leaves: list[Tensor]) -> list[bool]:
+        flags = leaf_options(self.mask, treedef, leaves, self.name, "mask")
+        for path, flag in zip(_tree.paths(treedef), flags):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{self.name}: mask{path} is {flag!r}, not a bool")
+        return flags
+
+    def of(self, ps: ParamLeaves) -> list[tuple[Callable | None, bool]]:
         """(picker of the group's leaves or None for all, decays) per kernel call."""
-        if mask is None:
+        if self.mask is None:
             return [(None, True)]
         # Under torch.compile the split is made while tracing (dynamo cannot hash a treedef).
-        cached = None if _tree.compiling() else groups_by_tree.get(ps.treedef)
+        cached = None if _tree.compiling() else self._by_tree.get(ps.treedef)
         if cached is None:
-            flags = leaf_options(mask, ps.treedef, ps.leaves, name, "mask")
-            for path, flag in zip(_tree.paths(ps.treedef), flags):
-                if not isinstance(flag, bool):
-                    raise TypeError(f"{name}: mask{path} is {flag!r}, not a bool")
+            flags = self._flags(ps.treedef, ps.leaves)
             on = [i for i, f in enumerate(flags) if f]
             off = [i for i, f in enumerate(flags) if not f]
             cached = [(take(idx), decay) for idx, decay in ((on, True), (off, False)) if idx]
             if not _tree.compiling():
-                groups_by_tree[ps.treedef] = cached
+                self._by_tree[ps.treedef] = cached
         return cached
 
-    def leaf_groups(params: Any) -> list[int]:
-        ps = ParamLeaves(params, name)
-        if mask is None:
+    def per_leaf(self, params: Any) -> list[int]:
+        """``LeafKernel.groups``: per leaf, 0 (weight decay on) or 1 (off)."""
+        ps = ParamLeaves(params, self.name)
+        if self.mask is None:
             return [0] * len(ps.leaves)
-        flags = leaf_options(mask, ps.treedef, ps.leaves, name, "mask")
-        return [0 if flag else 1 for flag in flags]
+        return [0 if flag else 1 for flag in self._flags(ps.treedef, ps.leaves)]
+
+
+def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate: bool) -> Optimizer:
+    """The ``Optimizer`` (with its ``LeafKernel``) of ``spec``'s kernel and state fields."""
+    name, fields = spec.name, list(spec.needed)
+    used = [f for f in fields if spec.needed[f]]
+    groups = MaskGroups(mask, name)
+    known = KnownLeaves() if donate else None
 
     @torch.no_grad()
     def leaf_step(group: int, p: list[Tensor], g: list[Tensor], state_lists: list[list[Tensor]],
@@ -169,7 +182,7 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
             p, lists = clone(p), [clone(x) for x in lists]
         by_field = dict(zip(used, lists))
         state_lists = [by_field.get(f, []) for f in fields]
-        for pick, decays in groups(ps):
+        for pick, decays in groups.of(ps):
             sel = (lambda xs: xs) if pick is None else pick
             spec.kernel(sel(p), sel(g), [sel(x) if x else x for x in state_lists], state.step,
                         step, lr_now, wd_now if decays else 0.0)
@@ -180,4 +193,4 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
         new_state = spec.state(state.step + 1, **{f: trees.get(f) for f in fields})
         return _tree.unflatten(ps.treedef, p), new_state
 
-    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, leaf_groups, leaf_step))
+    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step))

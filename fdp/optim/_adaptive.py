@@ -143,7 +143,7 @@ def nadam(lr: Hyper = 2e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       >>> params = {"w": torch.ones(2)}
       >>> opt = fdp.optim.nadam(lr=0.1)
       >>> opt.update({"w": torch.ones(2)}, opt.init(params), params)[0]["w"]
-      tensor([0.8674, 0.8674])
+      tensor([0.8944, 0.8944])
     """
     name = "fdp.optim.nadam"
     check_hyper(name, lr=lr, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)

@@ -228,8 +228,14 @@ def radam_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
       step: updates applied so far (scalar tensor; not modified).
       lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize: as ``torch.optim.RAdam``.
     """
-    _call("radam", params, grads, exp_avgs, exp_avg_sqs, _steps(step, len(params)),
-          maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+    # Eagerly torch branches on the rectification term in Python floats; under torch.compile
+    # that branch would be on a tensor, so the kernel's capturable form (a torch.where) is
+    # traced instead, with the count in float64 as the eager Python floats are (the term
+    # subtracts two numbers near 2 / (1 - beta2): in float32 it is off by ~1e-4 near 5).
+    compiling = torch.compiler.is_compiling()
+    _call("radam", params, grads, exp_avgs, exp_avg_sqs,
+          _steps(step.to(torch.float64) if compiling else step, len(params)),
+          maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, capturable=compiling,
           has_complex=_has_complex(params), beta1=beta1, beta2=beta2, lr=lr,
           weight_decay=weight_decay, eps=eps)
 

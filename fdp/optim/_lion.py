@@ -59,20 +59,20 @@ def lion_group(params: list[Tensor], grads: list[Tensor], mus: list[Tensor], *, 
     """
     if not params:
         return
+    # Products by a scalar are out of place: torch's in-place ``_foreach_mul_`` by a Python
+    # scalar rounds the scalar to a bf16 tensor's dtype first on the CPU (torch 2.13), where
+    # ``x * s`` (what the formula says) computes in float; in-place sums of two tensors are exact
+    # replacements of ``a + b``.
     u = torch._foreach_mul(grads, 1.0 - b1)
-    tmp = torch._foreach_mul(mus, b1)
-    torch._foreach_add_(u, tmp)
+    torch._foreach_add_(u, torch._foreach_mul(mus, b1))
     _sign_(u)
     if not (isinstance(weight_decay, (int, float)) and weight_decay == 0):
-        torch._foreach_copy_(tmp, params)
-        torch._foreach_mul_(tmp, weight_decay)
-        torch._foreach_add_(u, tmp)
-    torch._foreach_mul_(u, -lr)
-    torch._foreach_add_(params, u)
-    torch._foreach_mul_(mus, b2)
-    torch._foreach_copy_(tmp, grads)
-    torch._foreach_mul_(tmp, 1.0 - b2)
-    torch._foreach_add_(mus, tmp)
+        torch._foreach_add_(u, torch._foreach_mul(params, weight_decay))
+    torch._foreach_add_(params, torch._foreach_mul(u, -lr))
+    del u
+    new_mus = torch._foreach_mul(grads, 1.0 - b2)
+    torch._foreach_add_(new_mus, torch._foreach_mul(mus, b2))
+    torch._foreach_copy_(mus, new_mus)
 
 
 def _real_only(leaves: list[Tensor], treedef: Any) -> None:

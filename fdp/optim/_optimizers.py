@@ -1,23 +1,20 @@
-"""Optimizers over torch.optim's own kernels: ``sgd``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``.
+"""Optimizers over torch.optim's own kernels: ``sgd``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``
+(``nadam``, ``radam``, ``adamax``, ``adadelta`` are in ``_adaptive``, ``adafactor`` in
+``_adafactor``, optax's ``lion`` in ``_lion``).
 
 A factory returns an ``Optimizer``: ``init(params) -> state`` and ``update(grads, state,
 params) -> (new_params, new_state)``. The state is a NamedTuple of a step counter and trees
 like params whose fields are the ones torch.optim keeps per parameter, so it checkpoints
-with ``fdp.save`` and the count survives a resume. (torch.optim has no Lion: none here.)
+with ``fdp.save`` and the count survives a resume.
 
-Each update is the tree layer over the leaf-list kernels of ``fdp.optim._kernels``: flatten
-and check the trees (no Python per leaf), split the leaves into groups that share
-hyper-parameters (the weight-decay ``mask``: torch's "decay" and "no decay" param groups),
-and call the kernel once per group. Pure by default: params and state are cloned, then the
-clones are updated. With ``donate=True`` the params and state passed in are updated in place
-and returned, like JAX's ``donate_argnums`` (keep only the returned trees); a tensor that
-appears twice in params is refused there, since it would be updated twice. Grads are never
-modified. Updates run under ``no_grad``.
-
-``lr`` and ``weight_decay`` may be floats or schedules of the step count (0 for the first
-update). Eagerly a schedule is called with a Python int (one CPU ``.item()``, no device
-sync). Under ``torch.compile`` it is called with the step counter tensor and its result, a
-tensor, is the kernel's lr: the count is a graph input, so the step never recompiles.
+Each update is ``_build.build``'s tree layer over the leaf-list kernels of
+``fdp.optim._kernels``: flatten and check the trees (no Python per leaf), split the leaves
+into groups that share hyper-parameters (the weight-decay ``mask``: torch's "decay" and "no
+decay" param groups), and call the kernel once per group. Pure by default: params and state
+are cloned, then the clones are updated. With ``donate=True`` the params and state passed in
+are updated in place and returned, like JAX's ``donate_argnums`` (keep only the returned
+trees); a tensor that appears twice in params is refused there, since it would be updated
+twice. Grads are never modified. Updates run under ``no_grad``.
 """
 
 from __future__ import annotations

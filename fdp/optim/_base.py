@@ -71,10 +71,9 @@ class LeafKernel(NamedTuple):
     """The leaf-list form of an element-wise optimizer (``sgd``, ``adam``, ``adamw``,
     ``adagrad``, ``rmsprop``, ``nadam``, ``radam``, ``adamax``, ``adadelta`` over torch.optim's
     kernels, and ``lion``): what a caller that keeps params, grads and state in its own layout
-    (e.g. flat per-bucket tensors, or slices of them) needs to run the same update. Every
-    state field is a tensor like its param, and every per-step scalar is a function of the
-    step count (NAdam's ``mu_product`` is recomputed from it), so any split of the leaves
-    into lists (whole leaves, buckets, chunks, slices) gives the same numbers per element.
+    (e.g. flat per-bucket tensors, or slices) needs to run the same update. Each state field
+    is like its param and each per-step scalar a function of the count (NAdam's
+    ``mu_product`` too), so any split into lists gives the same numbers per element.
 
     Attributes:
       fields: the state fields the kernel takes, in order (e.g. ``("exp_avg",

@@ -366,7 +366,8 @@ def assert_tracks_equal(results, what):
             assert len(got) == len(plain_state) and not bad, f"{what}, rank {rank}: {track} state leaves {bad}"
 
 
-FUSED_CASES = [(n, dt, donate) for n in FUSED for dt, donate in (("f32", False), ("f32", True), ("f64", False))]
+FUSED_CASES = [(n, dt, donate) for n in FUSED
+               for dt, donate in (("f32", False), ("f32", True), ("f64", False), ("bf16", False))]
 
 
 @pytest.mark.parametrize("name,dt,donate", FUSED_CASES, ids=[f"{n}-{d}-{'donate' if o else 'pure'}"

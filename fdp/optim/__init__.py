@@ -1,5 +1,5 @@
-"""fdp.optim: functional optimizers over torch.optim's own kernels, gradient transforms,
-schedules and parameter groups.
+"""fdp.optim: functional optimizers over torch.optim's own kernels (and optax's Lion),
+gradient transforms, schedules and parameter groups.
 
 An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s

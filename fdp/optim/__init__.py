@@ -1,5 +1,5 @@
-"""fdp.optim: functional optimizers over torch.optim's own kernels, gradient transforms,
-schedules and parameter groups.
+"""fdp.optim: functional optimizers over torch.optim's own kernels (and optax's Lion),
+gradient transforms, schedules and parameter groups.
 
 An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
@@ -15,6 +15,16 @@ params (naming the leaf) and ``TypeError`` for a state another optimizer made.
 """
 
 from . import schedules as schedules
+from ._adafactor import AdafactorState as AdafactorState
+from ._adafactor import adafactor as adafactor
+from ._adaptive import AdadeltaState as AdadeltaState
+from ._adaptive import AdamaxState as AdamaxState
+from ._adaptive import NAdamState as NAdamState
+from ._adaptive import RAdamState as RAdamState
+from ._adaptive import adadelta as adadelta
+from ._adaptive import adamax as adamax
+from ._adaptive import nadam as nadam
+from ._adaptive import radam as radam
 from ._base import ChainState as ChainState
 from ._base import GradientTransform as GradientTransform
 from ._base import LeafKernel as LeafKernel
@@ -22,6 +32,8 @@ from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import global_scale as global_scale
 from ._base import stateless as stateless
+from ._lion import LionState as LionState
+from ._lion import lion as lion
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
 from ._optimizers import AdamWState as AdamWState
@@ -41,19 +53,28 @@ from ._transforms import global_norm as global_norm
 from ._transforms import partition as partition
 
 __all__ = [
+    "AdadeltaState",
+    "AdafactorState",
     "AdagradState",
     "AdamState",
     "AdamWState",
+    "AdamaxState",
     "ChainState",
     "ClipState",
     "GradientTransform",
     "LeafKernel",
+    "LionState",
+    "NAdamState",
     "Optimizer",
     "PartitionState",
+    "RAdamState",
     "RMSpropState",
     "SGDState",
+    "adadelta",
+    "adafactor",
     "adagrad",
     "adam",
+    "adamax",
     "adamw",
     "chain",
     "clip_by_global_norm",
@@ -61,7 +82,10 @@ __all__ = [
     "frozen",
     "global_norm",
     "global_scale",
+    "lion",
+    "nadam",
     "partition",
+    "radam",
     "rmsprop",
     "schedules",
     "sgd",

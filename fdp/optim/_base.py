@@ -54,8 +54,9 @@ class Optimizer(NamedTuple):
     Attributes:
       init: ``init(params) -> state``; the state is a pytree of tensors.
       update: ``update(grads, state, params) -> (new_params, new_state)``.
-      leaf_kernel: for optimizers over a torch.optim kernel, the same update on lists of
-        tensors (a ``LeafKernel``); ``None`` for others (``chain``, ``partition``, yours).
+      leaf_kernel: for element-wise optimizers (those over a torch.optim kernel, and
+        ``lion``), the same update on lists of tensors (a ``LeafKernel``); ``None`` for
+        others (``chain``, ``partition``, ``adafactor``, yours).
       parts: for a ``chain``, its gradient transforms and then its optimizer (what the fused
         step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
 
@@ -74,9 +75,12 @@ class Optimizer(NamedTuple):
 
 
 class LeafKernel(NamedTuple):
-    """The leaf-list form of an optimizer built on a torch.optim kernel (``sgd``, ``adam``,
-    ``adamw``, ``adagrad``, ``rmsprop``): what a caller that keeps params, grads and state in
-    its own layout (e.g. flat per-bucket tensors) needs to run the same update.
+    """The leaf-list form of an element-wise optimizer (``sgd``, ``adam``, ``adamw``,
+    ``adagrad``, ``rmsprop``, ``nadam``, ``radam``, ``adamax``, ``adadelta`` over torch.optim's
+    kernels, and ``lion``): what a caller that keeps params, grads and state in its own layout
+    (e.g. flat per-bucket tensors, or slices) needs to run the same update. Each state field
+    is like its param and each per-step scalar a function of the count (NAdam's
+    ``mu_product`` too), so any split into lists gives the same numbers per element.
 
     Attributes:
       fields: the state fields the kernel takes, in order (e.g. ``("exp_avg",

@@ -4,9 +4,12 @@ Each function takes lists of tensors (params, grads, state tensors, in one order
 group's hyper-parameters, and updates params and state *in place* by calling the functional
 kernel that the torch.optim class calls in its ``step`` (``torch.optim.sgd.sgd``,
 ``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``, ``torch.optim.adagrad.adagrad``,
-``torch.optim.rmsprop.rmsprop``; the lists are passed by position, everything else by
+``torch.optim.rmsprop.rmsprop``, ``torch.optim.nadam.nadam``, ``torch.optim.radam.radam``,
+``torch.optim.adamax.adamax``, ``torch.optim.adadelta.adadelta`` and, from torch 2.5,
+``torch.optim._adafactor.adafactor``; the lists are passed by position, everything else by
 keyword. ``sgd``'s and ``adamw``'s signatures were checked on torch 2.4 and 2.13, the
-others on 2.13 only). ``foreach`` and ``fused`` are left at ``None``
+others on 2.13 only; the later kernels' optional arguments go through ``_call``, which
+passes only those the installed torch accepts). ``foreach`` and ``fused`` are left at ``None``
 so the kernel picks the implementation torch.optim picks by default. The lists may be a
 tree's leaves (``fdp.optim``'s pytree optimizers) or flat per-bucket tensors (one element
 each): the numbers are the same per element either way.
@@ -18,19 +21,31 @@ so the caller's counter is never advanced here: the caller adds 1 once per updat
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 # torch.optim deletes its submodule attributes, so the kernels are imported by module path.
+from torch.optim.adadelta import adadelta as _torch_adadelta
 from torch.optim.adagrad import adagrad as _torch_adagrad
 from torch.optim.adam import adam as _torch_adam
+from torch.optim.adamax import adamax as _torch_adamax
 from torch.optim.adamw import adamw as _torch_adamw
+from torch.optim.nadam import nadam as _torch_nadam
+from torch.optim.radam import radam as _torch_radam
 from torch.optim.rmsprop import rmsprop as _torch_rmsprop
 from torch.optim.sgd import sgd as _torch_sgd
 
-__all__ = ["adagrad_group", "adam_group", "adamw_group", "rmsprop_group", "sgd_group"]
+try:  # torch >= 2.5
+    from torch.optim._adafactor import adafactor as _torch_adafactor
+except ImportError:  # pragma: no cover - torch 2.4
+    _torch_adafactor = None
+
+__all__ = ["adadelta_group", "adafactor_group", "adagrad_group", "adam_group", "adamax_group",
+           "adamw_group", "has_adafactor", "nadam_group", "radam_group", "rmsprop_group",
+           "sgd_group", "supports"]
 
 Scalar = float | Tensor
 _FIRST_STEP_SLICE = 8  # tensors per kernel call on SGD's first step (see sgd_group)
@@ -140,3 +155,139 @@ def rmsprop_group(params: list[Tensor], grads: list[Tensor], square_avgs: list[T
                    _steps(step, len(params)), maximize=maximize, has_complex=_has_complex(params),
                    lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                    centered=centered)
+
+
+# ------------------------------------------------- NAdam, RAdam, Adamax, Adadelta, Adafactor
+
+_KERNELS: dict[str, Callable[..., None] | None] = {
+    "nadam": _torch_nadam, "radam": _torch_radam, "adamax": _torch_adamax,
+    "adadelta": _torch_adadelta, "adafactor": _torch_adafactor}
+_ARGUMENTS = {name: frozenset(inspect.signature(fn).parameters) if fn is not None else frozenset()
+              for name, fn in _KERNELS.items()}
+
+
+def has_adafactor() -> bool:
+    """Whether the installed torch has Adafactor's kernel (torch >= 2.5)."""
+    return _torch_adafactor is not None
+
+
+def supports(kernel: str, option: str) -> bool:
+    """Whether the installed torch's ``kernel`` (``"nadam"``, ...) takes the argument ``option``."""
+    return option in _ARGUMENTS[kernel]
+
+
+def _call(kernel: str, *lists: list, maximize: bool, **options) -> None:
+    """torch's ``kernel`` on ``lists`` (params, grads, state lists), with the ``options`` the
+    installed torch accepts. ``has_complex`` is dropped where the kernel does not take it
+    (it then finds complex params itself); ``maximize`` where it does not becomes negated
+    grads, which is the kernel's own first step (``grad = -grad``, exact)."""
+    fn, accepted = _KERNELS[kernel], _ARGUMENTS[kernel]
+    if fn is None:
+        raise RuntimeError(f"torch {torch.__version__} has no {kernel} kernel")
+    if maximize and "maximize" not in accepted:
+        lists = (lists[0], torch._foreach_neg(lists[1]), *lists[2:])
+    elif "maximize" in accepted:
+        options["maximize"] = maximize
+    # An option this torch lacks is dropped only where leaving it out means the same (the
+    # factories refuse the others with a message first: see ``supports``).
+    missing = [k for k, v in options.items() if k not in accepted and k != "has_complex" and v is not False]
+    if missing:
+        raise TypeError(f"torch {torch.__version__}'s {kernel} kernel has no {missing}")
+    fn(*lists, **{k: v for k, v in options.items() if k in accepted})
+
+
+def nadam_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], mu_product: Tensor, step: Tensor, *, lr: Scalar,
+                beta1: float, beta2: float, eps: float, weight_decay: Scalar,
+                momentum_decay: float, decoupled_weight_decay: bool, maximize: bool) -> None:
+    """``torch.optim.NAdam``'s update of one group, in place.
+
+    Args:
+      params, grads, exp_avgs, exp_avg_sqs: lists of tensors of equal shapes.
+      mu_product: the product of the momentum coefficients of the updates applied so far
+        (torch's per-parameter ``mu_product``, the same for every param of the group: a
+        scalar CPU tensor; not modified, each param's kernel copy is a view of one clone).
+      step: updates applied so far (scalar tensor; not modified).
+      lr, beta1, beta2, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize:
+        as ``torch.optim.NAdam``.
+    """
+    n = len(params)
+    _call("nadam", params, grads, exp_avgs, exp_avg_sqs, _steps(mu_product, n), _steps(step, n),
+          maximize=maximize, decoupled_weight_decay=decoupled_weight_decay,
+          has_complex=_has_complex(params), beta1=beta1, beta2=beta2, lr=lr,
+          weight_decay=weight_decay, momentum_decay=momentum_decay, eps=eps)
+
+
+def radam_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                exp_avg_sqs: list[Tensor], step: Tensor, *, lr: Scalar, beta1: float, beta2: float,
+                eps: float, weight_decay: Scalar, decoupled_weight_decay: bool, maximize: bool) -> None:
+    """``torch.optim.RAdam``'s update of one group, in place.
+
+    Args:
+      params, grads, exp_avgs, exp_avg_sqs: lists of tensors of equal shapes.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, maximize: as ``torch.optim.RAdam``.
+    """
+    # Eagerly torch branches on the rectification term in Python floats; under torch.compile
+    # that branch would be on a tensor, so the kernel's capturable form (a torch.where) is
+    # traced instead, with the count in float64 as the eager Python floats are (the term
+    # subtracts two numbers near 2 / (1 - beta2): in float32 it is off by ~1e-4 near 5).
+    compiling = torch.compiler.is_compiling()
+    _call("radam", params, grads, exp_avgs, exp_avg_sqs,
+          _steps(step.to(torch.float64) if compiling else step, len(params)),
+          maximize=maximize, decoupled_weight_decay=decoupled_weight_decay, capturable=compiling,
+          has_complex=_has_complex(params), beta1=beta1, beta2=beta2, lr=lr,
+          weight_decay=weight_decay, eps=eps)
+
+
+def adamax_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                 exp_infs: list[Tensor], step: Tensor, *, lr: Scalar, beta1: float, beta2: float,
+                 eps: float, weight_decay: Scalar, maximize: bool) -> None:
+    """``torch.optim.Adamax``'s update of one group, in place.
+
+    Args:
+      params, grads, exp_avgs, exp_infs: lists of tensors of equal shapes.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, beta1, beta2, eps, weight_decay, maximize: as ``torch.optim.Adamax``.
+    """
+    _call("adamax", params, grads, exp_avgs, exp_infs, _steps(step, len(params)),
+          maximize=maximize, has_complex=_has_complex(params), eps=eps, beta1=beta1,
+          beta2=beta2, lr=lr, weight_decay=weight_decay)
+
+
+def adadelta_group(params: list[Tensor], grads: list[Tensor], square_avgs: list[Tensor],
+                   acc_deltas: list[Tensor], step: Tensor, *, lr: Scalar, rho: float, eps: float,
+                   weight_decay: Scalar, maximize: bool) -> None:
+    """``torch.optim.Adadelta``'s update of one group, in place.
+
+    Args:
+      params, grads, square_avgs, acc_deltas: lists of tensors of equal shapes.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, rho, eps, weight_decay, maximize: as ``torch.optim.Adadelta``.
+    """
+    _call("adadelta", params, grads, square_avgs, acc_deltas, _steps(step, len(params)),
+          maximize=maximize, has_complex=_has_complex(params), lr=lr, rho=rho, eps=eps,
+          weight_decay=weight_decay)
+
+
+def adafactor_group(params: list[Tensor], grads: list[Tensor], row_vars: list[Tensor | None],
+                    col_vars: list[Tensor | None], variances: list[Tensor | None], step: Tensor, *,
+                    lr: Scalar, beta2_decay: float, eps1: float | None, eps2: float, d: float,
+                    weight_decay: Scalar, maximize: bool) -> None:
+    """``torch.optim.Adafactor``'s update of one group (torch >= 2.5), in place.
+
+    Not element-wise: each param of two or more dims keeps row and column factors of its
+    second moment (``row_vars``, ``col_vars``; ``None`` in ``variances``), the others a
+    ``variance`` like themselves (``None`` in ``row_vars`` and ``col_vars``), and the update
+    of each param reads norms of the whole param and of its whole update.
+
+    Args:
+      params, grads: lists of whole leaves.
+      row_vars, col_vars, variances: one entry per param, ``None`` where not used.
+      step: updates applied so far (scalar tensor; not modified).
+      lr, beta2_decay, eps1, eps2, d, weight_decay, maximize: as ``torch.optim.Adafactor``
+        (``eps1=None``: the machine epsilon of the group's first param's dtype, as torch).
+    """
+    _call("adafactor", params, grads, row_vars, col_vars, variances, _steps(step, len(params)),
+          maximize=maximize, d=d, lr=lr, beta2_decay=beta2_decay, weight_decay=weight_decay,
+          eps1=eps1, eps2=eps2)

@@ -412,10 +412,11 @@ _deref = weakref.ref.__call__
 
 def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:
     """Per-leaf values of an option given as a tree like params or a callable of
-    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf)."""
-    paths = _tree.paths(treedef)
+    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf).
+    The callable's ``path`` is the leaf's key (``_tree.keys``): the parameter name for a
+    flat dict of params, else the tuple of keys from the root."""
     if callable(spec):
-        return [spec(path, t) for path, t in zip(paths, leaves)]
+        return [spec(key, t) for key, t in zip(_tree.keys(treedef), leaves)]
     values, got = _tree.flatten(spec)
     if got != treedef:
         raise ValueError(f"{name}: {what} does not have the structure of params: "

@@ -227,7 +227,9 @@ def sgd(lr: Hyper, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool
       momentum, dampening, nesterov, maximize: as in ``torch.optim.SGD``.
       weight_decay: as in ``torch.optim.SGD`` (L2 added to the grad), or a schedule.
       mask: which leaves get weight decay: a tree of bools like params or a callable
-        ``(path, leaf) -> bool``; the others are a torch param group with ``weight_decay=0``.
+        ``(path, leaf) -> bool`` (``path``: the parameter name for a flat dict of params,
+        else a tuple of keys; see ``adamw``); the others are a torch param group with
+        ``weight_decay=0``.
       donate: update params and state in place and return them (the inputs are consumed).
 
     Returns:
@@ -320,7 +322,9 @@ def adamw(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       betas, eps, amsgrad, maximize: as in ``torch.optim.AdamW``.
       mask: which leaves get weight decay: a tree of bools like params or a callable
         ``(path, leaf) -> bool`` (e.g. ``lambda path, p: p.dim() >= 2``: no decay on biases
-        and norms); the others form a param group with ``weight_decay=0``.
+        and norms); the others form a param group with ``weight_decay=0``. ``path`` is the
+        leaf's key: the parameter name for a flat dict of params (``"fc.bias"``), else the
+        tuple of keys from the root (``("enc", "layers", 0, "w")``).
       donate: update params and state in place and return them.
 
     Returns:

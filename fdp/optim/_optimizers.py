@@ -31,6 +31,7 @@ from torch import Tensor
 from .. import _tree
 from . import _kernels
 from ._base import (
+    Hyperparams,
     KnownLeaves,
     LeafKernel,
     Optimizer,
@@ -106,6 +107,8 @@ class _Spec(NamedTuple):
     # kernel(p, g, [state lists], step tensor, first, lr, weight_decay)
     kernel: Callable[..., None]
     exact_first_step: bool = False
+    torch_class: type | None = None  # the torch.optim class with these numbers
+    fixed: dict[str, Any] = {}        # its other param-group entries (betas, eps, ...)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -203,7 +206,9 @@ def _build(spec: _Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donat
         new_state = spec.state(state.step + 1, **{f: trees.get(f) for f in fields})
         return _tree.unflatten(ps.treedef, p), new_state
 
-    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, leaf_groups, leaf_step))
+    hyper = Hyperparams(spec.torch_class, lr, weight_decay, dict(spec.fixed), mask)
+    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, leaf_groups, leaf_step),
+                     hyper=hyper)
 
 
 def _host_step(count: Tensor, name: str, exact_first_step: bool) -> int | None:
@@ -257,7 +262,9 @@ def sgd(lr: Hyper, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool
                            maximize=maximize)
 
     spec = _Spec(name, SGDState, {"momentum_buffer": momentum != 0}, 0.0, True, kernel,
-                 exact_first_step=momentum != 0 and dampening != 0)
+                 exact_first_step=momentum != 0 and dampening != 0, torch_class=torch.optim.SGD,
+                 fixed={"momentum": momentum, "dampening": dampening, "nesterov": nesterov,
+                        "maximize": maximize})
     return _build(spec, lr, weight_decay, mask, donate)
 
 
@@ -268,7 +275,7 @@ def _check_adam(name: str, lr: Hyper, betas: tuple[float, float], eps: float, we
             raise ValueError(f"{name}: invalid betas[{i}] {beta} (must be in [0, 1))")
 
 
-def _adam_like(name: str, state_cls: type, group: Callable[..., None], lr: Hyper,
+def _adam_like(name: str, state_cls: type, torch_class: type, group: Callable[..., None], lr: Hyper,
                betas: tuple[float, float], eps: float, weight_decay: Hyper, amsgrad: bool,
                maximize: bool, mask: Mask | None, donate: bool) -> Optimizer:
     _check_adam(name, lr, betas, eps, weight_decay)
@@ -280,7 +287,9 @@ def _adam_like(name: str, state_cls: type, group: Callable[..., None], lr: Hyper
               weight_decay=wd_now, amsgrad=amsgrad, maximize=maximize)
 
     needed = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": amsgrad}
-    return _build(_Spec(name, state_cls, needed, 0.0, False, kernel), lr, weight_decay, mask, donate)
+    fixed = {"betas": (beta1, beta2), "eps": eps, "amsgrad": amsgrad, "maximize": maximize}
+    spec = _Spec(name, state_cls, needed, 0.0, False, kernel, torch_class=torch_class, fixed=fixed)
+    return _build(spec, lr, weight_decay, mask, donate)
 
 
 def adam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -306,7 +315,7 @@ def adam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
       >>> opt.update({"w": torch.ones(2)}, opt.init(params), params)[0]["w"]
       tensor([0.9000, 0.9000])
     """
-    return _adam_like("fdp.optim.adam", AdamState, _kernels.adam_group, lr, betas, eps,
+    return _adam_like("fdp.optim.adam", AdamState, torch.optim.Adam, _kernels.adam_group, lr, betas, eps,
                       weight_decay, amsgrad, maximize, mask, donate)
 
 
@@ -340,7 +349,7 @@ def adamw(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       >>> params["w"]  # decayed by lr * weight_decay, then moved by lr * m_hat / sqrt(v_hat)
       tensor([0.8990, 0.8990])
     """
-    return _adam_like("fdp.optim.adamw", AdamWState, _kernels.adamw_group, lr, betas, eps,
+    return _adam_like("fdp.optim.adamw", AdamWState, torch.optim.AdamW, _kernels.adamw_group, lr, betas, eps,
                       weight_decay, amsgrad, maximize, mask, donate)
 
 
@@ -375,7 +384,10 @@ def adagrad(lr: Hyper = 1e-2, lr_decay: float = 0.0, weight_decay: Hyper = 0.0,
         _kernels.adagrad_group(p, g, state[0], step, lr=lr_now, lr_decay=lr_decay,
                                weight_decay=wd_now, eps=eps, maximize=maximize)
 
-    spec = _Spec(name, AdagradState, {"sum": True}, initial_accumulator_value, False, kernel)
+    spec = _Spec(name, AdagradState, {"sum": True}, initial_accumulator_value, False, kernel,
+                 torch_class=torch.optim.Adagrad,
+                 fixed={"lr_decay": lr_decay, "eps": eps, "maximize": maximize,
+                        "initial_accumulator_value": initial_accumulator_value})
     return _build(spec, lr, weight_decay, mask, donate)
 
 
@@ -412,4 +424,7 @@ def rmsprop(lr: Hyper = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_dec
                                centered=centered, maximize=maximize)
 
     needed = {"square_avg": True, "grad_avg": centered, "momentum_buffer": momentum > 0}
-    return _build(_Spec(name, RMSpropState, needed, 0.0, False, kernel), lr, weight_decay, mask, donate)
+    fixed = {"alpha": alpha, "eps": eps, "momentum": momentum, "centered": centered, "maximize": maximize}
+    spec = _Spec(name, RMSpropState, needed, 0.0, False, kernel, torch_class=torch.optim.RMSprop,
+                 fixed=fixed)
+    return _build(spec, lr, weight_decay, mask, donate)

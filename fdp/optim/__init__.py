@@ -33,6 +33,8 @@ from ._optimizers import adam as adam
 from ._optimizers import adamw as adamw
 from ._optimizers import rmsprop as rmsprop
 from ._optimizers import sgd as sgd
+from ._torch_state import state_from_torch as state_from_torch
+from ._torch_state import state_to_torch as state_to_torch
 from ._transforms import ClipState as ClipState
 from ._transforms import PartitionState as PartitionState
 from ._transforms import clip_by_global_norm as clip_by_global_norm
@@ -71,5 +73,7 @@ __all__ = [
     "rmsprop",
     "schedules",
     "sgd",
+    "state_from_torch",
+    "state_to_torch",
     "stateless",
 ]

@@ -17,11 +17,11 @@ params (naming the leaf) and ``TypeError`` for a state another optimizer made.
 from . import schedules as schedules
 from ._base import ChainState as ChainState
 from ._base import GradientTransform as GradientTransform
-from ._base import Hyperparams as Hyperparams
 from ._base import LeafKernel as LeafKernel
 from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import stateless as stateless
+from ._hyperparams import Hyperparams as Hyperparams
 from ._hyperparams import hyperparams as hyperparams
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState

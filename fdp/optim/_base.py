@@ -31,8 +31,7 @@ from torch import Tensor
 
 from .. import _tree
 
-__all__ = ["ChainState", "GradientTransform", "Hyperparams", "LeafKernel", "Optimizer", "chain",
-           "stateless"]
+__all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "stateless"]
 
 # (shape, dtype, device) of a tensor in one C-level call.
 _meta = operator.attrgetter("shape", "dtype", "device")
@@ -52,9 +51,8 @@ class Optimizer(NamedTuple):
         tensors (a ``LeafKernel``); ``None`` for others (``chain``, ``partition``, yours).
       parts: for a ``chain``, its gradient transforms and then its optimizer (what the fused
         step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
-      hyper: for optimizers over a torch.optim kernel, their hyper-parameters in torch.optim's
-        terms (a ``Hyperparams``: what ``fdp.optim.hyperparams`` reports and
-        ``fdp.optim.state_to_torch`` writes into param groups); ``None`` for others.
+      hyper: a ``Hyperparams`` (torch.optim's param-group terms: what ``fdp.optim.hyperparams``
+        reports) for optimizers over a torch.optim kernel; ``None`` for others.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -68,38 +66,7 @@ class Optimizer(NamedTuple):
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     leaf_kernel: LeafKernel | None = None
     parts: tuple = ()
-    hyper: Hyperparams | None = None
-
-
-class Hyperparams(NamedTuple):
-    """An optimizer's hyper-parameters as torch.optim names them in a param group.
-
-    Attributes:
-      torch_class: the torch.optim class with the same numbers (``torch.optim.AdamW``).
-      lr: a float or a schedule of the number of updates applied (0 for the first).
-      weight_decay: likewise; leaves that ``mask`` leaves out get 0.
-      fixed: the other param-group entries that change the numbers, by torch's key
-        (``{"betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False}``).
-      mask: the optimizer's ``mask=`` (``None``: every leaf decays).
-    """
-
-    torch_class: type
-    lr: Any
-    weight_decay: Any
-    fixed: dict[str, Any]
-    mask: Any = None
-
-    def at(self, count: int) -> dict[str, Any]:
-        """The values an update that finds ``count`` updates applied uses (schedules
-        evaluated at ``count``): ``{"lr": ..., "weight_decay": ..., **fixed}``."""
-        if count < 0:
-            raise ValueError(f"fdp.optim: a step count must be >= 0, got {count}")
-        return {"lr": _value(self.lr, count), "weight_decay": _value(self.weight_decay, count),
-                **self.fixed}
-
-
-def _value(v: Any, count: int) -> float:
-    return float(v(count)) if callable(v) else float(v)
+    hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
 
 
 class LeafKernel(NamedTuple):
@@ -448,9 +415,8 @@ _deref = weakref.ref.__call__
 
 def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:
     """Per-leaf values of an option given as a tree like params or a callable of
-    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf).
-    The callable's ``path`` is the leaf's key (``_tree.keys``): the parameter name for a
-    flat dict of params, else the tuple of keys from the root."""
+    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf);
+    the callable's ``path`` is the leaf's key (``_tree.keys``: a name or a key tuple)."""
     if callable(spec):
         return [spec(key, t) for key, t in zip(_tree.keys(treedef), leaves)]
     values, got = _tree.flatten(spec)

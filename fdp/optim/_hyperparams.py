@@ -9,14 +9,45 @@ of updates applied before it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
 from ._base import ChainState, Optimizer
 from ._transforms import PartitionState
 
-__all__ = ["hyperparams"]
+__all__ = ["Hyperparams", "hyperparams"]
+
+
+class Hyperparams(NamedTuple):
+    """An optimizer's hyper-parameters as torch.optim names them in a param group.
+
+    Attributes:
+      torch_class: the torch.optim class with the same numbers (``torch.optim.AdamW``).
+      lr: a float or a schedule of the number of updates applied (0 for the first).
+      weight_decay: likewise; leaves that ``mask`` leaves out get 0.
+      fixed: the other param-group entries that change the numbers, by torch's key
+        (``{"betas": (0.9, 0.999), "eps": 1e-08, "amsgrad": False, "maximize": False}``).
+      mask: the optimizer's ``mask=`` (``None``: every leaf decays).
+    """
+
+    torch_class: type
+    lr: Any
+    weight_decay: Any
+    fixed: dict[str, Any]
+    mask: Any = None
+
+    def at(self, count: int) -> dict[str, Any]:
+        """The values an update that finds ``count`` updates applied uses (schedules
+        evaluated at ``count``): ``{"lr": ..., "weight_decay": ..., **fixed}``."""
+        if count < 0:
+            raise ValueError(f"fdp.optim: a step count must be >= 0, got {count}")
+        return {"lr": _value(self.lr, count), "weight_decay": _value(self.weight_decay, count),
+                **self.fixed}
+
+
+def _value(v: Any, count: int) -> float:
+    return float(v(count)) if callable(v) else float(v)
 
 
 def hyperparams(opt: Optimizer, state: Any, *, next_update: bool = False) -> dict[str, Any]:

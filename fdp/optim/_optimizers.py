@@ -31,7 +31,6 @@ from torch import Tensor
 from .. import _tree
 from . import _kernels
 from ._base import (
-    Hyperparams,
     KnownLeaves,
     LeafKernel,
     Optimizer,
@@ -43,6 +42,7 @@ from ._base import (
     take,
     zeros_like,
 )
+from ._hyperparams import Hyperparams
 
 __all__ = ["AdagradState", "AdamState", "AdamWState", "RMSpropState", "SGDState",
            "adagrad", "adam", "adamw", "rmsprop", "sgd"]

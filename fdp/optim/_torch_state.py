@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._base import ChainState, Hyperparams, Optimizer, ParamLeaves, param_leaves
+from ._base import ChainState, Optimizer, ParamLeaves, param_leaves
+from ._hyperparams import Hyperparams
 
 __all__ = ["state_from_torch", "state_to_torch"]
 

@@ -83,6 +83,7 @@ def _torch_group(hyper: Hyperparams, values: dict[str, Any], decays: bool) -> di
 
 
 def _same(a: Any, b: Any) -> bool:
+    a, b = (x.item() if isinstance(x, Tensor) and x.numel() == 1 else x for x in (a, b))  # lr=tensor(...)
     if isinstance(a, tuple | list) and isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, bool) or isinstance(b, bool):

@@ -14,8 +14,10 @@ Under `torchrun --max-restarts=1 ... --resume` a crashed run restarts from its l
 checkpoint by itself. --plot writes timeline.png: one step's backward and bucket all-reduces.
 
 The data are Gaussian clusters, one per class, generated from --seed (nothing is
-downloaded); each rank trains on its own shard of a per-epoch shuffle, as DistributedSampler
-would give it.
+downloaded); each rank trains on its own shard of a per-epoch shuffle, as
+DistributedSampler(ds, num_replicas=group.size, rank=group.rank) would give it (pass the
+group's numbers: without them DistributedSampler asks for a process group, which a world
+of one does not have).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ files still load, without the content check (they hold no checksums).
 
 from __future__ import annotations
 
+import ast
 import errno
 import os
 import re
@@ -104,7 +105,8 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
 
 
 def load(
-    path: PathLike, like: Any, group: Group | Any | None = None, *, strict_world_size: bool | None = None
+    path: PathLike, like: Any = None, group: Group | Any | None = None, *,
+    strict_world_size: bool | None = None
 ) -> Any:
     """Read a checkpoint written by ``save`` into a tree shaped like ``like``.
 
@@ -115,10 +117,15 @@ def load(
     match: a tensor with the same shape and dtype (it is placed on the device of ``like``'s
     tensor), or a plain value of the same type.
 
+    Without ``like`` the file is read for inspection: the same checks (weights-only,
+    checksums), no world-size check, and the values come back on the CPU as nested dicts
+    keyed by dict key, index or NamedTuple field (``ckpt["opt"]["exp_avg"]["fc.bias"]``),
+    since the file records paths, not types. To resume, load with ``like``.
+
     Args:
       path: a file written by ``save``.
       like: a train state with the structure to rebuild (NamedTuples included), e.g. the
-        freshly initialised one; its values are not used.
+        freshly initialised one; its values are not used. ``None``: inspection (above).
       group: the ranks that will use the state (default: the world, or a world of one).
       strict_world_size: whether the checkpoint must come from a world of ``group.size``
         ranks. ``None`` (default): only if it holds per-rank state (``fdp.rng_state``
@@ -144,10 +151,14 @@ def load(
       >>> state["w"], state["step"]
       (tensor([1., 1.]), 3)
       >>> fdp.set_rng_state(state["rng"])
+      >>> fdp.load("ckpt.pt")["w"]  # no like: nested dicts, for a look inside
+      tensor([1., 1.])
     """
     group = resolve(group)
     path = os.fspath(path)
     saved = _read(path)
+    if like is None:
+        return _nested(path, saved["leaves"])
     per_rank = saved.get("per_rank")  # None in version 1: unknown
     if saved["world_size"] != group.size and strict_world_size is not False:
         if strict_world_size or per_rank is None or per_rank:
@@ -180,6 +191,29 @@ def load(
 
 
 # ------------------------------------------------------------------------------- helpers
+
+
+def _nested(path: str, values: dict[str, Any]) -> Any:
+    """The flat ``{leaf path: value}`` of a file as nested dicts. A path is what
+    ``_tree.paths`` wrote (optree's ``codify``: ``['opt'].exp_avg['fc.bias']``, ``[0]``), so
+    it parses as the subscripts and attributes of a Python expression."""
+    if list(values) == ["<root>"]:
+        return values["<root>"]
+    root: dict[Any, Any] = {}
+    for p, value in values.items():
+        try:
+            node = ast.parse("x" + p, mode="eval").body
+            keys = []
+            while isinstance(node, ast.Subscript | ast.Attribute):
+                keys.append(ast.literal_eval(node.slice) if isinstance(node, ast.Subscript) else node.attr)
+                node = node.value
+        except (SyntaxError, ValueError) as e:
+            raise CheckpointError(f"fdp.load: {path} has a leaf path {p!r} that is not fdp's format") from e
+        where = root
+        for key in reversed(keys[1:]):
+            where = where.setdefault(key, {})
+        where[keys[0]] = value
+    return root
 
 
 def _refuse_shards(tree: Any) -> None:

@@ -13,6 +13,12 @@ from torch.nn.parameter import is_lazy
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
+# What torch.compile(module) returns: a wrapper holding the module as ``_orig_mod`` (its
+# names get that prefix). Public as ``torch._dynamo.eval_frame.OptimizedModule`` only.
+try:
+    from torch._dynamo.eval_frame import OptimizedModule as _COMPILED
+except ImportError:  # pragma: no cover - a torch without dynamo
+    _COMPILED = ()
 
 
 class Apply:
@@ -57,8 +63,12 @@ class Apply:
         buffer_shapes: dict[str, torch.Size],
         constants: Tree,
         training: bool,
+        forward: nn.Module | None = None,
     ) -> None:
         self.module = module
+        # What a call runs: the module, or the torch.compile wrapper it came in (whose
+        # compiled forward reads the same parameter dicts the swap below fills).
+        self._forward = module if forward is None else forward
         self.training = training
         self._param_shapes = param_shapes
         self._buffer_shapes = buffer_shapes
@@ -67,7 +77,8 @@ class Apply:
 
     def train(self, mode: bool = True) -> Apply:
         """The same function in training (``mode=True``) or evaluation mode."""
-        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, bool(mode))
+        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, bool(mode),
+                     self._forward)
 
     def eval(self) -> Apply:
         """The same function in evaluation mode (BatchNorm uses its running statistics)."""
@@ -101,7 +112,7 @@ class Apply:
         """
         _check("constants", constants, {k: v.shape for k, v in self._constants.items()})
         return Apply(self.module, self._param_shapes, self._buffer_shapes,
-                     {k: constants[k] for k in self._constants}, self.training)
+                     {k: constants[k] for k in self._constants}, self.training, self._forward)
 
     def state_dict(self, params: Tree, buffers: Tree) -> dict[str, torch.Tensor]:
         """The module's ``state_dict`` for these params and buffers (and the constants).
@@ -140,11 +151,11 @@ class Apply:
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
         new_buffers = {k: v.clone() for k, v in buffers.items()}
-        if self.module.training != self.training:
-            self.module.train(self.training)
+        if self._forward.training != self.training or self.module.training != self.training:
+            self._forward.train(self.training)
         if torch.compiler.is_compiling():  # dynamo knows functional_call; keep to it there
             out = functional_call(
-                self.module, (params, new_buffers, self._constants), args, kwargs,
+                self._forward, (params, new_buffers, self._constants), args, kwargs,
                 tie_weights=True, strict=False,
             )
             return out, new_buffers
@@ -159,7 +170,7 @@ class Apply:
                     for owner, key in self._slots[name]:
                         saved.append((owner, key, owner[key]))
                         owner[key] = t
-            out = self.module(*args, **kwargs)
+            out = self._forward(*args, **kwargs)
         finally:
             for owner, key, old in reversed(saved):
                 owner[key] = old
@@ -255,6 +266,11 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
       ``apply(params, buffers, *args, **kwargs)`` returns ``(out, new_buffers)``; see
       ``fdp.Apply``.
 
+    A ``torch.compile``-d module (``torch.compile(model)``) is unwrapped for its names: the
+    keys are the model's own (``"0.weight"``, not ``"_orig_mod.0.weight"``), and
+    ``apply.state_dict`` loads into the uncompiled model. ``apply`` still calls the compiled
+    module, so its forward stays compiled.
+
     Raises:
       ValueError: the module has uninitialised (lazy) parameters, no trainable parameters,
         or a ``frozen`` name matches no parameter.
@@ -271,6 +287,9 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functionalize expects an nn.Module, got {type(module).__name__}")
+    forward = None
+    if isinstance(module, _COMPILED):  # torch.compile(model): name and swap in the model itself
+        forward, module = module, module._orig_mod
     frozen = tuple(frozen) if not isinstance(frozen, str) else (frozen,)
     named = list(module.named_parameters())  # tied parameters appear once (first name)
     for name, p in named:
@@ -314,5 +333,6 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
         {k: v.shape for k, v in buffers.items()},
         constants,
         module.training,
+        forward,
     )
     return apply, params, buffers

@@ -90,6 +90,32 @@ def paths(treedef: TreeDef) -> list[str]:
     return [_format(a) for a in optree.treespec_accessors(treedef)]
 
 
+def keys(treedef: TreeDef) -> list[Any]:
+    """Every leaf's key, in leaf order: what fdp hands a user's callable of ``(path, leaf)``.
+
+    For a dict whose values are all leaves (``fdp.functionalize``'s params) a leaf's key is
+    its dict key (``"wte.weight"``); for any other tree it is the tuple of keys from the
+    root: dict keys, list and tuple indices, NamedTuple and dataclass field names
+    (``("encoder", "layers", 0, "w")``, as JAX's ``tree_map_with_path`` keys without their
+    wrappers). A tree that is a single leaf has the key ``()``.
+    """
+    accessors = optree.treespec_accessors(treedef)
+    per_leaf = [tuple(map(_entry_key, a)) for a in accessors]
+    if accessors and all(len(a) == 1 and isinstance(a[0], optree.MappingEntry) for a in accessors):
+        return [k[0] for k in per_leaf]  # a flat dict (or OrderedDict, defaultdict)
+    return per_leaf
+
+
+def _entry_key(entry: Any) -> Any:
+    # A NamedTuple's or dataclass's entry is its field's name (optree keeps the index in
+    # ``entry`` and the name in ``field``; a plain attribute entry keeps it in ``name``).
+    for attr in ("field", "name"):
+        name = getattr(entry, attr, None)
+        if isinstance(name, str):
+            return name
+    return entry.entry
+
+
 def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], TreeDef]:
     leaves_, treedef = flatten(tree)
     return paths(treedef), leaves_, treedef

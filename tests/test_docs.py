@@ -2,10 +2,13 @@
 generated from the docstrings.
 
 Each Markdown file's ```python blocks run in order in one shared namespace, from a temporary
-folder: once in a world of one (no torchrun environment), and once on 2 gloo ranks
-(``fdp.testing.run``, where ``fdp.init()`` returns the 2-rank world), as the docs say the same
-code runs under torchrun. Blocks whose info string is anything else (```bash, ```text,
-```python skip, ...) are shown but not run. docs/api.md is reference, not run on 2 ranks.
+folder: once in a world of one (no torchrun environment), and once on 2 ranks started as
+torchrun starts them (forked processes with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... set
+and no process group yet, each from its own RNG seed), as the docs say the same code runs
+under torchrun. Blocks marked ```python ranks=2 (DDP's own code, which needs a process group)
+run only in the 2-rank run. Blocks whose info string is anything else (```bash, ```text,
+```python skip, ...) are shown but not run. docs/api.md's ``>>>`` examples are the
+docstrings' doctests (below).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import importlib.util
 import multiprocessing as mp
 import os
 import re
+import socket
 import traceback
 import types
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import pytest
@@ -63,12 +68,16 @@ def test_code_block_parser_splits_blocks_and_keeps_line_numbers():
     assert code_blocks(text) == [("python", 3, "a = 1\n"), ("bash", 6, "ls\n"), ("python skip", 9, "b = 2\n")]
 
 
-def run_blocks(path: Path) -> int:
-    """Run the file's ```python blocks in order, in one namespace; return how many ran."""
+RUN_ON = {"python": (1, 2), "python ranks=2": (2,)}  # info string -> the world sizes that run it
+
+
+def run_blocks(path: Path, world_size: int = 1) -> int:
+    """Run the file's ```python blocks for this world size in order, in one namespace;
+    return how many ran."""
     namespace: dict = {"__name__": f"doc:{path.name}"}
     ran = 0
     for info, line, code in code_blocks(path.read_text()):
-        if info != "python":
+        if world_size not in RUN_ON.get(info, ()):
             continue
         # Pad with newlines so tracebacks show the Markdown file's own line numbers.
         compiled = compile("\n" * (line - 1) + code, str(path), "exec")
@@ -137,20 +146,75 @@ def in_fork(fn, *args, timeout: float = 300):
     return value
 
 
-def _blocks_on_rank(group, path: Path, folder: str) -> int:
+def as_torchrun(fn, world_size: int, *args, timeout: float = 240) -> list:
+    """``fn(*args)`` in ``world_size`` forked processes started as torchrun starts its workers:
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set, no process
+    group yet (the code under test makes it: ``fdp.init()``, ``dist.init_process_group``),
+    and a different RNG seed per rank (torchrun's workers seed themselves apart; fixed here,
+    so a failure reproduces). Returns the results in rank order; the first rank's error is
+    raised as an AssertionError, and ranks still waiting for it are killed."""
+    with socket.socket() as s:  # a free port for the rendezvous (MASTER_PORT)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    procs, pipes = [], []
+    for rank in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+
+        def child(rank=rank, send=send):
+            try:
+                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                                  LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                                  MASTER_PORT=str(port))
+                torch.manual_seed(1000 + rank)
+                send.send(("ok", fn(*args)))
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                send.send(("err", f"rank {rank}: {e}\n{traceback.format_exc()}"))
+            finally:
+                os._exit(0)
+
+        procs.append(ctx.Process(target=child, daemon=True))
+        procs[-1].start()
+        send.close()
+        pipes.append(recv)
+    results: dict[int, tuple] = {}
+    try:
+        pending = dict(enumerate(pipes))
+        while pending:
+            ready = wait(list(pending.values()), timeout=timeout)
+            if not ready:
+                raise AssertionError(f"ranks {sorted(pending)} did not finish within {timeout}s")
+            for rank in [r for r, c in pending.items() if c in ready]:
+                try:
+                    results[rank] = pending.pop(rank).recv()
+                except EOFError:
+                    results[rank] = ("err", f"rank {rank} died without a result")
+                if results[rank][0] == "err":
+                    timeout = min(timeout, 10)  # the others may be stuck in a collective with it
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    errors = [results[r][1] for r in sorted(results) if results[r][0] == "err"]
+    if errors:
+        raise AssertionError(errors[0])
+    return [results[r][1] for r in range(world_size)]
+
+
+def _blocks_on_rank(path: Path, folder: str) -> int:
     os.chdir(folder)  # one folder for both ranks, as a shared file system (fdp.save/load)
-    return run_blocks(path)
-
-
-ON_TWO_RANKS = [p for p in MARKDOWN if p.name != "api.md"]
+    return run_blocks(path, world_size=2)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("path", ON_TWO_RANKS, ids=[p.name for p in ON_TWO_RANKS])
-def test_python_blocks_run_on_two_gloo_ranks(path, tmp_path):
-    """The same blocks, on 2 gloo ranks: what a user gets from the docs under torchrun."""
+@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+def test_python_blocks_run_on_two_ranks_as_under_torchrun(path, tmp_path):
+    """The same blocks (and the ```python ranks=2 ones), on 2 ranks launched as torchrun
+    launches them: what a user gets from the docs under ``torchrun --nproc-per-node 2``."""
     skip_compile_doc_where_dynamo_cannot_trace_fdp(path)
-    ran = fdp.testing.run(_blocks_on_rank, 2, backend="gloo", timeout=240, args=(path, str(tmp_path)))
+    assert not dist.is_initialized(), "a previous test left torch.distributed initialised"
+    ran = as_torchrun(_blocks_on_rank, 2, path, str(tmp_path))
     assert ran[0] == ran[1] > 0
 
 
@@ -245,3 +309,14 @@ def test_links_into_api_md_name_headings_that_exist():
     broken = [f"{path.relative_to(ROOT)}: api.md#{anchor}" for path in MARKDOWN
               for anchor in re.findall(r"api\.md#([\w\-]+)", path.read_text()) if anchor not in anchors]
     assert not broken, f"links to headings docs/api.md no longer has: {broken}"
+
+
+def test_shell_commands_name_the_venvs_python_and_torchrun():
+    """```bash blocks call ``.venv/bin/python`` and ``.venv/bin/torchrun`` (what ``make``
+    installs, as the README's commands do) or another venv's ``bin/``, never a bare
+    ``python`` or ``torchrun``, which runs whatever install comes first on PATH."""
+    bare = re.compile(r"(?<![\w/.-])(python|torchrun)(?=\s)")
+    found = [f"{path.relative_to(ROOT)}:{line + i}: {text.strip()}"
+             for path in MARKDOWN for info, line, code in code_blocks(path.read_text()) if info == "bash"
+             for i, text in enumerate(code.splitlines()) if bare.search(text)]
+    assert not found, f"bare python/torchrun in shell commands: {found}"

@@ -418,7 +418,7 @@ def test_empty_leaves_are_not_aliases():
 def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_path):
     params = make_params()
     opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.partition(
-        lambda path, p: "frozen" if path == "['layer1.bias']" else "decay" if p.dim() >= 2 else "rest",
+        lambda path, p: "frozen" if path == "layer1.bias" else "decay" if p.dim() >= 2 else "rest",
         {"decay": fdp.optim.adamw(S.warmup_cosine(1e-2, 2, 10), weight_decay=0.1),
          "rest": fdp.optim.rmsprop(S.step_decay(1e-2, 3), momentum=0.5),
          "frozen": fdp.optim.frozen()}))

@@ -5,7 +5,9 @@ An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params)
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
 (clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
 be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
-groups. See docs/optim.md for the optax and torch.optim correspondences.
+groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update used;
+``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state dict.
+See docs/optim.md for the optax and torch.optim correspondences.
 
 Pure by default: ``update`` never modifies its inputs. With ``donate=True`` it updates params
 and state in place and returns them (the inputs are consumed, as with JAX's
@@ -32,6 +34,8 @@ from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import global_scale as global_scale
 from ._base import stateless as stateless
+from ._hyperparams import Hyperparams as Hyperparams
+from ._hyperparams import hyperparams as hyperparams
 from ._lion import LionState as LionState
 from ._lion import lion as lion
 from ._optimizers import AdagradState as AdagradState
@@ -44,6 +48,8 @@ from ._optimizers import adam as adam
 from ._optimizers import adamw as adamw
 from ._optimizers import rmsprop as rmsprop
 from ._optimizers import sgd as sgd
+from ._torch_state import state_from_torch as state_from_torch
+from ._torch_state import state_to_torch as state_to_torch
 from ._transforms import ClipState as ClipState
 from ._transforms import PartitionState as PartitionState
 from ._transforms import clip_by_global_norm as clip_by_global_norm
@@ -62,6 +68,7 @@ __all__ = [
     "ChainState",
     "ClipState",
     "GradientTransform",
+    "Hyperparams",
     "LeafKernel",
     "LionState",
     "NAdamState",
@@ -82,6 +89,7 @@ __all__ = [
     "frozen",
     "global_norm",
     "global_scale",
+    "hyperparams",
     "lion",
     "nadam",
     "partition",
@@ -89,5 +97,7 @@ __all__ = [
     "rmsprop",
     "schedules",
     "sgd",
+    "state_from_torch",
+    "state_to_torch",
     "stateless",
 ]

@@ -160,7 +160,9 @@ def nadam(lr: Hyper = 2e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
                              decoupled_weight_decay=decoupled_weight_decay, maximize=maximize)
 
     spec = Spec(name, NAdamState, {"exp_avg": True, "exp_avg_sq": True}, 0.0, False, kernel,
-                host_step="NAdam's mu_product (a product over every update so far)")
+                host_step="NAdam's mu_product (a product over every update so far)", torch_class=torch.optim.NAdam,
+                fixed={"betas": tuple(betas), "eps": eps, "momentum_decay": momentum_decay,
+                       "decoupled_weight_decay": decoupled_weight_decay, "maximize": maximize})
     return build(spec, lr, weight_decay, mask, donate)
 
 
@@ -201,7 +203,10 @@ def radam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
                              weight_decay=wd_now, decoupled_weight_decay=decoupled_weight_decay,
                              maximize=maximize)
 
-    spec = Spec(name, RAdamState, {"exp_avg": True, "exp_avg_sq": True}, 0.0, False, kernel)
+    spec = Spec(name, RAdamState, {"exp_avg": True, "exp_avg_sq": True}, 0.0, False, kernel,
+                torch_class=torch.optim.RAdam,
+                fixed={"betas": tuple(betas), "eps": eps, "decoupled_weight_decay": decoupled_weight_decay,
+                       "maximize": maximize})
     return build(spec, lr, weight_decay, mask, donate)
 
 
@@ -238,7 +243,8 @@ def adamax(lr: Hyper = 2e-3, betas: tuple[float, float] = (0.9, 0.999), eps: flo
         _kernels.adamax_group(p, g, m, u, count, lr=lr_now, beta1=beta1, beta2=beta2, eps=eps,
                               weight_decay=wd_now, maximize=maximize)
 
-    spec = Spec(name, AdamaxState, {"exp_avg": True, "exp_inf": True}, 0.0, False, kernel)
+    spec = Spec(name, AdamaxState, {"exp_avg": True, "exp_inf": True}, 0.0, False, kernel,
+                torch_class=torch.optim.Adamax, fixed={"betas": tuple(betas), "eps": eps, "maximize": maximize})
     return build(spec, lr, weight_decay, mask, donate)
 
 
@@ -274,5 +280,6 @@ def adadelta(lr: Hyper = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay:
         _kernels.adadelta_group(p, g, square_avg, acc_delta, count, lr=lr_now, rho=rho, eps=eps,
                                 weight_decay=wd_now, maximize=maximize)
 
-    spec = Spec(name, AdadeltaState, {"square_avg": True, "acc_delta": True}, 0.0, False, kernel)
+    spec = Spec(name, AdadeltaState, {"square_avg": True, "acc_delta": True}, 0.0, False, kernel,
+                torch_class=torch.optim.Adadelta, fixed={"rho": rho, "eps": eps, "maximize": maximize})
     return build(spec, lr, weight_decay, mask, donate)

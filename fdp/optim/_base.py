@@ -59,6 +59,8 @@ class Optimizer(NamedTuple):
         others (``chain``, ``partition``, ``adafactor``, yours).
       parts: for a ``chain``, its gradient transforms and then its optimizer (what the fused
         step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
+      hyper: a ``Hyperparams`` (torch.optim's param-group terms: what ``fdp.optim.hyperparams``
+        reports) for optimizers over a torch.optim kernel; ``None`` for others.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -72,6 +74,7 @@ class Optimizer(NamedTuple):
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     leaf_kernel: LeafKernel | None = None
     parts: tuple = ()
+    hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
 
 
 class LeafKernel(NamedTuple):
@@ -523,10 +526,10 @@ _deref = weakref.ref.__call__
 
 def leaf_options(spec: Any, treedef: Any, leaves: Sequence[Tensor], name: str, what: str) -> list[Any]:
     """Per-leaf values of an option given as a tree like params or a callable of
-    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf)."""
-    paths = _tree.paths(treedef)
+    ``(path, leaf)``: a list in leaf order (e.g. a weight-decay mask or a label per leaf);
+    the callable's ``path`` is the leaf's key (``_tree.keys``: a name or a key tuple)."""
     if callable(spec):
-        return [spec(path, t) for path, t in zip(paths, leaves)]
+        return [spec(key, t) for key, t in zip(_tree.keys(treedef), leaves)]
     values, got = _tree.flatten(spec)
     if got != treedef:
         raise ValueError(f"{name}: {what} does not have the structure of params: "

@@ -34,6 +34,7 @@ from ._base import (
     take,
     zeros_like,
 )
+from ._hyperparams import Hyperparams
 
 __all__ = ["Hyper", "Mask", "MaskGroups", "Spec", "build", "check_betas", "check_hyper", "host_step", "scalar_dtype",
            "value_at"]
@@ -60,6 +61,8 @@ class Spec(NamedTuple):
     kernel: Callable[..., None]
     host_step: str | None = None  # why the kernel needs the count on the host (refused under compile)
     check_params: Callable[[list[Tensor], Any], None] | None = None  # extra checks at init
+    torch_class: type | None = None  # the torch.optim class with these numbers (fdp.optim.hyperparams)
+    fixed: dict[str, Any] = {}        # its other param-group entries (betas, eps, ...)
 
 
 def scalar_dtype() -> torch.dtype:
@@ -193,4 +196,6 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
         new_state = spec.state(state.step + 1, **{f: trees.get(f) for f in fields})
         return _tree.unflatten(ps.treedef, p), new_state
 
-    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step))
+    hyper = Hyperparams(spec.torch_class, lr, weight_decay, dict(spec.fixed), mask)
+    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step),
+                     hyper=hyper)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from . import _kernels
@@ -86,7 +87,9 @@ def sgd(lr: Hyper, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool
       momentum, dampening, nesterov, maximize: as in ``torch.optim.SGD``.
       weight_decay: as in ``torch.optim.SGD`` (L2 added to the grad), or a schedule.
       mask: which leaves get weight decay: a tree of bools like params or a callable
-        ``(path, leaf) -> bool``; the others are a torch param group with ``weight_decay=0``.
+        ``(path, leaf) -> bool`` (``path``: the parameter name for a flat dict of params,
+        else a tuple of keys; see ``adamw``); the others are a torch param group with
+        ``weight_decay=0``.
       donate: update params and state in place and return them (the inputs are consumed).
 
     Returns:
@@ -114,6 +117,8 @@ def sgd(lr: Hyper, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool
                            maximize=maximize)
 
     spec = Spec(name, SGDState, {"momentum_buffer": momentum != 0}, 0.0, True, kernel,
+                torch_class=torch.optim.SGD,
+                fixed={"momentum": momentum, "dampening": dampening, "nesterov": nesterov, "maximize": maximize},
                  host_step="momentum with dampening != 0 (torch's first step differs)"
                  if momentum != 0 and dampening != 0 else None)
     return build(spec, lr, weight_decay, mask, donate)
@@ -124,7 +129,7 @@ def _check_adam(name: str, lr: Hyper, betas: tuple[float, float], eps: float, we
     check_betas(name, betas)
 
 
-def _adam_like(name: str, state_cls: type, group: Callable[..., None], lr: Hyper,
+def _adam_like(name: str, state_cls: type, torch_class: type, group: Callable[..., None], lr: Hyper,
                betas: tuple[float, float], eps: float, weight_decay: Hyper, amsgrad: bool,
                maximize: bool, mask: Mask | None, donate: bool) -> Optimizer:
     _check_adam(name, lr, betas, eps, weight_decay)
@@ -136,7 +141,9 @@ def _adam_like(name: str, state_cls: type, group: Callable[..., None], lr: Hyper
               weight_decay=wd_now, amsgrad=amsgrad, maximize=maximize)
 
     needed = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": amsgrad}
-    return build(Spec(name, state_cls, needed, 0.0, False, kernel), lr, weight_decay, mask, donate)
+    fixed = {"betas": tuple(betas), "eps": eps, "amsgrad": amsgrad, "maximize": maximize}
+    spec = Spec(name, state_cls, needed, 0.0, False, kernel, torch_class=torch_class, fixed=fixed)
+    return build(spec, lr, weight_decay, mask, donate)
 
 
 def adam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -162,7 +169,7 @@ def adam(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float
       >>> opt.update({"w": torch.ones(2)}, opt.init(params), params)[0]["w"]
       tensor([0.9000, 0.9000])
     """
-    return _adam_like("fdp.optim.adam", AdamState, _kernels.adam_group, lr, betas, eps,
+    return _adam_like("fdp.optim.adam", AdamState, torch.optim.Adam, _kernels.adam_group, lr, betas, eps,
                       weight_decay, amsgrad, maximize, mask, donate)
 
 
@@ -178,7 +185,9 @@ def adamw(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       betas, eps, amsgrad, maximize: as in ``torch.optim.AdamW``.
       mask: which leaves get weight decay: a tree of bools like params or a callable
         ``(path, leaf) -> bool`` (e.g. ``lambda path, p: p.dim() >= 2``: no decay on biases
-        and norms); the others form a param group with ``weight_decay=0``.
+        and norms); the others form a param group with ``weight_decay=0``. ``path`` is the
+        leaf's key: the parameter name for a flat dict of params (``"fc.bias"``), else the
+        tuple of keys from the root (``("enc", "layers", 0, "w")``).
       donate: update params and state in place and return them.
 
     Returns:
@@ -194,7 +203,7 @@ def adamw(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       >>> params["w"]  # decayed by lr * weight_decay, then moved by lr * m_hat / sqrt(v_hat)
       tensor([0.8990, 0.8990])
     """
-    return _adam_like("fdp.optim.adamw", AdamWState, _kernels.adamw_group, lr, betas, eps,
+    return _adam_like("fdp.optim.adamw", AdamWState, torch.optim.AdamW, _kernels.adamw_group, lr, betas, eps,
                       weight_decay, amsgrad, maximize, mask, donate)
 
 
@@ -229,7 +238,10 @@ def adagrad(lr: Hyper = 1e-2, lr_decay: float = 0.0, weight_decay: Hyper = 0.0,
         _kernels.adagrad_group(p, g, state[0], count, lr=lr_now, lr_decay=lr_decay,
                                weight_decay=wd_now, eps=eps, maximize=maximize)
 
-    spec = Spec(name, AdagradState, {"sum": True}, initial_accumulator_value, False, kernel)
+    spec = Spec(name, AdagradState, {"sum": True}, initial_accumulator_value, False, kernel,
+                torch_class=torch.optim.Adagrad,
+                fixed={"lr_decay": lr_decay, "eps": eps, "maximize": maximize,
+                       "initial_accumulator_value": initial_accumulator_value})
     return build(spec, lr, weight_decay, mask, donate)
 
 
@@ -266,4 +278,6 @@ def rmsprop(lr: Hyper = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_dec
                                centered=centered, maximize=maximize)
 
     needed = {"square_avg": True, "grad_avg": centered, "momentum_buffer": momentum > 0}
-    return build(Spec(name, RMSpropState, needed, 0.0, False, kernel), lr, weight_decay, mask, donate)
+    fixed = {"alpha": alpha, "eps": eps, "momentum": momentum, "centered": centered, "maximize": maximize}
+    spec = Spec(name, RMSpropState, needed, 0.0, False, kernel, torch_class=torch.optim.RMSprop, fixed=fixed)
+    return build(spec, lr, weight_decay, mask, donate)

@@ -33,7 +33,11 @@ class Schedule(abc.ABC):
     def __call__(self, t: int | Tensor) -> float | Tensor:
         if isinstance(t, Tensor):
             return self.traced(t.to(torch.float64))
-        return self.host(int(t))
+        t = int(t)
+        if t < 0:
+            raise ValueError(f"fdp.optim.schedules: {self!r} was called with step {t}; a schedule's "
+                             "step is the number of updates already applied (0 for the first), >= 0")
+        return self.host(t)
 
     @abc.abstractmethod
     def host(self, t: int) -> float:

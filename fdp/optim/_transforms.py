@@ -239,12 +239,16 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
     """Different optimizers for different leaves: torch's param groups, optax's
     ``multi_transform``.
 
-    Each label's optimizer sees a dict of its leaves (keyed by the params dict's keys, or by
-    leaf path for other trees) and keeps its own state (its own step count).
+    Each label's optimizer sees a dict of its leaves keyed by their keys (the params dict's
+    keys for a flat dict of params; key tuples such as ``("enc", "w")`` for other trees), so
+    a ``mask=`` callable of that optimizer gets the same keys as ``labels``; each label keeps
+    its own state (its own step count).
 
     Args:
       labels: a label per leaf: a tree of strings like params, or a callable
-        ``(path, leaf) -> str``.
+        ``(path, leaf) -> str`` whose ``path`` is the leaf's key: the parameter name for a
+        flat dict of params (``"fc.bias"``), else the tuple of keys from the root (dict
+        keys, list indices, NamedTuple fields: ``("layers", 0, "w")``).
       optimizers: an ``Optimizer`` per label (``fdp.optim.frozen()`` for no update).
 
     Returns:
@@ -255,7 +259,7 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
 
     Example:
       >>> params = {"w": torch.ones(2), "b": torch.ones(2)}
-      >>> opt = fdp.optim.partition(lambda path, p: "body" if p.dim() > 0 and path != "['b']"
+      >>> opt = fdp.optim.partition(lambda path, p: "body" if p.dim() > 0 and path != "b"
       ...                           else "frozen", {"body": fdp.optim.sgd(0.5),
       ...                                          "frozen": fdp.optim.frozen()})
       >>> new, state = opt.update({"w": torch.ones(2), "b": torch.ones(2)}, opt.init(params), params)
@@ -263,9 +267,9 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
       (tensor([0.5000, 0.5000]), tensor([1., 1.]))
     """
     name = "fdp.optim.partition"
-    plans: dict[Any, tuple[list[str], dict[str, list[int]]]] = {}
+    plans: dict[Any, tuple[list[Any], dict[str, list[int]]]] = {}
 
-    def plan(tree: Any) -> tuple[list[Tensor], Any, list[str], dict[str, list[int]]]:
+    def plan(tree: Any) -> tuple[list[Tensor], Any, list[Any], dict[str, list[int]]]:
         leaves, treedef = _tree.flatten(tree)
         cached = plans.get(treedef)
         if cached is None:
@@ -277,12 +281,12 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
                     raise ValueError(f"{name}: params{path} has label {label!r}, which has no "
                                      f"optimizer (labels with one: {sorted(optimizers)})")
                 by_label.setdefault(label, []).append(i)
-            keys = list(tree) if type(tree) is dict and len(tree) == len(leaves) else paths
+            keys = _tree.keys(treedef)
             cached = plans[treedef] = (keys, by_label)
         keys, by_label = cached
         return leaves, treedef, keys, by_label
 
-    def sub(leaves: list[Any], keys: list[str], idx: list[int]) -> dict[str, Any]:
+    def sub(leaves: list[Any], keys: list[Any], idx: list[int]) -> dict[Any, Any]:
         return {keys[i]: leaves[i] for i in idx}
 
     def init(params: Any) -> PartitionState:

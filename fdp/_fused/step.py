@@ -87,7 +87,8 @@ class FusedStep:
                  accumulate: Any, donate: bool) -> None:
         split_chain(opt, NAME, sharded=cores.config.sharded)  # refuse an unsupported optimizer now
         self._cores, self._plan, self.opt = cores, plan, opt
-        self.fn, self.has_aux, self.accumulate, self.donate = fn, has_aux, accumulate, donate
+        self.fn, self.has_aux, self.donate = fn, has_aux, donate
+        self._acc_tree = accumulate  # (grad_and_update's accumulate=: a gradient tree, bound here)
         self._program: Program | None = None
         self._core: FusedCore | None = None
         self._layout: StateLayout | None = None
@@ -113,9 +114,27 @@ class FusedStep:
         core, program, layout = self._bind(params)
         try:
             return core.run_grad(program, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
-                                 self.accumulate, self.donate)
+                                 self._acc_tree, self.donate)
         finally:
             self._last = self._cores.config.steps.last
+
+    def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
+        """Gradient accumulation without communication (DDP's ``no_sync``): this rank's
+        gradients of ``fn(params, *rest, **kwargs)`` are added, in place, into the step's own
+        accumulation buffers (flat per bucket; the first micro-batch's copied), and nothing
+        else happens. The next call of the step adds its own micro-batch's gradients to the
+        sum, averages it over the ranks while its backward runs, and updates, as usual::
+
+            for x, y in micro_batches[:-1]:
+                step.accumulate(params, x, y)
+            params, opt_state, loss = step(params, opt_state, *micro_batches[-1])
+
+        The same numbers as DDP's ``no_sync`` loop (the gradients summed in the same order,
+        then averaged); no gradient tree is built or summed per micro-batch. Returns what
+        ``fn`` returns (the loss, or ``(loss, aux)``), detached.
+        """
+        core, _, _ = self._bind(params)
+        return core.accumulate(self.fn, self.has_aux, params, rest, kwargs)
 
     def update(self, grads: Any, opt_state: FusedState, params: Any, *, active: bool | None = None
                ) -> tuple[Any, FusedState]:

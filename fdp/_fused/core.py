@@ -41,7 +41,8 @@ from .state import FusedState, StateLayout
 
 def group_runs(plan: BucketPlan, groups: tuple[int, ...], shards: Shards) -> list[list[tuple[int, list[tuple[int, int]]]]]:
     """Per bucket, ``(group, [(lo, hi), ...])``: the element ranges of this rank's slice (the
-    whole bucket, unsharded) whose leaves are in each group, adjacent leaves merged."""
+    whole bucket, unsharded) whose leaves are in each group, adjacent leaves merged, and cut
+    into pieces of at most ``CHUNK`` elements (one kernel call's worth: ``CHUNK``'s comment)."""
     out = []
     for b in plan.buckets:
         lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
@@ -55,7 +56,8 @@ def group_runs(plan: BucketPlan, groups: tuple[int, ...], shards: Shards) -> lis
                 runs[-1] = (runs[-1][0], hi - lo_r)
             else:
                 runs.append((lo - lo_r, hi - lo_r))
-        out.append(sorted(by_group.items()))
+        out.append([(g, [(a, min(a + CHUNK, hi)) for lo, hi in runs for a in range(lo, hi, CHUNK)])
+                    for g, runs in sorted(by_group.items())])
     return out
 
 
@@ -84,8 +86,7 @@ class FusedCore:
         self.runs = group_runs(plan, groups, self.shards)
         # Per bucket: whether its update is one kernel call on the (slice's) flat tensors
         # themselves (one group, one run covering it, one chunk), and whether the wire is cast.
-        self.whole = [len(r) == 1 and r[0][1] == [(0, self.shards.numel(b))] and self.shards.numel(b) <= CHUNK
-                      for b, r in enumerate(self.runs)]
+        self.whole = [len(r) == 1 and r[0][1] == [(0, self.shards.numel(b))] for b, r in enumerate(self.runs)]
         self.cast = [w != b.dtype for w, b in zip(wires, plan.buckets)]
         self.templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in plan.buckets]
         self.scratch: list[torch.Tensor | None] = [None] * len(plan.buckets)  # params-dtype grads of a cast wire

@@ -31,7 +31,6 @@ from .._comm.collectives import wait
 from .._errors import CollectiveError
 from .._step.machine import Step, StepSpec, all_finite
 from ..optim import GradientTransform
-from ..optim._flat import chunks
 from .params import ParamSet
 from .program import Program
 from .shard import Replicas
@@ -300,11 +299,9 @@ class Run:
 
 
 def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges), as kernel-call-sized views (``t``
-    itself when one run covers it and fits one call)."""
-    if len(runs) == 1 and runs[0] == (0, t.numel()):
-        return chunks(t)
-    return [c for lo, hi in runs for c in chunks(t[lo:hi])]
+    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges, each at most one kernel call's
+    worth: ``FusedCore.runs``), as views."""
+    return [t[lo:hi] for lo, hi in runs]
 
 
 __all__ = ["Run", "pieces"]

@@ -4,10 +4,10 @@ gradient transforms (clipping, dynamic loss scaling), schedules and parameter gr
 An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
 (clipping, ``loss_scale``, your own) compose in front of one with ``chain``; ``lr`` and
-``weight_decay`` may be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
-groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update used;
-``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state dict.
-See docs/optim.md for the optax and torch.optim correspondences.
+``weight_decay`` may be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition``
+give torch's param groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update
+used; ``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state
+dict. See docs/optim.md for the optax and torch.optim correspondences.
 
 Pure by default: ``update`` never modifies its inputs. With ``donate=True`` it updates params
 and state in place and returns them (the inputs are consumed, as with JAX's

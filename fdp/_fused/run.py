@@ -45,7 +45,8 @@ class Run:
     """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
 
     def __init__(self, core: FusedCore, program: Program, state: FusedState, src: ParamSet, dst: ParamSet, *,
-                 kind: str, acc: list[torch.Tensor] | None, scale: float | None, active: bool) -> None:
+                 kind: str, acc: list[torch.Tensor] | None, acc_owned: bool, scale: float | None,
+                 active: bool) -> None:
         nb = len(core.plan.buckets)
         self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
         self.early = not program.whole_tree and not core.config.skip_nonfinite
@@ -63,7 +64,8 @@ class Run:
         # second one, after the buckets' own (which stops every rank before any update when a
         # backward failed).
         self.step: Step = core.machine.start(StepSpec(
-            kind, what=core.name, acc=acc, scale=scale, active=active, on_ready=self.arrive, closes=True,
+            kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
+            closes=True,
             bucket_status=not self.early))
 
     # ------------------------------------------------------------------ arrival

@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate] ...``: benchmarks that run fdp
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop] ...``: benchmarks that run fdp
 beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
@@ -11,7 +11,7 @@ import sys
 
 SUBCOMMANDS = {"kernels": "kernels", "replicas": "replicas", "soak": "soak", "micro": "micro",
                "compile": "compile", "optim": "optim", "gpu": "gpu", "predict": "predict",
-               "validate": "validate"}
+               "validate": "validate", "loop": "loop"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,7 +94,7 @@ def torch_run(group, clip: bool) -> list[dict]:
 class Plain:
     """``reducer.grad`` + ``opt.update``."""
 
-    def __init__(self, group, clip: bool, shard: bool, seed: int = 3) -> None:
+    def __init__(self, group, clip: bool, shard: bool, skip: bool = False, seed: int = 3) -> None:
         self.group = group
         self.apply, self.params, self.buffers = fdp.functionalize(model(seed))
         self.opt = fdp_opt(clip)
@@ -124,11 +124,11 @@ class Plain:
 class Fused(Plain):
     """``reducer.grad_and_update`` (``shard=True``: the sharded step)."""
 
-    def __init__(self, group, clip: bool, shard: bool, seed: int = 3) -> None:
+    def __init__(self, group, clip: bool, shard: bool, skip: bool = False, seed: int = 3) -> None:
         self.group = group
         self.apply, self.params, self.buffers = fdp.functionalize(model(seed))
         self.opt = fdp_opt(clip)
-        self.reducer = fdp.Reducer(self.params, group, bucket_cap_mb=0.002, shard=shard)
+        self.reducer = fdp.Reducer(self.params, group, bucket_cap_mb=0.002, shard=shard, skip_nonfinite=skip)
         self.fused = self.reducer.grad_and_update(loss_fn(self.apply), self.opt, has_aux=True)
         self.state = self.fused.init(self.params)
         assert self.state.sharded == (shard and group.size > 1)
@@ -148,13 +148,15 @@ class Fused(Plain):
         self.params, self.state = ckpt["params"], self.fused.state_from_tree(ckpt["opt"], ckpt["params"])
 
 
-PATHS = {"plain": (Plain, False), "fused": (Fused, False), "sharded": (Fused, True)}
+# name -> (class, shard, skip_nonfinite: the step's own finite check runs before the chain)
+PATHS = {"plain": (Plain, False, False), "fused": (Fused, False, False), "sharded": (Fused, True, False),
+         "sharded+skip_nonfinite": (Fused, True, True)}
 
 
 def fdp_runs(group, clip: bool, folder: str) -> dict:
     out = {}
-    for name, (cls, shard) in PATHS.items():
-        run = cls(group, clip, shard)
+    for name, (cls, shard, skip) in PATHS.items():
+        run = cls(group, clip, shard, skip)
         straight = [run.step(s) for s in range(STEPS)]
         out[name] = straight
         if cls is Plain:
@@ -162,12 +164,12 @@ def fdp_runs(group, clip: bool, folder: str) -> dict:
         else:
             out[f"{name}-nonfinite_steps"] = run.reducer.nonfinite_steps
         # Resumed: RESUME_AT steps, a checkpoint, a new run (other weights) that loads it, the rest.
-        first = cls(group, clip, shard)
+        first = cls(group, clip, shard, skip)
         for s in range(RESUME_AT):
             first.step(s)
         path = os.path.join(folder, f"{name}-{clip}.pt")
         first.save(path)
-        second = cls(group, clip, shard, seed=4)
+        second = cls(group, clip, shard, skip, seed=4)
         second.load(path)
         out[f"{name}-resumed"] = [second.step(s) for s in range(RESUME_AT, STEPS)]
     return out
@@ -223,7 +225,7 @@ def test_params_scale_and_growth_tracker_equal_gradscalers_every_step(results, p
                     f"{where}: params[{k!r}] differs, max abs diff {(g['params'][k] - p).abs().max().item()}")
             if g["finite"] is not None:
                 assert g["finite"] == (not skips[s]), f"{where}: step.last_step.finite is {g['finite']}"
-        if path in ("fused", "sharded"):
+        if path in PATHS and PATHS[path][0] is Fused:
             assert res[clip][f"{path}-nonfinite_steps"] == sum(skips), (
                 f"{path}, clip={clip}, rank {rank}: reducer.nonfinite_steps is {res[clip][f'{path}-nonfinite_steps']}, "
                 f"GradScaler skipped {sum(skips)} steps")
@@ -286,3 +288,32 @@ def test_bad_arguments_and_states_are_refused_with_a_reason():
     two = fdp.optim.chain(fdp.optim.loss_scale(), fdp.optim.loss_scale(), fdp.optim.sgd(0.1))
     with pytest.raises(TypeError, match="got 2 loss_scale states"):
         fdp.optim.current_loss_scale(two.init({"w": torch.ones(2)}))
+
+
+def test_the_fused_steps_own_finite_check_leaves_the_verdict_to_the_loss_scale():
+    """``Reducer(skip_nonfinite=True)`` checks the gradients before the chain runs; the loss
+    scale must still see a non-finite step, or its scale would never back off (and every
+    later step would overflow and be skipped)."""
+    apply, params, buffers = fdp.functionalize(model())
+    opt = fdp.optim.chain(fdp.optim.loss_scale(init_scale=INIT, growth_interval=INTERVAL),
+                          fdp.optim.clip_by_global_norm(MAX_NORM), fdp.optim.adamw(LR))
+    reducer = fdp.Reducer(params, skip_nonfinite=True)
+    step = reducer.grad_and_update(loss_fn(apply), opt, has_aux=True)
+    plain, state = dict(params), opt.init(params)
+    opt_state = step.init(params)
+    for s in range(6):
+        x, y = batch(0, s, n=16)
+        if s in (1, 2):
+            x[0, 0] = math.inf
+        params, opt_state, _ = step(params, opt_state, buffers, x, y, fdp.optim.current_loss_scale(opt_state))
+        grads, _ = torch.func.grad(loss_fn(apply), has_aux=True)(plain, buffers, x, y,
+                                                                fdp.optim.current_loss_scale(state))
+        plain, state = opt.update(grads, state, plain)
+        assert step.last_step.finite == (s not in (1, 2)), f"step {s}"
+        assert torch.equal(opt_state.transforms[0].scale, state.transforms[0].scale), (
+            f"step {s}: the fused step's scale {opt_state.transforms[0].scale} did not follow the loss "
+            f"scale's verdict ({state.transforms[0].scale})")
+        assert all(torch.equal(params[k], plain[k]) for k in plain), f"step {s}"
+        if s == 2:
+            assert float(opt_state.transforms[0].scale) == INIT / 4, "two skipped steps, two backoffs"
+    assert reducer.nonfinite_steps == 2

@@ -180,8 +180,11 @@ class Run:
                 finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
             if not finite:
                 self.skipped = "nonfinite"
-        if finite and not self.early:
-            finite = self._whole_tree()
+        if not self.early:
+            # A rejected step still meets the first global scale: a loss scale decides about
+            # non-finite gradients itself and backs off on them (only a scale that skips keeps
+            # its new state; the same verdict on every rank, so the same collectives).
+            finite = self._whole_tree(rejected=not finite) and finite
         if finite:
             for b in range(len(self.slices)):
                 if not self.updated[b] and self.error is None:
@@ -207,14 +210,18 @@ class Run:
             self.fail(e)
             return default
 
-    def _whole_tree(self) -> bool:
+    def _whole_tree(self, rejected: bool = False) -> bool:
         """Every bucket has arrived: run the program's middle transforms over all of them (a
         global scale's factor from every leaf's statistic, in leaf order). The last global
         scale's factor is left for ``update`` to multiply each bucket by. Returns False when
         a global scale skips the step (sharded, every rank decides it from the same gathered
-        statistics, also a rank that failed, so all issue the same collectives after it)."""
+        statistics, also a rank that failed, so all issue the same collectives after it).
+        ``rejected``: the finite check has rejected the step; only the first global scale
+        runs, to skip it itself (then ``skipped`` is ``"scale"`` and its state is kept)."""
         program = self.program
-        for i in range(program.prefix, program.last_tree + 1):
+        if rejected and program.measure is None:
+            return False
+        for i in range(program.prefix, program.prefix + 1 if rejected else program.last_tree + 1):
             t = program.transforms[i]
             if self.coef is not None:  # an earlier global scale: its product first
                 self._guarded(lambda coef=self.coef: self._mul_all(coef), None)

@@ -75,7 +75,10 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
     ``LossScaleState`` in the chain's state) is saved and resumed with the optimizer's
     (``fdp.save``, ``step.state_to_tree``). Whether the last step was skipped:
     ``step.last_step.finite`` in the fused step (``reducer.nonfinite_steps`` counts the
-    skipped steps); on the plain path the optimizer's ``step`` count did not move.
+    skipped steps); on the plain path the optimizer's ``step`` count did not move. Call
+    ``opt.update`` on every step, also where ``reducer.finite`` is False (a step you skip
+    yourself never reaches the loss scale, which then never backs off); the fused step
+    hands a step its own ``skip_nonfinite`` check rejected to the loss scale too.
 
     Args:
       init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.

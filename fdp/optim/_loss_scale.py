@@ -13,7 +13,7 @@ the max of ``|x|`` never overflows and propagates NaN), and ``scale`` turns ever
 statistic into GradScaler's verdict: the factor ``1 / scale`` (``inv_scale``, computed as
 ``GradScaler.unscale_`` computes it) or ``None`` when any leaf is non-finite, which skips
 the step, and the next scale and growth tracker from torch's own ``torch._amp_update_scale_``
-(the kernel ``GradScaler.update`` calls; checked on torch 2.4 and 2.13), applied to copies:
+(the kernel ``GradScaler.update`` calls; checked on torch 2.13), applied to copies:
 the state is a value, never changed in place.
 
 Under ``reducer.grad`` every rank holds the same averaged gradients, and in the sharded step
@@ -78,7 +78,9 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
     skipped steps); on the plain path the optimizer's ``step`` count did not move. Call
     ``opt.update`` on every step, also where ``reducer.finite`` is False (a step you skip
     yourself never reaches the loss scale, which then never backs off); the fused step
-    hands a step its own ``skip_nonfinite`` check rejected to the loss scale too.
+    hands a step its own ``skip_nonfinite`` check rejected to the loss scale too. Each
+    update reads the inf/nan verdict on the host, as ``scaler.step`` does (under
+    ``torch.compile``, a graph break).
 
     Args:
       init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.

@@ -31,11 +31,11 @@ from .._comm.collectives import wait
 from .._errors import CollectiveError
 from .._step.machine import Step, StepSpec, all_finite
 from ..optim import GradientTransform
-from ..optim._flat import chunks
 from .params import ParamSet
 from .program import Program
 from .shard import Replicas
-from .state import FusedState
+from .spans import Span
+from .state import FusedState, StateLayout
 
 if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
     from .core import FusedCore
@@ -44,11 +44,16 @@ if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
 class Run:
     """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
 
-    def __init__(self, core: FusedCore, program: Program, state: FusedState, src: ParamSet, dst: ParamSet, *,
+    def __init__(self, core: FusedCore, program: Program, layout: StateLayout, state: FusedState, src: ParamSet,
+                 dst: ParamSet, *,
                  kind: str, acc: list[torch.Tensor] | None, acc_owned: bool, scale: float | None,
                  active: bool) -> None:
         nb = len(core.plan.buckets)
         self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
+        self.layout = layout
+        # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
+        self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
+                       for part in program.parts]
         self.early = not program.whole_tree and not core.config.skip_nonfinite
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
@@ -129,7 +134,7 @@ class Run:
     # ------------------------------------------------------------------ update
     def update(self, b: int) -> None:
         """Bucket ``b``'s (slice of the) params, with its optimizer state, by the kernel."""
-        core, step, state, kernel = self.core, self.step, self.state, self.program.kernel
+        core, step, state, parts = self.core, self.step, self.state, self.program.parts
         t0 = time.perf_counter()
         g = self.grads[b]
         if self.coef is not None:
@@ -141,15 +146,18 @@ class Run:
             p, src = core.shards.mine(b, p), core.shards.mine(b, src)
         if self.dst is not self.src:
             p.copy_(src)
-        buffers = state.buffers
-        if core.whole[b]:  # one group, one run, one kernel call: the tensors themselves
-            kernel.step(core.runs[b][0][0], [p], [g], [[buffers[f][b]] for f in kernel.fields], state.step)
+        buffers, keys = state.buffers, self.layout.keys
+        if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
+            (part, group), _ = core.spans.by_key[b][0]
+            parts[part].kernel.step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
         else:
-            states = [buffers[f][b] for f in kernel.fields]
-            for group, runs in core.runs[b]:
-                # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
-                # chunk-sized rather than bucket-sized (fdp.optim._flat.CHUNK's comment).
-                kernel.step(group, pieces(p, runs), pieces(g, runs), [pieces(s, runs) for s in states], state.step)
+            # Per key, over its spans: in chunks (each chunk's passes stay in cache, and the
+            # kernel's temporaries are chunk-sized: fdp.optim._flat.CHUNK's comment), or each
+            # leaf whole, in its shape (Muon).
+            for (part, group), spans in core.spans.by_key[b]:
+                states = [buffers[k][b] for k in keys[part]]
+                parts[part].kernel.step(group, pieces(p, spans, False), pieces(g, spans, False),
+                                        [pieces(s, spans, True) for s in states], self.counts[part])
         self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
@@ -306,12 +314,14 @@ class Run:
                if any(self.updated) else "Nothing was updated on this rank."))
 
 
-def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges), as kernel-call-sized views (``t``
-    itself when one run covers it and fits one call)."""
-    if len(runs) == 1 and runs[0] == (0, t.numel()):
-        return chunks(t)
-    return [c for lo, hi in runs for c in chunks(t[lo:hi])]
+def pieces(t: torch.Tensor, spans: list[Span], state: bool) -> list[torch.Tensor]:
+    """``t``'s elements in ``spans`` (each at most one kernel call's worth, or one leaf), as
+    views: of the (slice of the) bucket, or (``state``) of a part's state buffer; shaped like
+    its leaf for a kernel that takes whole leaves."""
+    if state:
+        return [t[s.at:s.at + (s.hi - s.lo)] if s.shape is None else t[s.at:s.at + (s.hi - s.lo)].view(s.shape)
+                for s in spans]
+    return [t[s.lo:s.hi] if s.shape is None else t[s.lo:s.hi].view(s.shape) for s in spans]
 
 
 __all__ = ["Run", "pieces"]

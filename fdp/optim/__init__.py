@@ -41,6 +41,8 @@ from ._lion import lion as lion
 from ._loss_scale import LossScaleState as LossScaleState
 from ._loss_scale import current_loss_scale as current_loss_scale
 from ._loss_scale import loss_scale as loss_scale
+from ._muon import MuonState as MuonState
+from ._muon import muon as muon
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
 from ._optimizers import AdamWState as AdamWState
@@ -75,6 +77,7 @@ __all__ = [
     "LeafKernel",
     "LionState",
     "LossScaleState",
+    "MuonState",
     "NAdamState",
     "Optimizer",
     "PartitionState",
@@ -97,6 +100,7 @@ __all__ = [
     "hyperparams",
     "lion",
     "loss_scale",
+    "muon",
     "nadam",
     "partition",
     "radam",

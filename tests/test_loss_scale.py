@@ -317,3 +317,31 @@ def test_the_fused_steps_own_finite_check_leaves_the_verdict_to_the_loss_scale()
         if s == 2:
             assert float(opt_state.transforms[0].scale) == INIT / 4, "two skipped steps, two backoffs"
     assert reducer.nonfinite_steps == 2
+
+
+def test_accumulated_micro_batches_share_one_scale_and_one_verdict():
+    """``step.accumulate`` (DDP's ``no_sync``) with every micro-batch's loss scaled alike: an
+    inf in one micro-batch skips the whole step, as GradScaler over a ``no_sync`` loop."""
+    apply, params, buffers = fdp.functionalize(model())
+    opt = fdp.optim.chain(fdp.optim.loss_scale(init_scale=INIT, growth_interval=2), fdp.optim.adamw(LR))
+    reducer = fdp.Reducer(params)
+    step = reducer.grad_and_update(loss_fn(apply), opt, has_aux=True)
+    opt_state = step.init(params)
+    plain, state = dict(params), opt.init(params)
+    for s in range(5):
+        (x0, y0), (x1, y1) = data(0, 2 * s), data(0, 2 * s + 1)
+        if s == 2:
+            x0[1, 1] = math.inf
+        scale = fdp.optim.current_loss_scale(opt_state)
+        step.accumulate(params, buffers, x0, y0, scale)
+        params, opt_state, _ = step(params, opt_state, buffers, x1, y1, scale)
+        scale = fdp.optim.current_loss_scale(state)
+        acc, _ = fdp.local_grad(loss_fn(apply), has_aux=True)(plain, buffers, x0, y0, scale)
+        grads, _ = reducer.grad(loss_fn(apply), has_aux=True, accumulate=acc)(plain, buffers, x1, y1, scale)
+        count = int(state.optimizer.step)
+        plain, state = opt.update(grads, state, plain)
+        assert torch.equal(opt_state.transforms[0].scale, state.transforms[0].scale), f"step {s}"
+        assert all(torch.equal(params[k], plain[k]) for k in plain), f"step {s}"
+        assert step.last_step.finite == (int(state.optimizer.step) > count), f"step {s}"
+        if s == 2:
+            assert not step.last_step.finite, "an inf in the first micro-batch did not skip the step"

@@ -345,3 +345,22 @@ def test_accumulated_micro_batches_share_one_scale_and_one_verdict():
         assert step.last_step.finite == (int(state.optimizer.step) > count), f"step {s}"
         if s == 2:
             assert not step.last_step.finite, "an inf in the first micro-batch did not skip the step"
+
+
+def test_a_step_the_finite_check_rejected_is_still_skipped_quietly_without_a_loss_scale():
+    """The rejected step meets the chain's first global scale; one that raises on a
+    non-finite norm (``error_if_nonfinite=True``) does not turn the skip into a failure."""
+    apply, params, buffers = fdp.functionalize(model())
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0, error_if_nonfinite=True), fdp.optim.sgd(0.1))
+    reducer = fdp.Reducer(params, skip_nonfinite=True)
+    step = reducer.grad_and_update(loss_fn(apply), opt, has_aux=True)
+    opt_state = step.init(params)
+    x, y = batch(0, 0, n=16)
+    x[0, 0] = math.inf
+    before = {k: v.clone() for k, v in params.items()}
+    params, opt_state, _ = step(params, opt_state, buffers, x, y, torch.tensor(1.0))
+    assert not step.last_step.finite and reducer.nonfinite_steps == 1
+    assert all(torch.equal(params[k], before[k]) for k in before)
+    assert float(opt_state.transforms[0].norm) == 0.0, "a rejected step's clip norm was kept"
+    params, opt_state, _ = step(params, opt_state, buffers, *batch(0, 1, n=16), torch.tensor(1.0))
+    assert step.last_step.finite and int(opt_state.step) == 1

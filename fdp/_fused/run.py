@@ -243,6 +243,8 @@ class Run:
             try:
                 factor, new = t.scale(stats, self.tstates[i])
             except Exception as e:  # noqa: BLE001 - reported through the step's status
+                if rejected:  # the finite check's skip stands (clip_by_global_norm(error_if_nonfinite=True))
+                    return False
                 self.fail(e)
                 continue
             if self.error is None:

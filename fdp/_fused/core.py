@@ -34,7 +34,7 @@ from ..hooks import CommHook
 from .params import ParamSet, ParamSets
 from .program import Program
 from .run import Run
-from .shard import Scatter, Shards, Straddles
+from .shard import Owners, Scatter, Shards, Straddles
 from .spans import Key, Span, Spans
 from .state import FusedState, StateLayout
 
@@ -64,6 +64,10 @@ class FusedCore:
         self.params = ParamSets(plan, self.shards.padded, name)
         self.parts = 1 + max((k[0] for k in keys), default=0)
         self.whole_parts = whole_parts
+        # Sharded, whole leaves (Muon's matrices) are each owned and updated by one rank.
+        self.owners: Owners | None = None
+        if self.sharded and whole_parts:
+            self.owners = Owners(plan, self.shards, [i for i, k in enumerate(keys) if k[0] in whole_parts])
         self.spans = self.spans_of(self.shards.rank)
         # Per bucket: whether its update is one kernel call on the (slice's) flat tensors
         # themselves (one key, one span covering it, one chunk), and whether the wire is cast.
@@ -116,7 +120,8 @@ class FusedCore:
     def spans_of(self, rank: int) -> Spans:
         """Rank ``rank``'s spans of every bucket (``fdp/_fused/spans.py``)."""
         shards = self.shards if rank == self.shards.rank else Shards(self.plan, self.shards.size, rank)
-        return Spans(self.plan, self.keys, set(self.whole_parts), shards, self.parts)
+        owner = self.owners.owner if self.owners is not None else None
+        return Spans(self.plan, self.keys, set(self.whole_parts), shards, self.parts, owner)
 
     def state_layout(self, program: Program) -> StateLayout:
         return StateLayout(program, self.plan, self.shards, self.mesh.shard, self.name, self.spans_of)

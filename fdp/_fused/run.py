@@ -54,7 +54,8 @@ class Run:
         # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
         self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
                        for part in program.parts]
-        self.early = not program.whole_tree and not core.config.skip_nonfinite
+        # (sharded whole leaves are updated by their owners once every bucket has landed)
+        self.early = not program.whole_tree and not core.config.skip_nonfinite and core.owners is None
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)
@@ -65,6 +66,7 @@ class Run:
         self.skipped: str | None = None           # why nothing was updated: "nonfinite" or "scale"
         self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
+        self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
         # The step's status comes after the updates (and gathers): early, the only one; else a
         # second one, after the buckets' own (which stops every rank before any update when a
         # backward failed).
@@ -156,11 +158,27 @@ class Run:
             # leaf whole, in its shape (Muon).
             for (part, group), spans in core.spans.by_key[b]:
                 states = [buffers[k][b] for k in keys[part]]
-                parts[part].kernel.step(group, pieces(p, spans, False), pieces(g, spans, False),
-                                        [pieces(s, spans, True) for s in states], self.counts[part])
+                if spans and spans[0].owned:  # whole leaves this rank owns: in the whole bucket
+                    ps = self._owned(b, spans)
+                    gs = [self.wholes[s.leaf] for s in spans]
+                else:
+                    ps, gs = pieces(p, spans, False), pieces(g, spans, False)
+                parts[part].kernel.step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
         self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
+
+    def _owned(self, b: int, spans: list[Span]) -> list[torch.Tensor]:
+        """The params of the whole leaves this rank owns in bucket ``b`` (views of the whole
+        bucket, in their shapes; copied from the set read first when the step is pure)."""
+        dst, src = self.dst.flats[b], self.src.flats[b]
+        out = []
+        for s in spans:
+            p = dst[s.lo:s.hi]
+            if self.dst is not self.src:
+                p.copy_(src[s.lo:s.hi])
+            out.append(p.view(s.shape))
+        return out
 
     # ------------------------------------------------------------------ after the buckets
     def reduced(self) -> None:
@@ -193,6 +211,9 @@ class Run:
             # non-finite gradients itself and backs off on them (only a scale that skips keeps
             # its new state; the same verdict on every rank, so the same collectives).
             finite = self._whole_tree(rejected=not finite) and finite
+        if finite and core.owners is not None:
+            self._sharded_whole_leaves()
+            return self._close_after(finite)
         if finite:
             for b in range(len(self.slices)):
                 if not self.updated[b] and self.error is None:
@@ -206,8 +227,39 @@ class Run:
                     self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
             for b, work in self.gathers:
                 self._gathered(b, work)
+        return self._close_after(finite)
+
+    def _close_after(self, finite: bool) -> bool:
         self.close()
         return finite
+
+    def _sharded_whole_leaves(self) -> None:
+        """A sharded step with whole leaves (Muon): each owner gets its leaves' gradients whole,
+        every bucket is updated (the owners their whole leaves), the new params of the whole
+        leaves go back to the ranks whose slices hold them, then the all-gathers: every
+        collective issued on every rank, also after a failure here."""
+        core, shard = self.core, self.core.mesh.shard
+        grads = [self.grads[b] if self.error is None and self.grads[b] is not None else self._zeros(b)
+                 for b in range(len(self.slices))]
+        wholes = core.owners.to_owners(grads, shard)
+        if self.error is None:
+            try:
+                if self.coef is not None and wholes:
+                    torch._foreach_mul_(list(wholes.values()), self.coef)
+                for i in self.program.suffix:  # element-wise (per-leaf ones cannot shard)
+                    self.tstates[i] = self.program.transforms[i].apply(list(wholes.values()), self.tstates[i])
+                self.wholes = wholes
+                for b in range(len(self.slices)):
+                    self.update(b)
+            except Exception as e:  # noqa: BLE001 - reported through the step's status
+                self.fail(e)
+        core.owners.to_holders(self.dst.flats, shard)
+        for b in range(len(self.slices)):  # one all-gather in flight at a time (its staging buffer)
+            if self.gathers:
+                self._gathered(*self.gathers.pop())
+            self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+        for b, work in self.gathers:
+            self._gathered(b, work)
 
     def _guarded(self, fn: Any, default: Any) -> Any:
         if self.error is not None:

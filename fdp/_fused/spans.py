@@ -12,7 +12,8 @@ The state of a part is compact: per bucket, one tensor per state field holding t
 elements of the slice, in buffer order (a span's ``at`` is its offset there), so a partition
 keeps AdamW's moments only for AdamW's leaves. A program with one part keeps the slice's own
 layout (``at == lo``, the padding included): the state of every element-wise optimizer is
-then exactly the bucket's (or slice's) shape.
+then exactly the bucket's (or slice's) shape. In a sharded step, a whole leaf's state lives on
+the rank that owns it (``fdp._fused.shard.Owners``), which updates it whole.
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ Key = tuple[int, int]  # (part, group)
 
 class Span(NamedTuple):
     """Elements ``lo:hi`` of the (slice of the) bucket, at ``at`` in their part's state
-    buffer; ``shape``: the leaf's, for a kernel that takes whole leaves (else None)."""
+    buffer; ``shape``: the leaf's, for a kernel that takes whole leaves (else None);
+    ``owned``: a whole leaf this rank owns in a sharded step (``lo:hi`` are then the bucket's
+    own elements, not the slice's: ``fdp._fused.shard.Owners``)."""
 
     lo: int
     hi: int
     at: int
     shape: tuple[int, ...] | None
+    owned: bool = False
+    leaf: int = -1  # (owned spans: the leaf's index)
 
 
 class Spans:
@@ -42,28 +47,30 @@ class Spans:
     Attributes:
       by_key: per bucket, ``[(key, [Span, ...]), ...]`` in key order.
       sizes: per bucket, per part, its state buffers' length.
-      leaf_at: per leaf, ``(bucket, lo, at)`` of its first element in this rank's slice (None
-        when the slice holds none of it).
     """
 
     def __init__(self, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: set[int], shards: Shards,
-                 parts: int) -> None:
+                 parts: int, owner: dict[int, int] | None = None) -> None:
         self.by_key: list[list[tuple[Key, list[Span]]]] = []
         self.sizes: list[list[int]] = []
-        self.leaf_at: list[tuple[int, int, int] | None] = [None] * len(plan.slots)
-        one_part = parts == 1
+        one_part = parts == 1 and owner is None
         for b in plan.buckets:
             lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
             count = [0] * parts
             spans: dict[Key, list[Span]] = {}
             for i, off, n, shape in zip(b.leaves, b.offsets, b.numels, b.shapes):
+                if owner is not None and keys[i][0] in whole_parts:  # sharded: the owner's, whole
+                    if owner[i] == shards.rank:
+                        part = keys[i][0]
+                        spans.setdefault(keys[i], []).append(Span(off, off + n, count[part], tuple(shape), True, i))
+                        count[part] += n
+                    continue
                 lo, hi = max(off, lo_r), min(off + n, hi_r)
                 if lo >= hi:
                     continue
                 key = keys[i]
                 part = key[0]
                 at = lo - lo_r if one_part else count[part]
-                self.leaf_at[i] = (b.index, lo - lo_r, at)
                 count[part] += hi - lo
                 mine = spans.setdefault(key, [])
                 if part in whole_parts:

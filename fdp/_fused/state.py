@@ -229,7 +229,7 @@ class StateLayout:
         states = {}
         for label, sub in template.states.items():
             k = part_of[label]
-            if not self.parts[k].kernel.fields:
+            if not hasattr(sub, "step"):  # (frozen: no state)
                 states[label] = sub
                 continue
             per_field = {f: in_params_order(v) for f, v in values[k].items()}
@@ -266,7 +266,8 @@ class StateLayout:
             for key, spans in self.spans_of(r).by_key[b]:
                 if key[0] == k:
                     for sp in spans:
-                        out[r * per + sp.lo:r * per + sp.hi] = compact[r, sp.at:sp.at + (sp.hi - sp.lo)]
+                        base = 0 if sp.owned else r * per  # (an owned whole leaf: the bucket's own offsets)
+                        out[base + sp.lo:base + sp.hi] = compact[r, sp.at:sp.at + (sp.hi - sp.lo)]
         return out[:bucket.numel] if out.numel() != bucket.numel and not s.sharded else out
 
     def from_tree(self, tree_state: Any, params: Any) -> FusedState:
@@ -313,7 +314,8 @@ class StateLayout:
             return s.mine(b, padded).clone()
         lo_r = s.lo[b]
         spans = sorted(sp for key, sps in self.mine.by_key[b] if key[0] == k for sp in sps)
-        pieces = sorted((sp.at, whole[lo_r + sp.lo:lo_r + sp.hi]) for sp in spans)
+        pieces = sorted((sp.at, whole[(0 if sp.owned else lo_r) + sp.lo:(0 if sp.owned else lo_r) + sp.hi])
+                        for sp in spans)
         out = whole.new_empty(self.mine.sizes[b][k])
         for at, piece in pieces:
             out[at:at + piece.numel()] = piece

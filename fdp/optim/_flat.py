@@ -49,10 +49,6 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
             "frozen, optionally in a chain after gradient transforms; for others (adafactor, not "
             "element-wise; your own) use reducer.grad and opt.update"
         )
-    if sharded and any(k.whole_leaves for k in kernels):
-        raise TypeError(
-            f"{name}: an optimizer that updates each leaf as a whole (muon) cannot run in the sharded fused "
-            "step, where a rank's slice cuts leaves; use the unsharded fused step, or reducer.grad and opt.update")
     for i, t in enumerate(transforms):
         where = f"{name}: part {i} of the chain"
         if t.reach in ("element", "leaf") and t.apply is None:

@@ -205,8 +205,11 @@ class Run:
                 finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
             if not finite:
                 self.skipped = "nonfinite"
-        if finite and not self.early:
-            finite = self._whole_tree()
+        if not self.early:
+            # A rejected step still meets the first global scale: a loss scale decides about
+            # non-finite gradients itself and backs off on them (only a scale that skips keeps
+            # its new state; the same verdict on every rank, so the same collectives).
+            finite = self._whole_tree(rejected=not finite) and finite
         if finite and core.owners is not None:
             self._sharded_whole_leaves()
             return self._close_after(finite)
@@ -266,14 +269,18 @@ class Run:
             self.fail(e)
             return default
 
-    def _whole_tree(self) -> bool:
+    def _whole_tree(self, rejected: bool = False) -> bool:
         """Every bucket has arrived: run the program's middle transforms over all of them (a
         global scale's factor from every leaf's statistic, in leaf order). The last global
         scale's factor is left for ``update`` to multiply each bucket by. Returns False when
         a global scale skips the step (sharded, every rank decides it from the same gathered
-        statistics, also a rank that failed, so all issue the same collectives after it)."""
+        statistics, also a rank that failed, so all issue the same collectives after it).
+        ``rejected``: the finite check has rejected the step; only the first global scale
+        runs, to skip it itself (then ``skipped`` is ``"scale"`` and its state is kept)."""
         program = self.program
-        for i in range(program.prefix, program.last_tree + 1):
+        if rejected and program.measure is None:
+            return False
+        for i in range(program.prefix, program.prefix + 1 if rejected else program.last_tree + 1):
             t = program.transforms[i]
             if self.coef is not None:  # an earlier global scale: its product first
                 self._guarded(lambda coef=self.coef: self._mul_all(coef), None)
@@ -287,6 +294,8 @@ class Run:
             try:
                 factor, new = t.scale(stats, self.tstates[i])
             except Exception as e:  # noqa: BLE001 - reported through the step's status
+                if rejected:  # the finite check's skip stands (clip_by_global_norm(error_if_nonfinite=True))
+                    return False
                 self.fail(e)
                 continue
             if self.error is None:

@@ -1,13 +1,13 @@
 """fdp.optim: functional optimizers over torch.optim's own kernels (and optax's Lion),
-gradient transforms, schedules and parameter groups.
+gradient transforms (clipping, dynamic loss scaling), schedules and parameter groups.
 
 An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
-(clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
-be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
-groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update used;
-``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state dict.
-See docs/optim.md for the optax and torch.optim correspondences.
+(clipping, ``loss_scale``, your own) compose in front of one with ``chain``; ``lr`` and
+``weight_decay`` may be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition``
+give torch's param groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update
+used; ``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state
+dict. See docs/optim.md for the optax and torch.optim correspondences.
 
 Pure by default: ``update`` never modifies its inputs. With ``donate=True`` it updates params
 and state in place and returns them (the inputs are consumed, as with JAX's
@@ -38,6 +38,9 @@ from ._hyperparams import Hyperparams as Hyperparams
 from ._hyperparams import hyperparams as hyperparams
 from ._lion import LionState as LionState
 from ._lion import lion as lion
+from ._loss_scale import LossScaleState as LossScaleState
+from ._loss_scale import current_loss_scale as current_loss_scale
+from ._loss_scale import loss_scale as loss_scale
 from ._muon import MuonState as MuonState
 from ._muon import muon as muon
 from ._optimizers import AdagradState as AdagradState
@@ -73,6 +76,7 @@ __all__ = [
     "Hyperparams",
     "LeafKernel",
     "LionState",
+    "LossScaleState",
     "MuonState",
     "NAdamState",
     "Optimizer",
@@ -89,11 +93,13 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_by_value",
+    "current_loss_scale",
     "frozen",
     "global_norm",
     "global_scale",
     "hyperparams",
     "lion",
+    "loss_scale",
     "muon",
     "nadam",
     "partition",

@@ -221,11 +221,14 @@ class Reducer:
         # agree across ranks: the plan, the hook, the wire dtype, debug's fingerprint checks.
         wire_name = "the gradients' dtype" if wire is None else str(wire).replace("torch.", "")
         frozen = f", auto plan {plan.fingerprint}" if old is not None else ""
+        units = "" if config.units is None else (
+            f", units {list(config.units[1:])}, reshard_after_forward={config.reshard_after_forward}")
         verify_layout(
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",
             extra=(f"bucket caps {list(plan.caps)} bytes, {self.hook.describe()}, reduce dtype {wire_name}, "
-                   f"debug={config.debug}, shard={self.shard} (shard group of {config.mesh.shard.size}){frozen}"),
+                   f"debug={config.debug}, shard={self.shard!r} (shard group of {config.mesh.shard.size})"
+                   f"{units}{frozen}"),
         )
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())

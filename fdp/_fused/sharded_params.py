@@ -78,7 +78,7 @@ class ShardedParams:
     def template(self) -> Any:
         """The params tree with meta tensors of the leaves' shapes and dtypes (no memory): what
         masks and ``opt.init`` need to know of the params."""
-        return _tree.unflatten(self._core.plan.treedef, self._core.units.placeholders)
+        return _tree.unflatten(self._core.plan.treedef, self._core.units.metas)
 
     __fdp_template__ = template
 

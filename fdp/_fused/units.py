@@ -36,12 +36,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import time
+
 import torch
 
 from .. import _tree
 from .._comm.collectives import DONE, wait
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan, contiguous_strides
+from .._step.record import BucketTimes
 from .shard import Scatter, Shards
 
 ROOT = ""
@@ -72,6 +75,49 @@ def unit_of_leaves(keys: Sequence[Any], units: Sequence[str], what: str) -> tupl
         raise ValueError(f"{what}: unit {unused[0]!r} holds no trainable param (the params' keys start "
                          f"{list(keys)[:3]}...); name modules that have params")
     return names, out
+
+
+# What code may ask of a unit's param outside its module's forward: its metadata.
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "size", "dim",
+                       "numel", "nelement", "is_floating_point", "is_complex", "element_size", "stride",
+                       "is_contiguous", "names", "grad_fn", "__len__"})
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property's getter: the property's name
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class Placeholder(torch.Tensor):
+    """What stands in a unit's param's place in the module while the unit is not gathered: a
+    tensor with the param's shape and dtype and no memory (meta), whose metadata may be read
+    but which raises on any computation, naming the param and its unit (a meta tensor alone
+    would not: ``cpu_tensor @ meta_tensor`` returns a CPU tensor of garbage)."""
+
+    what: str
+
+    @staticmethod
+    def make(shape: Sequence[int], dtype: torch.dtype, what: str) -> Placeholder:
+        t = torch.Tensor._make_subclass(Placeholder, torch.empty(shape, dtype=dtype, device="meta"), False)
+        t.what = what
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _name(func) in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        what = next((a.what for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)), "a param")
+        raise RuntimeError(
+            f"fdp: {what} was used outside its unit's forward; with shard='params' a unit's params are gathered "
+            "only while its module runs. Use it inside that module, read it through the params the step "
+            "passes to the loss (params[key] gathers its unit for the step), or leave it out of units (the "
+            "root is gathered for the whole step)")
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"fdp.Placeholder({self.what}, shape={tuple(self.shape)})"
 
 
 def bucket_groups(unit_of: Sequence[int], n_units: int) -> list[int]:
@@ -135,11 +181,17 @@ class Units:
         self.leaves = [torch.empty(0, dtype=s.dtype, device=s.device).set_(
             self.fulls[s.bucket].untyped_storage(), s.offset, s.shape, contiguous_strides(s.shape))
             for s in plan.slots]
-        self.placeholders = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in plan.slots]
+        self.metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in plan.slots]
+        self.placeholders = [
+            Placeholder.make(s.shape, s.dtype, f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
+            for i, (k, s) in enumerate(zip(self.keys, plan.slots))]
         for f in self.fulls:
             f.untyped_storage().resize_(0)
         self.state = bytearray(len(plan.buckets))
         self.works: list[Any] = [None] * len(plan.buckets)
+        self.issued = [0.0] * len(plan.buckets)
+        self.times: list[BucketTimes] | None = None
+        self.t0 = 0.0
         first = [min((i for i, u in enumerate(self.unit_of) if u == v), default=len(self.unit_of))
                  for v in range(len(names))]
         self.order = sorted((u for u in range(len(names)) if self.buckets_of[u]), key=lambda u: first[u])
@@ -154,13 +206,15 @@ class Units:
 
     # ------------------------------------------------------------------ a step
     def begin(self, src: list[torch.Tensor], training: bool, tensors: list[torch.Tensor] | None = None,
-              finish: Callable[[], None] | None = None) -> UnitsView:
+              finish: Callable[[], None] | None = None, times: list[BucketTimes] | None = None,
+              t0: float = 0.0) -> UnitsView:
         """Start a forward over the param slices ``src`` (one per bucket); ``training``: a
         backward follows (the units' outputs get hooks, a unit is freed once its gradients
         are in their bucket). ``tensors``: the leaves the forward uses (a step's autograd
         leaves on the gathered storage; default: the core's own). ``finish``: what the
-        view's ``done`` calls."""
-        self.src, self.training = src, training
+        view's ``done`` calls. ``times``: the step's ``BucketTimes`` (since ``t0``), where
+        each gather is recorded."""
+        self.src, self.training, self.times, self.t0 = src, training, times, t0
         self.entered, self.kept, self.backward = [], set(), False
         self.filled = bytearray(len(self.plan.buckets))
         return UnitsView(self, self.leaves if tensors is None else tensors, finish)
@@ -173,7 +227,7 @@ class Units:
         if self.entered:
             rest = [u for u in self.order if u not in self.entered]
             self.order = self.entered + rest
-        self.src = None
+        self.src, self.times = None, None
 
     # ------------------------------------------------------------------ forward hooks
     def enter(self, u: int) -> None:
@@ -255,15 +309,20 @@ class Units:
         s = self.shards
         full[s.lo[b]:s.hi[b]].copy_(self.src[b])
         self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
+        self.issued[b] = time.perf_counter()
         self.state[b] = _GATHERING
 
     def _wait(self, b: int) -> None:
         work, self.works[b] = self.works[b], None
+        waited = time.perf_counter()
         wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
                                f"(bucket {b})")
         if self.scatter is not None:
             self.scatter.gathered(b)
         self.state[b] = _READY
+        if self.times is not None:
+            t0 = self.t0
+            self.times[b].gathers.append((self.issued[b] - t0, waited - t0, time.perf_counter() - t0))
 
     def _free(self, b: int) -> None:
         if self.state[b] == _GATHERING:
@@ -304,4 +363,4 @@ class Gathering(Mapping):
         return f"fdp.Gathering({len(self)} params in {len(self._view.names)} units)"
 
 
-__all__ = ["ROOT", "Gathering", "Units", "UnitsView", "bucket_groups", "unit_of_leaves"]
+__all__ = ["ROOT", "Gathering", "Placeholder", "Units", "UnitsView", "bucket_groups", "unit_of_leaves"]

@@ -77,7 +77,7 @@ class UnitCore(FusedCore):
         machine, units = self.machine, self.units
 
         def gathering(inputs: list[torch.Tensor]) -> Gathering:
-            return Gathering(units.begin(src.flats, training=True, tensors=inputs))
+            return Gathering(units.begin(src.flats, training=True, tensors=inputs, times=step.times, t0=step.t0))
 
         local, value = local_grads("autograd", fn, 0, has_aux, (None, *rest), kwargs, units.leaves, self.plan.treedef,
                                    machine.leaf_hooks["autograd"], step.on_backward_start, wrap=gathering)

@@ -34,10 +34,19 @@ from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import global_scale as global_scale
 from ._base import stateless as stateless
+from ._ema import EmaState as EmaState
+from ._ema import ema as ema
+from ._ema import ema_params as ema_params
+from ._ema import ema_update as ema_update
 from ._hyperparams import Hyperparams as Hyperparams
 from ._hyperparams import hyperparams as hyperparams
+from ._inject import InjectHyperparamsState as InjectHyperparamsState
+from ._inject import inject_hyperparams as inject_hyperparams
+from ._inject import set_hyperparams as set_hyperparams
 from ._lion import LionState as LionState
 from ._lion import lion as lion
+from ._multi_steps import MultiStepsState as MultiStepsState
+from ._multi_steps import multi_steps as multi_steps
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
 from ._optimizers import AdamWState as AdamWState
@@ -66,11 +75,14 @@ __all__ = [
     "AdamWState",
     "AdamaxState",
     "ChainState",
+    "EmaState",
     "ClipState",
     "GradientTransform",
     "Hyperparams",
+    "InjectHyperparamsState",
     "LeafKernel",
     "LionState",
+    "MultiStepsState",
     "NAdamState",
     "Optimizer",
     "PartitionState",
@@ -86,16 +98,22 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_by_value",
+    "ema",
+    "ema_params",
+    "ema_update",
     "frozen",
     "global_norm",
     "global_scale",
     "hyperparams",
+    "inject_hyperparams",
     "lion",
+    "multi_steps",
     "nadam",
     "partition",
     "radam",
     "rmsprop",
     "schedules",
+    "set_hyperparams",
     "sgd",
     "state_from_torch",
     "state_to_torch",

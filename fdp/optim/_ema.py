@@ -230,10 +230,9 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     weight = 1 - decay  # get_ema_multi_avg_fn's lerp weight, a Python float as torch passes it
 
-    def average(avg: Any, params: Any, count: Tensor) -> Any:
+    def average(avg: Any, params: Any, first: bool) -> Any:
         ps = ParamLeaves(params, name)
         avg_leaves = ps.like(avg, "state.ema")
-        first = int(count) == 0
         if donate:
             _lerp_(avg_leaves, ps.leaves, weight, first)
             return avg
@@ -253,10 +252,15 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
                 raise TypeError(f"{name}: state must be the ChainState of this chain's init, got "
                                 f"{type(state).__name__}")
             inner, avg, count = _Form.split(state.optimizer, name)
+            n = int(count)  # (before the update: a donating optimizer advances it in place)
             params, new = opt.update(grads, ChainState(state.transforms, inner), params)
-            if new.optimizer is inner:  # a global scale skipped the update: so does the average
+            # A global scale that skipped the update (the chain hands back the optimizer's state
+            # as it was) skips the average too: the count did not move, or (no count) the
+            # chain returned the very state it was given.
+            skipped = int(new.optimizer.step) == n if _has_step(inner) else new.optimizer is inner
+            if skipped:
                 return params, ChainState(new.transforms, state.optimizer)
-            avg = average(avg, params, count)
+            avg = average(avg, params, n == 0)
             return params, ChainState(new.transforms, _Form.join(state.optimizer, new.optimizer, avg))
 
         return Optimizer(init, update, None, (*opt.parts[:-1], last))
@@ -267,8 +271,9 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     @torch.no_grad()
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         inner, avg, count = _Form.split(state, name)
+        first = int(count) == 0  # (before the update: a donating optimizer advances it in place)
         params, new = opt.update(grads, inner, params)
-        return params, _Form.join(state, new, average(avg, params, count))
+        return params, _Form.join(state, new, average(avg, params, first))
 
     kernel = None
     if opt.leaf_kernel is not None:
@@ -277,8 +282,9 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
         @torch.no_grad()
         def leaf_step(group: int, p: list[Tensor], g: list[Tensor], state_lists: list[list[Tensor]],
                       count: Tensor) -> None:
+            first = int(count) == 0
             inner_kernel.step(group, p, g, state_lists[:-1], count)
-            _lerp_(state_lists[-1], p, weight, int(count) == 0)
+            _lerp_(state_lists[-1], p, weight, first)
 
         kernel = inner_kernel._replace(fields=(*inner_kernel.fields, "ema"), step=leaf_step)
     return Optimizer(init, update, kernel, hyper=opt.hyper)

@@ -204,7 +204,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
                 params, inner = opt.update(grads, state.inner_state, params)
             finally:
                 local.values = None
-            return params, InjectHyperparamsState(state.hyperparams, inner)
+            return params, InjectHyperparamsState(dict(state.hyperparams), inner)  # (a dict of its own)
 
         return Optimizer(init, update)
 

@@ -392,6 +392,50 @@ def test_the_average_is_saved_loaded_and_resumed_into_another_step_bit_for_bit(t
         assert not all(torch.equal(ema["plain"][k], params["plain"][k]) for k in params["plain"])
 
 
+def nonfinite(group):
+    """The sharded fused step with skip_nonfinite: a step with an inf on one rank moves
+    neither the params nor the average (the count does not move), on every rank."""
+    apply, params, buffers = fdp.functionalize(mlp(seed=5))
+    loss = loss_of(apply, buffers)
+    step = fdp.Reducer(params, group, shard=True, skip_nonfinite=True, **CAPS).grad_and_update(
+        loss, fdp.optim.ema(fdp.optim.adam(1e-2), 0.9))
+    p, s = dict(params), step.init(params)
+    for i in range(3):
+        p, s, _ = step(p, s, *batch(group.rank, i))
+    before = fdp.optim.ema_params(step.state_to_tree(s, p), p)
+    x, y = batch(group.rank, 3)
+    if group.rank == 1:
+        x[0, 0] = float("inf")
+    p, s, _ = step(p, s, x, y)
+    return before, fdp.optim.ema_params(step.state_to_tree(s, p), p), int(s.step), step.last_step.finite
+
+
+def test_a_nonfinite_step_of_the_sharded_fused_step_leaves_the_average():
+    for rank, (before, after, count, finite) in enumerate(fdp.testing.run(nonfinite, 2)):
+        assert not finite and count == 3, f"rank {rank}"
+        assert_equal(after, before, f"rank {rank}: the average after a skipped step")
+
+
+def test_a_torch_run_with_an_averaged_model_continues_in_fdp_bit_for_bit():
+    # torch.optim + AveragedModel for 5 steps, then fdp from their state: ``opt.init``'s
+    # state with the inner optimizer's fields from ``state_from_torch`` and the average.
+    params = params_of(torch.float32, seed=3)
+    ref = TorchEma(torch.optim.AdamW, params, dict(lr=1e-2), 0.9)
+    for t in range(5):
+        ref.step(grads_for(params, t))
+    inner = fdp.optim.adamw(1e-2)
+    opt = fdp.optim.ema(inner, 0.9)
+    mine = ref.params
+    state = opt.init(mine)._replace(**fdp.optim.state_from_torch(inner, ref.opt.state_dict(), mine)._asdict(),
+                                    ema=ref.ema)
+    for t in range(5, 5 + STEPS):
+        grads = grads_for(params, t)
+        ref.step(grads)
+        mine, state = opt.update(grads, state, mine)
+    assert_equal(mine, ref.params, "params")
+    assert_equal(fdp.optim.ema_params(state, mine), ref.ema, "ema")
+
+
 # ------------------------------------------------------------------------- bad input
 
 def test_bad_decay_a_foreign_state_and_a_flat_state_are_refused():

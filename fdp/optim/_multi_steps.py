@@ -26,6 +26,7 @@ in the same order); on more ranks the sums associate differently (within roundin
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,8 @@ from .. import _tree
 from ._base import Optimizer, ParamLeaves, param_leaves
 
 __all__ = ["MultiStepsState", "multi_steps"]
+
+_dtype = operator.attrgetter("dtype")
 
 
 class MultiStepsState(NamedTuple):
@@ -129,15 +132,18 @@ def multi_steps(opt: Optimizer, every_k_schedule: int | Callable[[int], int], us
             acc = torch._foreach_add(old, delta)        # acc + ...
         else:
             acc = torch._foreach_add(g, old)            # g + acc
-        if accumulator_dtype is not None:
+        # (C-level maps over the leaves' dtypes: a Python loop only where a cast is needed)
+        if accumulator_dtype is not None and list(map(_dtype, acc)) != [accumulator_dtype] * len(acc):
             acc = [a.to(accumulator_dtype) for a in acc]
         mini = torch.tensor((n + 1) % k, dtype=torch.int64)
         if n != k - 1:
             return params, MultiStepsState(mini, state.gradient_step, state.inner_opt_state,
                                            _tree.unflatten(ps.treedef, acc))
-        mean = [a if a.dtype == t.dtype else a.to(t.dtype) for a, t in zip(acc, g)]  # cast like the grads
+        mean = acc  # cast like the grads (optax's cast_like)
+        if list(map(_dtype, acc)) != list(map(_dtype, g)):
+            mean = [a if a.dtype == t.dtype else a.to(t.dtype) for a, t in zip(acc, g)]
         params, inner = opt.update(_tree.unflatten(ps.treedef, mean), state.inner_opt_state, params)
-        zeros = [torch.zeros_like(a) for a in acc]
+        zeros = list(map(torch.zeros_like, acc))
         return params, MultiStepsState(mini, state.gradient_step + 1, inner, _tree.unflatten(ps.treedef, zeros))
 
     return Optimizer(init, update)

@@ -5,7 +5,11 @@ An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params)
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
 (clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
 be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
-groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update used;
+groups. ``ema(opt, decay)`` also keeps an EMA of the params in the state (torch's
+``AveragedModel``), ``multi_steps(opt, k)`` accumulates k calls' gradients in it (optax's
+``MultiSteps``), ``inject_hyperparams(factory)(...)`` keeps the hyper-parameters in it
+(``set_hyperparams`` changes them between steps). ``hyperparams(opt, state)`` reads the lr
+(and the rest) an update used;
 ``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state dict.
 See docs/optim.md for the optax and torch.optim correspondences.
 

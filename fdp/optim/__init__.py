@@ -51,6 +51,8 @@ from ._lion import LionState as LionState
 from ._lion import lion as lion
 from ._multi_steps import MultiStepsState as MultiStepsState
 from ._multi_steps import multi_steps as multi_steps
+from ._muon import MuonState as MuonState
+from ._muon import muon as muon
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
 from ._optimizers import AdamWState as AdamWState
@@ -79,14 +81,15 @@ __all__ = [
     "AdamWState",
     "AdamaxState",
     "ChainState",
-    "EmaState",
     "ClipState",
+    "EmaState",
     "GradientTransform",
     "Hyperparams",
     "InjectHyperparamsState",
     "LeafKernel",
     "LionState",
     "MultiStepsState",
+    "MuonState",
     "NAdamState",
     "Optimizer",
     "PartitionState",
@@ -112,6 +115,7 @@ __all__ = [
     "inject_hyperparams",
     "lion",
     "multi_steps",
+    "muon",
     "nadam",
     "partition",
     "radam",

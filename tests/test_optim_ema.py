@@ -170,21 +170,24 @@ def test_ema_with_clipping_mask_and_schedule_equals_clip_grad_norm_lambdalr_and_
     assert info["step"] == STEPS and info["lr"] == 1e-2 * 0.97 ** (STEPS - 1)
 
 
-def test_ema_of_a_partition_keeps_its_own_count_and_equals_param_groups():
+def test_ema_of_a_partition_averages_per_label_and_equals_param_groups():
     params = params_of(torch.float64, seed=2)
-    labels = {k: "w" if v.dim() >= 2 else "b" for k, v in params.items()}
     ref = TorchEma(torch.optim.AdamW, params, dict(lr=1e-2), 0.9, groups=lambda ps: [
         {"params": [p for p in ps if p.dim() >= 2], "lr": 1e-2, "weight_decay": 0.1},
-        {"params": [p for p in ps if p.dim() < 2], "lr": 3e-2, "weight_decay": 0.0}])
+        {"params": [p for p in ps if 0 < p.dim() < 2], "lr": 3e-2, "weight_decay": 0.0},
+        {"params": [p for p in ps if p.dim() == 0], "lr": 0.0}])  # (frozen: lr 0 changes nothing)
+    labels = {k: "w" if v.dim() >= 2 else "b" if v.dim() else "frozen" for k, v in params.items()}
     opt = fdp.optim.ema(fdp.optim.partition(labels, {"w": fdp.optim.adamw(1e-2, weight_decay=0.1),
-                                                     "b": fdp.optim.adamw(3e-2, weight_decay=0.0)}), 0.9)
+                                                     "b": fdp.optim.adamw(3e-2, weight_decay=0.0),
+                                                     "frozen": fdp.optim.frozen()}), 0.9)
     state = opt.init(params)
-    assert isinstance(state, fdp.optim.EmaState) and opt.leaf_kernel is None
+    assert [type(s).__name__ for s in state.states.values()] == ["EmaAdamWState", "EmaAdamWState", "tuple"]
+    assert opt.partition is not None and opt.partition.optimizers["w"].leaf_kernel.fields[-1] == "ema"
     for t in range(STEPS):
         grads = grads_for(params, t)
         ref.step(grads)
         params, state = opt.update(grads, state, params)
-    assert int(state.count) == STEPS
+    assert int(state.states["w"].step) == STEPS
     assert_equal(params, ref.params, "partition params")
     assert_equal(fdp.optim.ema_params(state, params), ref.ema, "partition ema")
 
@@ -347,6 +350,68 @@ def test_fused_and_sharded_steps_keep_the_averaged_model_bit_for_bit_on_two_rank
     assert results[0]["buckets"] > 1, "the test needs several buckets"
     assert results[0]["fields"] == ["ema", "exp_avg", "exp_avg_sq"]
     assert_tracks_equal(results, f"ema(adamw) {dt}")
+
+
+def hidden(key, p):
+    """Muon for the hidden matrices, AdamW for the first layer's and the head's params, the
+    first bias frozen."""
+    if key == "0.bias":
+        return "frozen"
+    return "muon" if p.dim() == 2 and key not in ("0.weight", "6.weight") else "adamw"
+
+
+def partition_tracks(group, dtype=torch.float32, steps=STEPS):
+    """The usual pairing (Muon for hidden matrices, AdamW for the rest, a frozen leaf, one
+    global-norm clip) under ``ema``: the fused step, the sharded fused step and the plain path,
+    against torch.optim.Muon + AdamW + clip_grad_norm_ + AveragedModel."""
+    apply, params, buffers = fdp.functionalize(mlp(seed=0).to(dtype))
+    loss = loss_of(apply, buffers)
+
+    def make():
+        return fdp.optim.ema(fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), fdp.optim.partition(hidden, {
+            "muon": fdp.optim.muon(lr=0.02), "frozen": fdp.optim.frozen(),
+            "adamw": fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=decays)})), 0.95)
+
+    reducer = fdp.Reducer(params, group, hook_threshold_bytes=0, **CAPS)
+    fused = reducer.grad_and_update(loss, make())
+    sharded = fdp.Reducer(params, group, shard=True, hook_threshold_bytes=0, **CAPS).grad_and_update(loss, make())
+    opt = make()
+    fp, fs = {k: v.clone() for k, v in params.items()}, fused.init(params)
+    sp, ss = {k: v.clone() for k, v in params.items()}, sharded.init(params)
+    pp, ps = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    model = Holder(params)
+    named = dict(zip(model.names, model.ps))
+    label = {k: hidden(k, v) for k, v in named.items()}
+    tmuon = torch.optim.Muon([v for k, v in named.items() if label[k] == "muon"], lr=0.02)
+    tadam = torch.optim.AdamW([{"params": [v for k, v in named.items() if label[k] == "adamw" and v.dim() >= 2]},
+                               {"params": [v for k, v in named.items() if label[k] == "adamw" and v.dim() < 2],
+                                "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+    avg = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.95))
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        x = x.to(dtype)
+        fp, fs, _ = fused(fp, fs, x, y)
+        sp, ss, _ = sharded(sp, ss, x, y)
+        pp, ps = opt.update(reducer.grad(loss)(pp, x, y), ps, pp)
+        grads = reducer.grad(loss)(model.tree(), x, y)
+        for k, v in named.items():
+            v.grad = grads[k]
+        torch.nn.utils.clip_grad_norm_(list(named.values()), 0.5)
+        tmuon.step()
+        tadam.step()
+        avg.update_parameters(model)
+    return {"fused": (fp, fused.state_to_tree(fs, fp)), "sharded": (sp, sharded.state_to_tree(ss, sp)),
+            "plain": (pp, ps), "reference": (model.tree(), model.tree(avg.module)),
+            "fields": sorted(fs.buffers)}
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_ema_of_muon_and_adamw_in_a_partition_runs_fused_and_sharded_bit_for_bit(dt):
+    results = fdp.testing.run(partition_tracks, 2, args=(DTYPES[dt],), timeout=300)
+    assert results[0]["fields"] == ["adamw:ema", "adamw:exp_avg", "adamw:exp_avg_sq", "muon:ema",
+                                    "muon:momentum_buffer"]
+    assert_tracks_equal(results, f"ema(clip, partition(muon, adamw, frozen)) {dt}")
 
 
 def gloo_tracks(group):

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import _tree
 from ._base import ChainState, Optimizer, ParamLeaves, clone
+from ._transforms import Partitioned, PartitionState
 
 __all__ = ["EmaState", "ema", "ema_params", "ema_update"]
 
@@ -186,6 +187,24 @@ def ema_update(average: Any, current: Any, count: int | Tensor, decay: float) ->
 
 # ---------------------------------------------------------------- the optimizer wrapper
 
+def _keeps_state(opt: Optimizer) -> bool:
+    """Whether a partition label's optimizer keeps any state (``frozen()`` keeps ``()``: its
+    params never move, so they are their own average and get none)."""
+    try:
+        return opt.init({}) != ()
+    except Exception:  # noqa: BLE001 - an optimizer that cannot init nothing: assume it keeps state
+        return True
+
+
+def _by_label(partition: Partitioned, params: Any) -> dict[Any, dict[Any, Any]]:
+    """Each label's sub-tree of ``params``, as ``partition`` hands it to the label's optimizer."""
+    leaves = _tree.leaves(params)
+    out: dict[Any, dict[Any, Any]] = {}
+    for label, key, leaf in zip(partition.labels(params), partition.keys(params), leaves):
+        out.setdefault(label, {})[key] = leaf
+    return out
+
+
 def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimizer:
     """``opt`` that also keeps an exponential moving average of the params in its state.
 
@@ -195,10 +214,10 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     lerps the average toward the new params by ``1 - decay``. Read it with ``ema_params``.
 
     Runs in the fused step (``reducer.grad_and_update``) and the sharded fused step when
-    ``opt`` does (an element-wise optimizer, alone or at the end of a chain): the average is
-    one more flat state field per bucket (per slice, sharded), updated right after the
-    bucket's params; ``step.state_to_tree`` gives it per leaf. A global scale that skips an
-    update (a chain's, or ``skip_nonfinite``) skips the average's too.
+    ``opt`` does (an element-wise optimizer, Muon, or a ``partition`` of them, alone or at
+    the end of a chain): the average is one more state field, updated right after the params
+    of each bucket (slice, sharded); ``step.state_to_tree`` gives it per leaf. A global scale
+    that skips an update (a chain's, or ``skip_nonfinite``) skips the average's too.
 
     Args:
       opt: an fdp.optim optimizer or chain.
@@ -209,8 +228,9 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     Returns:
       An ``Optimizer``. Its state is ``opt``'s with an ``ema`` field appended (a NamedTuple
       named ``Ema`` + the state's type name, e.g. ``EmaAdamWState``; a chain's ``ChainState``
-      holds it as its ``optimizer``), or an ``EmaState`` for optimizers whose state has no
-      step count (a ``partition``). ``fdp.save``/``fdp.load`` keep it with the rest.
+      holds it as its ``optimizer``; a ``partition``'s ``PartitionState`` holds one per label,
+      a ``frozen()`` label none), or an ``EmaState`` for optimizers whose state has no step
+      count (your own). ``fdp.save``/``fdp.load`` keep it with the rest.
 
     Raises:
       ValueError: ``decay`` outside [0, 1].
@@ -229,6 +249,9 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     weight = 1 - decay  # get_ema_multi_avg_fn's lerp weight, a Python float as torch passes it
+    last = opt.parts[-1] if opt.parts else opt
+    part = last.partition
+    averaged = {label: _keeps_state(o) for label, o in part.optimizers.items()} if part is not None else {}
 
     def average(avg: Any, params: Any, first: bool) -> Any:
         ps = ParamLeaves(params, name)
@@ -239,41 +262,78 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
         new = clone(ps.leaves) if first else list(torch._foreach_lerp(avg_leaves, ps.leaves, weight))
         return _tree.unflatten(ps.treedef, new)
 
+    # The last optimizer's state, with its average(s) taken out and put back. ``info`` is
+    # (average, count before the update) per averaged state: one, or one per label.
+    def wrap(inner: Any, params: Any) -> Any:
+        if part is None:
+            return _Form.wrap_init(inner, params)
+        subs = _by_label(part, params)
+        return PartitionState({label: _Form.wrap_init(s, subs[label]) if averaged[label] else s
+                               for label, s in inner.states.items()})
+
+    def split(state: Any) -> tuple[Any, dict]:
+        if part is None:
+            inner, avg, count = _Form.split(state, name)
+            return inner, {None: (avg, int(count))}
+        if not isinstance(state, PartitionState):
+            raise TypeError(f"{name}: state must be the PartitionState of this partition's init, got "
+                            f"{type(state).__name__}")
+        inners, info = {}, {}
+        for label, s in state.states.items():
+            if averaged[label]:
+                inners[label], avg, count = _Form.split(s, name)
+                info[label] = (avg, int(count))  # (before the update: a donating optimizer advances it in place)
+            else:
+                inners[label] = s
+        return PartitionState(inners), info
+
+    def skipped(inner: Any, new: Any, info: dict) -> bool:
+        """A global scale skipped the update: the chain handed the optimizer's state back."""
+        if part is None and _has_step(inner):  # (a donating optimizer returns its own state object)
+            return int(new.step) == info[None][1]
+        return new is inner  # (a partition's update always makes a new PartitionState)
+
+    def join(old: Any, new: Any, info: dict, params: Any) -> Any:
+        if part is None:
+            avg, n = info[None]
+            return _Form.join(old, new, average(avg, params, n == 0))
+        subs = _by_label(part, params)
+        states = {}
+        for label, s in new.states.items():
+            if label in info:
+                avg, n = info[label]
+                s = _Form.join(old.states[label], s, average(avg, subs[label], n == 0))
+            states[label] = s
+        return PartitionState(states)
+
     if opt.parts:  # a chain: its transforms, then ``ema`` of its optimizer (what the fused step runs)
-        last = ema(opt.parts[-1], decay, donate=donate)
+        ema_last = ema(last, decay, donate=donate)
 
         def init(params: Any) -> ChainState:
             state = opt.init(params)
-            return ChainState(state.transforms, _Form.wrap_init(state.optimizer, params))
+            return ChainState(state.transforms, wrap(state.optimizer, params))
 
         @torch.no_grad()
         def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
             if not isinstance(state, ChainState):
                 raise TypeError(f"{name}: state must be the ChainState of this chain's init, got "
                                 f"{type(state).__name__}")
-            inner, avg, count = _Form.split(state.optimizer, name)
-            n = int(count)  # (before the update: a donating optimizer advances it in place)
+            inner, info = split(state.optimizer)
             params, new = opt.update(grads, ChainState(state.transforms, inner), params)
-            # A global scale that skipped the update (the chain hands back the optimizer's state
-            # as it was) skips the average too: the count did not move, or (no count) the
-            # chain returned the very state it was given.
-            skipped = int(new.optimizer.step) == n if _has_step(inner) else new.optimizer is inner
-            if skipped:
+            if skipped(inner, new.optimizer, info):  # so is the average
                 return params, ChainState(new.transforms, state.optimizer)
-            avg = average(avg, params, n == 0)
-            return params, ChainState(new.transforms, _Form.join(state.optimizer, new.optimizer, avg))
+            return params, ChainState(new.transforms, join(state.optimizer, new.optimizer, info, params))
 
-        return Optimizer(init, update, None, (*opt.parts[:-1], last))
+        return Optimizer(init, update, None, (*opt.parts[:-1], ema_last))
 
     def init(params: Any) -> Any:
-        return _Form.wrap_init(opt.init(params), params)
+        return wrap(opt.init(params), params)
 
     @torch.no_grad()
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-        inner, avg, count = _Form.split(state, name)
-        first = int(count) == 0  # (before the update: a donating optimizer advances it in place)
+        inner, info = split(state)
         params, new = opt.update(grads, inner, params)
-        return params, _Form.join(state, new, average(avg, params, first))
+        return params, join(state, new, info, params)
 
     kernel = None
     if opt.leaf_kernel is not None:
@@ -287,7 +347,11 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
             _lerp_(state_lists[-1], p, weight, first)
 
         kernel = inner_kernel._replace(fields=(*inner_kernel.fields, "ema"), step=leaf_step)
-    return Optimizer(init, update, kernel, hyper=opt.hyper)
+    partitioned = None
+    if part is not None:  # the fused step runs each label's optimizer: each label averages its own
+        partitioned = part._replace(optimizers={label: ema(o, decay, donate=donate) if averaged[label] else o
+                                                for label, o in part.optimizers.items()})
+    return Optimizer(init, update, kernel, hyper=opt.hyper, partition=partitioned)
 
 
 def ema_params(state: Any, params: Any) -> Any:
@@ -297,7 +361,8 @@ def ema_params(state: Any, params: Any) -> Any:
       state: the state of ``ema(opt)`` (``opt.update``'s, a chain's ``ChainState`` around
         it, or the fused step's in per-leaf form: ``step.state_to_tree(opt_state, params)``).
       params: the current params: before the first update the average is the params
-        themselves (torch's ``AveragedModel`` starts as a copy of the model).
+        themselves (torch's ``AveragedModel`` starts as a copy of the model), and so are a
+        ``frozen()`` label's leaves.
 
     Returns:
       The state's average (its own tensors, not a copy), or ``params`` before any update.
@@ -318,8 +383,19 @@ def ema_params(state: Any, params: Any) -> Any:
     name = "fdp.optim.ema_params"
     inner = state.optimizer if isinstance(state, ChainState) else state
     buffers = getattr(inner, "buffers", None)
-    if isinstance(buffers, dict) and "ema" in buffers:
+    if isinstance(buffers, dict) and any(key.split(":")[-1] == "ema" for key in buffers):
         raise TypeError(f"{name}: this is the fused step's flat state; pass its per-leaf form, "
                         "step.state_to_tree(opt_state, params)")
+    if isinstance(inner, PartitionState):  # each label's average, by the leaves' keys
+        found: dict[Any, Tensor] = {}
+        for s in inner.states.values():
+            if type(s) in _INNER or isinstance(s, EmaState):
+                _, avg, count = _Form.split(s, name)
+                if int(count) > 0:
+                    found.update(avg)
+        if not found:
+            return params
+        leaves, treedef = _tree.flatten(params)
+        return _tree.unflatten(treedef, [found.get(k, leaf) for k, leaf in zip(_tree.keys(treedef), leaves)])
     _, avg, count = _Form.split(inner, name)
     return params if int(count) == 0 else avg

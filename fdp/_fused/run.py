@@ -72,8 +72,7 @@ class Run:
         # backward failed).
         self.step: Step = core.machine.start(StepSpec(
             kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
-            closes=True,
-            bucket_status=not self.early))
+            closes=True, bucket_status=not self.early, on_filled=core.on_filled))
 
     # ------------------------------------------------------------------ arrival
     def fail(self, e: BaseException) -> None:
@@ -85,10 +84,10 @@ class Run:
         the backward's hooks: it never raises (a failure is kept for the status)."""
         core = self.core
         try:
-            mine = core.scatter.finish(b, flat) if core.scatter is not None else flat
+            mine = core.reduced(b, core.scatter.finish(b, flat) if core.scatter is not None else flat)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
-            mine = core.shards.mine(b, core.machine.buffers.wire(b))
+            mine = self._wire_zeros(b)
         if self.replicas is not None:
             for landed in self.replicas.arrive(b, mine):
                 self._arrived(landed, self.replicas.slices[landed])
@@ -144,7 +143,7 @@ class Run:
         for i in self.program.suffix:
             self._apply(i, b, g)
         p, src = self.dst.flats[b], self.src.flats[b]
-        if core.sharded:
+        if core.sharded and core.gathers_params:  # (fully sharded: the sets hold the slices only)
             p, src = core.shards.mine(b, p), core.shards.mine(b, src)
         if self.dst is not self.src:
             p.copy_(src)
@@ -191,7 +190,7 @@ class Run:
         """This rank's step failed before the machine finished (the machine has drained the
         buckets): issue the rest of the step's collectives, with nothing of its own."""
         if self.replicas is not None:
-            self.replicas.drain(lambda b: self.core.shards.mine(b, self.core.machine.buffers.wire(b)).zero_())
+            self.replicas.drain(self._wire_zeros)
 
     def finish(self) -> bool:
         """Everything after the buckets: the finite check, the whole-tree transforms, the
@@ -206,8 +205,11 @@ class Run:
                 finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
             if not finite:
                 self.skipped = "nonfinite"
-        if finite and not self.early:
-            finite = self._whole_tree()
+        if not self.early:
+            # A rejected step still meets the first global scale: a loss scale decides about
+            # non-finite gradients itself and backs off on them (only a scale that skips keeps
+            # its new state; the same verdict on every rank, so the same collectives).
+            finite = self._whole_tree(rejected=not finite) and finite
         if finite and core.owners is not None:
             self._sharded_whole_leaves()
             return self._close_after(finite)
@@ -218,7 +220,7 @@ class Run:
                         self.update(b)
                     except Exception as e:  # noqa: BLE001 - reported through the step's status
                         self.fail(e)
-                if core.scatter is not None:  # bucket b's params gather while bucket b + 1 updates
+                if core.gathers_params:  # bucket b's params gather while bucket b + 1 updates
                     if self.gathers:  # one in flight at a time: its staging buffer serves the next
                         self._gathered(*self.gathers.pop())
                     self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
@@ -267,14 +269,18 @@ class Run:
             self.fail(e)
             return default
 
-    def _whole_tree(self) -> bool:
+    def _whole_tree(self, rejected: bool = False) -> bool:
         """Every bucket has arrived: run the program's middle transforms over all of them (a
         global scale's factor from every leaf's statistic, in leaf order). The last global
         scale's factor is left for ``update`` to multiply each bucket by. Returns False when
         a global scale skips the step (sharded, every rank decides it from the same gathered
-        statistics, also a rank that failed, so all issue the same collectives after it)."""
+        statistics, also a rank that failed, so all issue the same collectives after it).
+        ``rejected``: the finite check has rejected the step; only the first global scale
+        runs, to skip it itself (then ``skipped`` is ``"scale"`` and its state is kept)."""
         program = self.program
-        for i in range(program.prefix, program.last_tree + 1):
+        if rejected and program.measure is None:
+            return False
+        for i in range(program.prefix, program.prefix + 1 if rejected else program.last_tree + 1):
             t = program.transforms[i]
             if self.coef is not None:  # an earlier global scale: its product first
                 self._guarded(lambda coef=self.coef: self._mul_all(coef), None)
@@ -288,6 +294,8 @@ class Run:
             try:
                 factor, new = t.scale(stats, self.tstates[i])
             except Exception as e:  # noqa: BLE001 - reported through the step's status
+                if rejected:  # the finite check's skip stands (clip_by_global_norm(error_if_nonfinite=True))
+                    return False
                 self.fail(e)
                 continue
             if self.error is None:
@@ -327,6 +335,12 @@ class Run:
             except Exception as e:  # noqa: BLE001 - reported through the step's status
                 self.fail(e)
         return core.straddles.gather(own if self.error is None else {}, core.mesh.shard)
+
+    def _wire_zeros(self, b: int) -> torch.Tensor:
+        """Zeros for bucket ``b``'s (slice of the) reduced gradient, in its wire dtype."""
+        bucket = self.core.plan.buckets[b]
+        return torch.zeros(self.core.shards.numel(b), dtype=self.core.machine.buffers.wire_dtypes[b],
+                           device=bucket.device)
 
     def _zeros(self, b: int) -> torch.Tensor:
         bucket = self.core.plan.buckets[b]

@@ -25,6 +25,7 @@ from ..optim._flat import split_chain
 from .core import FusedCore
 from .program import Program
 from .state import FusedState, StateLayout
+from .units_core import UnitCore
 
 NAME = "fdp.Reducer.grad_and_update"
 
@@ -44,6 +45,13 @@ def eager_only(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)
 
 
+def template(params: Any) -> Any:
+    """``params``, or for fully sharded ``ShardedParams`` their tree of meta tensors (the
+    shapes and dtypes masks and ``opt.init`` read)."""
+    make = getattr(params, "__fdp_template__", None)
+    return make() if make is not None else params
+
+
 class FusedCores:
     """A Reducer's fused cores, by (plan, param groups); the least recently used goes first
     once there are ``MAX``."""
@@ -59,7 +67,8 @@ class FusedCores:
         key = (plan.fingerprint, program.keys, whole)
         core = self._cores.get(key)
         if core is None:
-            core = self._cores[key] = FusedCore(self.config, plan, program.keys, whole, NAME)
+            kind = FusedCore if self.config.units is None else UnitCore
+            core = self._cores[key] = kind(self.config, plan, program.keys, whole, NAME)
             while len(self._cores) > self.MAX:
                 self._cores.popitem(last=False)
         else:
@@ -116,6 +125,7 @@ class FusedStep:
 
     def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
         if self._program is None:  # (read on params in the plan's leaf order)
+            params = template(params)
             ordered = _tree.unflatten(self._plan.treedef, self._plan.leaves_of(params, f"{NAME} params"))
             self._program = Program(self.opt, ordered, NAME, sharded=self._cores.config.sharded)
         core = self._cores.get(self._plan, self._program)
@@ -127,7 +137,7 @@ class FusedStep:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
         checked across ranks)."""
         core, _, layout = self._bind(params)
-        state = layout.init(params)
+        state = layout.init(template(params))
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
 
@@ -177,12 +187,12 @@ class FusedStep:
         slices are gathered, and every rank gets the whole state (save it with ``fdp.save``;
         it loads into any world size, plan, or the unsharded step)."""
         core, _, layout = self._bind(params)
-        return layout.to_tree(core.check_state(layout, opt_state), params)
+        return layout.to_tree(core.check_state(layout, opt_state), template(params))
 
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
         core, _, layout = self._bind(params)
-        state = layout.from_tree(tree_state, params)
+        state = layout.from_tree(tree_state, template(params))
         core.broken = None
         return state
 

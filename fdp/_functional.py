@@ -201,7 +201,7 @@ class Apply:
                         for owner, key in self._slots[name]:
                             saved.append((owner, key, owner[key]))
                             owner[key] = t
-                for u, slots in enumerate(by_unit):
+                for slots in by_unit:
                     for owner, key, i in slots:
                         saved.append((owner, key, owner[key]))
                         owner[key] = placeholders[i]

@@ -28,8 +28,8 @@ from ._comm.agree import count_and_check_active, verify_layout
 from ._comm.group import Group
 from ._comm.mesh import resolve_mesh
 from ._fused.step import FusedCores, FusedStep
-from ._log import debug_mode, log
 from ._fused.units import bucket_groups, unit_of_leaves
+from ._log import debug_mode, log
 from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
 from ._step import functorch

@@ -110,12 +110,13 @@ def against_ddp_and_fsdp2(group, clip):
 
     fsdp = torch_run(fsdp2)
     fsdp_params = {k: v.full_tensor().detach().clone() for k, v in fsdp.named_parameters()}
-    opt = (lambda: fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2, weight_decay=0.1))
-           if clip else fdp.optim.adamw(lr=1e-2, weight_decay=0.1))
+    opt = fdp.optim.adamw(lr=1e-2, weight_decay=0.1)
+    if clip:
+        opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), opt)
     net = block_net(seed=7)
     apply, params, buffers = fdp.functionalize(net)
     step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
-        loss_of(apply, buffers), opt())
+        loss_of(apply, buffers), opt)
     state = step.init(params)
     for i in range(4):
         params, state, _ = step(params, state, *tokens(group.rank, i))
@@ -170,6 +171,8 @@ def memory(group):
     reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block))
     step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.adamw(lr=1e-2))
     state = step.init(params)
+    params = step.shard(params)  # this rank's slices; the whole tree can go
+    net.to("meta")
     for i in range(3):
         params, state, _ = step(params, state, *tokens(group.rank, i))
     core = step._core
@@ -232,7 +235,7 @@ def penalty(group):
         apply, params, buffers = fdp.functionalize(net)
         base = loss_of(apply, buffers)
 
-        def loss(p, x, y):
+        def loss(p, x, y, base=base):
             return base(p, x, y) + 0.01 * (p["blocks.1.fc1.weight"] ** 2).sum()
 
         units = fdp.units(net, Block) if shard else None

@@ -141,6 +141,22 @@ class FusedStep:
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
 
+    def shard(self, params: Any) -> Any:
+        """Fully sharded params (``Reducer(shard="params")``): this rank's slices of a whole
+        params tree, as the ``fdp.ShardedParams`` the step takes and returns (a copy of this
+        rank's elements; no communication). Drop the whole tree afterwards (and the module's
+        copy: ``model.to("meta")``): from then on the rank holds only its slices.
+
+        Raises:
+          TypeError: the Reducer does not shard its params.
+        """
+        core, _, _ = self._bind(params)
+        if not isinstance(core, UnitCore):
+            raise TypeError(f"{NAME}: step.shard(params) is for fully sharded params (Reducer(shard='params')); "
+                            "this step's params are whole on every rank")
+        pset, _ = core.params.current(params, False)
+        return core.params.views(pset)
+
     @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
         core, program, layout = self._bind(params)

@@ -33,10 +33,9 @@ one deterministic order).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-
-import time
 
 import torch
 

@@ -129,7 +129,7 @@ class Kind:
         self.state = self.step_fn.init(params)
         self.params = params
         if kind == "zero3":  # the whole copy goes: this rank keeps its slices only
-            self.params, self.state, _ = self.step_fn(params, self.state, *batch(-1, group.rank, 1))
+            self.params = self.step_fn.shard(params)
             net.to("meta")
             del params
 

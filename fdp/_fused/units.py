@@ -313,12 +313,12 @@ class Units:
 
     def _wait(self, b: int) -> None:
         work, self.works[b] = self.works[b], None
+        self.state[b] = _READY  # (allocated: freed by ``end`` even when the wait fails)
         waited = time.perf_counter()
         wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
                                f"(bucket {b})")
         if self.scatter is not None:
             self.scatter.gathered(b)
-        self.state[b] = _READY
         if self.times is not None:
             t0 = self.t0
             self.times[b].gathers.append((self.issued[b] - t0, waited - t0, time.perf_counter() - t0))

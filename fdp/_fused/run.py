@@ -140,6 +140,7 @@ class Run:
         if self.dst is not self.src:
             p.copy_(src)
         buffers = state.buffers
+        self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
         if core.whole[b]:  # one group, one run, one kernel call: the tensors themselves
             kernel.step(core.runs[b][0][0], [p], [g], [[buffers[f][b]] for f in kernel.fields], state.step)
         else:
@@ -148,7 +149,6 @@ class Run:
                 # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
                 # chunk-sized rather than bucket-sized (fdp.optim._flat.CHUNK's comment).
                 kernel.step(group, pieces(p, runs), pieces(g, runs), [pieces(s, runs) for s in states], state.step)
-        self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
 
@@ -278,23 +278,27 @@ class Run:
 
     def close(self) -> None:
         """The step's verdict on every rank: raise this rank's error, or ``CollectiveError``
-        if another rank failed; a rank that updated anything then refuses the state."""
+        if another rank failed; every rank then refuses the state (some rank may have updated
+        its state, or part of it, before the failure was known: the replicas' states differ).
+        Refusing on every rank, not only on those that updated, keeps the ranks in step: a
+        rank that went on alone would wait in the next step's collectives for the timeout."""
         core = self.core
         n = core.machine.close(self.step, self.error is not None)
         if not n:
             return
-        if any(self.updated):
-            core.broken = (f"step {self.step.n} failed on {n} rank(s) after this rank had updated "
-                           f"{sum(self.updated)} of {len(self.updated)} buckets of the optimizer state in place "
-                           "(and with donate=True the params), so the replicas differ now; load a saved state "
-                           "(step.state_from_tree, fdp.load) or make a new one (step.init) to go on")
+        mine = (f"this rank had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer state "
+                "in place (and with donate=True the params)" if any(self.updated) else
+                "other ranks may have updated their optimizer state in place (and with donate=True the params)")
+        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
+                       "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
+                       "make a new one (step.init) on every rank to go on")
         if self.error is not None:
             raise self.error
         raise CollectiveError(
             f"fdp: step {self.step.n} of {core.name} failed on {n} other rank(s) of {core.group.size} after "
             f"the backward (in a transform, the optimizer's kernel or a gather); this is rank {core.group.rank}. "
-            + ("This rank's state was updated and is refused now: load a saved state to go on."
-               if any(self.updated) else "Nothing was updated on this rank."))
+            + ("This rank's state was updated" if any(self.updated) else "Other ranks may have updated their state")
+            + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
 
 
 def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:

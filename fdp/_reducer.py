@@ -174,7 +174,8 @@ class Reducer:
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
             overlap=bool(overlap), steps=Steps())
         self._fused = FusedCores(self._config)
-        self._use_plan(plan)
+        with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
+            self._use_plan(plan)
 
     def _use_plan(self, plan: BucketPlan) -> None:
         """Build the step machine and buffers for ``plan`` and check it is every rank's."""

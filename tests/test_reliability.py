@@ -150,3 +150,32 @@ def test_2_a_kernel_failure_after_the_backward_fails_the_step_on_every_rank_and_
         assert re.search(r"updated .*optimizer state in place", refused[1]), refused[1]
         assert_trees_equal(fused, plain, f"rank {rank}, after a fresh state")
         assert_trees_equal(fused, results[0][2], f"rank {rank} is not a replica of rank 0")
+
+
+# ----------------------------------------------------------------------------- case 3
+def under_inference_mode(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=13))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adamw(lr=1e-2)
+    x, y = batch(group.rank, 0)
+    local = torch.func.grad(loss)(params, x, y)  # torch's own gradient of this rank, outside
+    with torch.inference_mode():
+        reducer = fdp.Reducer(params, group, **CAPS)  # made inside too: its buffers are used outside
+        grads = reducer.grad(loss)(params, x, y)
+        inside = torch.func.grad(loss)(params, x, y)
+        step = reducer.grad_and_update(loss, opt)
+        fused, state, _ = step(params, step.init(params), x, y)
+    want = fdp.psum({k: g / group.size for k, g in local.items()}, group)
+    plain = opt.update(reducer.grad(loss)(params, x, y), opt.init(params), params)[0]
+    return grads, inside, local, want, fused, plain
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_3_inference_mode_gives_the_right_gradients_and_updates(backend):
+    for rank, (grads, inside, local, want, fused, plain) in enumerate(
+            fdp.testing.run(under_inference_mode, 2, backend=backend)):
+        assert_trees_equal(inside, local, f"rank {rank}: torch.func.grad inside inference_mode")
+        for k in want:  # the mean of torch.func.grad's over the ranks (two ranks: one rounding)
+            torch.testing.assert_close(grads[k], want[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, grad {k!r}")
+            assert grads[k].abs().sum() > 0, f"rank {rank}: zero gradient for {k!r}"
+        assert_trees_equal(fused, plain, f"rank {rank}: fused step inside inference_mode")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._plan.bucket import BucketPlan
+from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
 from ..optim import Optimizer
@@ -94,6 +95,12 @@ class FusedStep:
         self._last: StepRecord | None = None
 
     def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+        # What a core keeps across calls is made as ordinary tensors, also when the first
+        # call is inside torch.inference_mode() (the step updates them in place outside it).
+        with autograd_on():
+            return self._bind_now(params)
+
+    def _bind_now(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
         if self._program is None:
             self._program = Program(self.opt, params, NAME, sharded=self._cores.config.sharded)
         core = self._cores.get(self._plan, self._program.groups)
@@ -105,7 +112,8 @@ class FusedStep:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
         checked across ranks)."""
         core, _, layout = self._bind(params)
-        state = layout.init(params)
+        with autograd_on():  # (an inference tensor could not be updated in place by the step)
+            state = layout.init(params)
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
 
@@ -139,7 +147,8 @@ class FusedStep:
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
         core, _, layout = self._bind(params)
-        state = layout.from_tree(tree_state, params)
+        with autograd_on():
+            state = layout.from_tree(tree_state, params)
         core.broken = None
         return state
 

@@ -179,3 +179,146 @@ def test_3_inference_mode_gives_the_right_gradients_and_updates(backend):
             torch.testing.assert_close(grads[k], want[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}, grad {k!r}")
             assert grads[k].abs().sum() > 0, f"rank {rank}: zero gradient for {k!r}"
         assert_trees_equal(fused, plain, f"rank {rank}: fused step inside inference_mode")
+
+
+# ----------------------------------------------------------------------------- case 4
+def reordered(params):
+    return {k: params[k] for k in reversed(list(params))}
+
+
+def train(step, params, state, rank, steps):
+    for i in steps:
+        params, state, _ = step(params, state, *batch(rank, i))
+    return params, state
+
+
+def test_4_a_fused_state_of_another_layout_is_refused_by_load_and_by_the_step(tmp_path):
+    apply, params, buffers = fdp.functionalize(mlp(seed=14))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adam(lr=1e-2)
+    caps = dict(bucket_cap_mb=0.01, first_bucket_cap_mb=0.01)
+    reducer = fdp.Reducer(params, **caps)
+    step = reducer.grad_and_update(loss, opt)
+    p, state = train(step, dict(params), step.init(params), 0, range(2))
+    fdp.save(tmp_path / "fused.pt", {"params": p, "opt": state})
+    # The same params built in another key order: the same bucket sizes, other leaves in them.
+    other = reordered(params)
+    reducer2 = fdp.Reducer(other, **caps)
+    assert [b.numel for b in reducer2.plan.buckets] == [b.numel for b in reducer.plan.buckets]
+    assert [b.paths for b in reducer2.plan.buckets] != [b.paths for b in reducer.plan.buckets]
+    step2 = reducer2.grad_and_update(loss, opt)
+    like = {"params": reordered(p), "opt": step2.init(other)}
+    with pytest.raises(fdp.CheckpointError, match="made for another bucket plan"):
+        fdp.load(tmp_path / "fused.pt", like=like)
+    with pytest.raises(ValueError, match="made for another layout"):
+        step2(reordered(p), state, *batch(0, 2))
+    # The per-leaf form converts it; the run goes on as if nothing had moved.
+    converted = step2.state_from_tree(step.state_to_tree(state, p), reordered(p))
+    want, _ = train(step, p, state, 0, range(2, 4))
+    got, _ = train(step2, reordered(p), converted, 0, range(2, 4))
+    assert_trees_equal(reordered(got), want, "after the conversion")
+
+
+# ----------------------------------------------------------------------------- case 6
+def clip_each_leaf(max_norm, seen=None):
+    """A user's per-leaf norm clip: each gradient leaf scaled to norm <= max_norm on its own."""
+    def coef(g):
+        return torch.clamp(max_norm / (torch.linalg.vector_norm(g) + 1e-6), max=1.0)
+
+    def update(grads, state, params):
+        return optree.tree_map(lambda g: g * coef(g), grads), state
+
+    def apply(tensors, state):
+        if seen is not None:
+            seen.append([tuple(t.shape) for t in tensors])
+        for t in tensors:
+            t.mul_(coef(t))
+        return state
+
+    return fdp.optim.GradientTransform(lambda params: (), update, reach="leaf", apply=apply)
+
+
+def per_leaf(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=15))
+    loss = loss_of(apply, buffers)
+    seen = []
+    opt = fdp.optim.chain(clip_each_leaf(0.05, seen), fdp.optim.sgd(lr=0.5, momentum=0.9))
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    fused, plain, pstate = dict(params), dict(params), opt.init(params)
+    for i in range(3):
+        fused, state, _ = step(fused, state, *batch(group.rank, i))
+        plain, pstate = opt.update(reducer.grad(loss)(plain, *batch(group.rank, i)), pstate, plain)
+    return fused, plain, seen, [s.shape for s in reducer.plan.slots]
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_6_a_per_leaf_transform_gets_leaves_in_the_fused_step_and_the_plain_paths_numbers(backend):
+    for rank, (fused, plain, seen, shapes) in enumerate(fdp.testing.run(per_leaf, 2, backend=backend)):
+        assert_trees_equal(fused, plain, f"rank {rank}")
+        # The plain path's chain hands apply the whole tree, the fused step each bucket's
+        # leaves: over 3 steps of each, every leaf 6 times, always whole (never a bucket).
+        given = sorted(s for call in seen for s in call)
+        assert given == sorted([tuple(s) for s in shapes] * 6), f"rank {rank}: apply saw {seen}"
+
+
+def test_6_whole_tree_transforms_without_a_global_scale_and_sharded_per_leaf_ones_are_refused():
+    params = {"w": torch.ones(3)}
+    reducer = fdp.Reducer(params)
+    tree = fdp.optim.stateless(lambda grads, params: grads)  # reach="tree", no stats/scale
+    with pytest.raises(TypeError, match=r"part 0 of the chain is a whole-tree transform .* not a global scale"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.chain(tree, fdp.optim.sgd(lr=0.1)))
+
+    def sharded(group):  # (a shard group of one is the unsharded step, which takes it)
+        reducer = fdp.Reducer(params, group, shard=True)
+        with pytest.raises(TypeError, match=r"part 0 of the chain declares reach='leaf': with shard=True"):
+            reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.chain(clip_each_leaf(1.0), fdp.optim.sgd(lr=0.1)))
+
+    fdp.testing.run(sharded, 2)
+
+
+# ----------------------------------------------------------------------------- case 7
+NORM_TYPES = [2.0, 1.0, 0.0, math.inf, -math.inf, 0.5, 3.0]
+MAX_NORM = {0.0: 4.0, -math.inf: 1e-7}  # so that each norm type clips (others: 0.05)
+
+
+def clipped_like_torch(group, norm_type, steps=3):
+    max_norm = MAX_NORM.get(norm_type, 0.05)
+    ddp = nn.parallel.DistributedDataParallel(mlp(seed=16))
+    torch_opt = torch.optim.SGD(ddp.parameters(), lr=0.5, momentum=0.9)
+    apply, params, buffers = fdp.functionalize(mlp(seed=16))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(max_norm, norm_type), fdp.optim.sgd(lr=0.5, momentum=0.9))
+    reducer = fdp.Reducer(params, group, **CAPS)
+    fused_step = reducer.grad_and_update(loss, opt)
+    sharded_step = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss, opt)
+    plain, pstate = dict(params), opt.init(params)
+    fused, fstate = dict(params), fused_step.init(params)
+    sharded, sstate = dict(params), sharded_step.init(params)
+    norms = {"torch": [], "plain": [], "fused": [], "sharded": []}
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        torch_opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        norms["torch"].append(torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm, norm_type))
+        torch_opt.step()
+        plain, pstate = opt.update(reducer.grad(loss)(plain, x, y), pstate, plain)
+        norms["plain"].append(pstate.transforms[0].norm)
+        fused, fstate, _ = fused_step(fused, fstate, x, y)
+        norms["fused"].append(fused_step.state_to_tree(fstate, fused).transforms[0].norm)
+        sharded, sstate, _ = sharded_step(sharded, sstate, x, y)
+        norms["sharded"].append(sharded_step.state_to_tree(sstate, sharded).transforms[0].norm)
+    want = {k: p.detach().clone() for k, p in ddp.module.named_parameters()}
+    return want, {"plain": plain, "fused": fused, "sharded": sharded}, norms, max_norm
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_7_every_norm_type_clips_as_clip_grad_norm_with_ddp_in_the_plain_fused_and_sharded_steps(norm_type):
+    results = fdp.testing.run(clipped_like_torch, 2, backend="gloo", args=(norm_type,), timeout=120)
+    for rank, (want, got, norms, max_norm) in enumerate(results):
+        assert any(n > max_norm for n in norms["torch"]), f"the test's max_norm does not clip ({norms['torch']})"
+        for path in ("plain", "fused", "sharded"):
+            for i, (n, t) in enumerate(zip(norms[path], norms["torch"])):
+                assert torch.equal(n, t), f"rank {rank}, {path} step, norm_type {norm_type}: norm {n} at step {i}, torch {t}"
+            assert_trees_equal(got[path], want, f"rank {rank}, {path} step against DDP + clip_grad_norm_")

@@ -322,3 +322,118 @@ def test_7_every_norm_type_clips_as_clip_grad_norm_with_ddp_in_the_plain_fused_a
             for i, (n, t) in enumerate(zip(norms[path], norms["torch"])):
                 assert torch.equal(n, t), f"rank {rank}, {path} step, norm_type {norm_type}: norm {n} at step {i}, torch {t}"
             assert_trees_equal(got[path], want, f"rank {rank}, {path} step against DDP + clip_grad_norm_")
+
+
+# ----------------------------------------------------------------------------- case 9
+# A copy of a sharded state (optree.tree_map(torch.clone, state)) is refused by fdp.save as
+# the state itself is: tests/test_shard.py::test_a_sharded_checkpoint_resumes_bit_exactly_
+# unsharded_and_on_another_world_size (its `saved` checks both, on two ranks).
+
+
+# ----------------------------------------------------------------------------- case 10a
+def masked_three_ranks(group, steps=10):
+    apply, params, buffers = fdp.functionalize(mlp(seed=17))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
+    reducer = fdp.Reducer(params, group, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    fused, state = dict(params), step.init(params)
+    plain, pstate = dict(params), opt.init(params)
+    for i in range(steps):
+        fused, state, _ = step(fused, state, *batch(group.rank, i))
+        plain, pstate = opt.update(reducer.grad(loss)(plain, *batch(group.rank, i)), pstate, plain)
+    return fused, plain, step.state_to_tree(state, fused), pstate
+
+
+def test_10a_with_a_mask_on_three_ranks_the_fused_step_equals_the_plain_path_bit_for_bit():
+    for rank, (fused, plain, fstate, pstate) in enumerate(fdp.testing.run(masked_three_ranks, 3, backend="gloo")):
+        assert_trees_equal(fused, plain, f"rank {rank}, params after 10 steps")
+        assert_trees_equal(fstate, pstate, f"rank {rank}, optimizer state after 10 steps")
+
+
+# ----------------------------------------------------------------------------- crashes
+def one_rank_shard_groups(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    apply, params, buffers = fdp.functionalize(mlp(seed=18))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2))
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))  # shard groups of one
+    out = []
+    for over, shard in ((group, False), (mesh, True)):
+        step = fdp.Reducer(params, over, shard=shard, **CAPS).grad_and_update(loss, opt)
+        p, state = train(step, dict(params), step.init(params), group.rank, range(3))
+        out.append((p, step.state_to_tree(state, p)))
+    return out
+
+
+def test_crash_shard_true_over_shard_groups_of_one_rank_is_the_unsharded_step():
+    apply, params, buffers = fdp.functionalize(mlp(seed=18))  # a world of one (no process group)
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adamw(lr=1e-2)
+    got = []
+    for shard in (False, True):
+        step = fdp.Reducer(params, shard=shard, **CAPS).grad_and_update(loss, opt)
+        got.append(train(step, dict(params), step.init(params), 0, range(3))[0])
+    assert_trees_equal(got[1], got[0], "world of one, shard=True")
+    for rank, ((p, st), (sp, sst)) in enumerate(fdp.testing.run(one_rank_shard_groups, 2, backend="gloo")):
+        assert_trees_equal(sp, p, f"rank {rank}, (2, 1) mesh: params")
+        assert_trees_equal(sst, st, f"rank {rank}, (2, 1) mesh: optimizer state")
+
+
+def test_crash_donate_refuses_a_tensor_that_appears_twice_naming_both_paths():
+    w = torch.randn(4, 4)
+    params = {"a": w, "b": w, "c": torch.randn(4)}  # tied by hand, not by functionalize
+
+    def loss(p):
+        return (p["a"] @ p["b"] + p["c"]).square().sum()
+
+    with pytest.raises(ValueError):  # the plain path refuses the same input
+        fdp.optim.sgd(lr=0.1, donate=True).update(torch.func.grad(loss)(params), fdp.optim.sgd(lr=0.1).init(params), params)
+    step = fdp.Reducer(params).grad_and_update(loss, fdp.optim.sgd(lr=0.1), donate=True)
+    state = step.init(params)
+    with pytest.raises(ValueError, match=r"params\['a'\] and params\['b'\] are the same memory"):
+        step(params, state)
+    assert params["a"] is params["b"] and torch.equal(params["a"], w), "the refused step changed the tree"
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_crash_a_new_optimizer_object_every_step_reuses_one_core_and_memory_stays_flat():
+    params = {"w": torch.randn(1024, 1024) * 0.01, "b": torch.zeros(1024)}  # 4 MiB
+
+    def loss(p, x):
+        return torch.tanh(x @ p["w"] + p["b"]).square().mean()
+
+    x = torch.randn(8, 1024)
+    reducer = fdp.Reducer(params)
+    lrs = [1e-3 * (1 + i % 7) for i in range(30)]  # the lr changed by hand: a new adamw each step
+    fused, state, before = dict(params), None, None
+    for i, lr in enumerate(lrs):
+        step = reducer.grad_and_update(loss, fdp.optim.adamw(lr=lr))
+        state = step.init(params) if state is None else state
+        fused, state, _ = step(fused, state, x)
+        if i == 2:
+            before = rss_bytes()
+        assert len(reducer._fused) == 1, f"step {i}: {len(reducer._fused)} fused cores cached"
+    grown = rss_bytes() - before
+    assert grown < 32 * 2**20, f"resident memory grew by {grown / 2**20:.0f} MiB over 27 steps"
+    plain, pstate = dict(params), fdp.optim.adamw(lr=lrs[0]).init(params)
+    for lr in lrs:
+        plain, pstate = fdp.optim.adamw(lr=lr).update(reducer.grad(loss)(plain, x), pstate, plain)
+    assert_trees_equal(fused, plain, "a new adamw each step, against the plain path")
+
+
+def test_crash_state_to_tree_returns_the_state_in_the_given_params_order():
+    apply, params, buffers = fdp.functionalize(mlp(seed=19))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.adam(lr=1e-2)
+    step = fdp.Reducer(params, **CAPS).grad_and_update(loss, opt)
+    p, state = train(step, dict(params), step.init(params), 0, range(2))
+    mine, theirs = step.state_to_tree(state, p), step.state_to_tree(state, reordered(p))
+    assert list(theirs.exp_avg) == list(reordered(p)) == list(opt.init(reordered(p)).exp_avg)
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert_trees_equal(reordered(getattr(theirs, field)), getattr(mine, field), field)

@@ -437,3 +437,45 @@ def test_crash_state_to_tree_returns_the_state_in_the_given_params_order():
     assert list(theirs.exp_avg) == list(reordered(p)) == list(opt.init(reordered(p)).exp_avg)
     for field in ("exp_avg", "exp_avg_sq"):
         assert_trees_equal(reordered(getattr(theirs, field)), getattr(mine, field), field)
+
+
+# ----------------------------------------------------------------------------- case 8
+def integer_sums(group):
+    r = group.rank
+    big = 2**62 + r  # two of them: 2**63 + 1, past int64
+    tree = {
+        "int": 123456789,
+        "int32": torch.tensor([2_000_000_000, -7], dtype=torch.int32),
+        "uint8": torch.tensor([200, 1], dtype=torch.uint8),
+        "int64": torch.tensor([2**62 - 1 + r, -(2**62)], dtype=torch.int64),  # sums fit int64 exactly
+        "big_int": big,
+        "bool": torch.tensor([True, r == 0]),
+    }
+    s, m = fdp.psum(tree, group), fdp.pmean(tree, group)
+    try:
+        fdp.psum({"past": torch.tensor([big])}, group)
+        overflow = None
+    except OverflowError as e:
+        overflow = str(e)
+    return s, m, overflow
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_8_integer_sums_and_means_are_exact_or_refused_on_every_rank(backend):
+    n = 2
+    for rank, (s, m, overflow) in enumerate(fdp.testing.run(integer_sums, n, backend=backend)):
+        where = f"rank {rank}"
+        assert s["int"] == 2 * 123456789 and type(s["int"]) is int, where
+        assert m["int"] == 123456789.0 and type(m["int"]) is float, f"{where}: pmean(123456789) = {m['int']!r}"
+        # torch's own sums of the ranks' tensors (torch.sum promotes integers to int64 too)
+        want = {"int32": torch.tensor([[2_000_000_000, -7]] * n, dtype=torch.int32).sum(0),
+                "uint8": torch.tensor([[200, 1]] * n, dtype=torch.uint8).sum(0),
+                "int64": torch.tensor([[2**62 - 1, -(2**62)], [2**62, -(2**62)]]).sum(0),
+                "bool": torch.tensor([[True, True], [True, False]]).sum(0)}
+        for k, w in want.items():
+            assert s[k].dtype == torch.int64 == w.dtype and torch.equal(s[k], w), f"{where}: psum {k} = {s[k]}, torch {w}"
+            assert m[k].dtype == torch.float64, f"{where}: pmean {k} is {m[k].dtype}"
+            assert m[k].tolist() == [int(v) / n for v in w.tolist()], f"{where}: pmean {k} = {m[k]}"
+        assert s["big_int"] == 2**63 + 1 and m["big_int"] == (2**63 + 1) / 2, where  # Python ints: exact
+        assert overflow is not None and "leaf ['past']" in overflow and "outside int64" in overflow, \
+            f"{where}: an int64 sum past 2**63 was not refused: {overflow}"

@@ -479,3 +479,52 @@ def test_8_integer_sums_and_means_are_exact_or_refused_on_every_rank(backend):
         assert s["big_int"] == 2**63 + 1 and m["big_int"] == (2**63 + 1) / 2, where  # Python ints: exact
         assert overflow is not None and "leaf ['past']" in overflow and "outside int64" in overflow, \
             f"{where}: an int64 sum past 2**63 was not refused: {overflow}"
+
+
+# ----------------------------------------------------------------------------- case 10b
+LR = torch.optim.lr_scheduler
+S = fdp.optim.schedules
+
+
+def torch_lrs(make_scheduler, n, base):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base)
+    sched = make_scheduler(opt)
+    lrs = []
+    for _ in range(n):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # SequentialLR's warning about step order
+@pytest.mark.parametrize("gamma", [0.1, 0.3, 0.7, 0.99])
+def test_10b_step_decay_equals_steplr_and_sequential_steplrs_bit_for_bit(gamma):
+    n = 300
+    want = torch_lrs(lambda o: LR.StepLR(o, step_size=2, gamma=gamma), n, 0.2)
+    ours = S.step_decay(0.2, 2, gamma)
+    assert [ours(t) for t in range(n)] == want, "in order"
+    assert [S.step_decay(0.2, 2, gamma)(t) for t in reversed(range(n))][::-1] == want, "in any order"
+    assert [float(ours(torch.tensor(float(t), dtype=torch.float64))) for t in range(n)] == want, "traced"
+    assert want != [0.2 * gamma ** (t // 2) for t in range(n)], "the closed form would pass this test too"
+    seq = torch_lrs(lambda o: LR.SequentialLR(o, [LR.StepLR(o, 3, gamma), LR.StepLR(o, 2, 0.3)], milestones=[10]),
+                    40, 0.2)
+    joined = S.join([S.step_decay(0.2, 3, gamma), S.step_decay(0.2, 2, 0.3)], [10])
+    assert [joined(t) for t in range(40)] == seq, "SequentialLR of two StepLRs"
+
+
+def test_10b_float64_params_under_step_decay_equal_torch_sgd_with_steplr_bit_for_bit():
+    g = torch.Generator().manual_seed(20)
+    w0 = torch.randn(16, dtype=torch.float64, generator=g)
+    grads = [torch.randn(16, dtype=torch.float64, generator=g) for _ in range(30)]
+    w = w0.clone().requires_grad_()
+    torch_opt = torch.optim.SGD([w], lr=0.2, momentum=0.9)
+    sched = LR.StepLR(torch_opt, step_size=1, gamma=0.7)
+    opt = fdp.optim.sgd(S.step_decay(0.2, 1, 0.7), momentum=0.9)
+    params, state = {"w": w0.clone()}, opt.init({"w": w0})
+    for i, grad in enumerate(grads):
+        w.grad = grad.clone()
+        torch_opt.step()
+        sched.step()
+        params, state = opt.update({"w": grad}, state, params)
+        assert torch.equal(params["w"], w.detach()), f"step {i}: fp64 params differ from SGD + StepLR"

@@ -528,3 +528,22 @@ def test_10b_float64_params_under_step_decay_equal_torch_sgd_with_steplr_bit_for
         sched.step()
         params, state = opt.update({"w": grad}, state, params)
         assert torch.equal(params["w"], w.detach()), f"step {i}: fp64 params differ from SGD + StepLR"
+
+
+# ----------------------------------------------------------------------------- case 10c
+def test_10c_adagrad_on_complex_params_equals_torch_adagrad_over_100_steps():
+    g = torch.Generator().manual_seed(21)
+    w0 = torch.randn(6, 3, dtype=torch.complex64, generator=g)
+    w = w0.clone().requires_grad_()
+    kw = dict(lr=0.05, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.3)
+    torch_opt = torch.optim.Adagrad([w], **kw)
+    opt = fdp.optim.adagrad(**kw)
+    params = {"w": w0.clone()}
+    state = opt.init(params)
+    for i in range(100):
+        grad = torch.randn(6, 3, dtype=torch.complex64, generator=g)
+        w.grad = grad.clone()
+        torch_opt.step()
+        params, state = opt.update({"w": grad}, state, params)
+        assert torch.equal(state.sum["w"], torch_opt.state[w]["sum"]), f"step {i}: the accumulator differs"
+        assert torch.equal(params["w"], w.detach()), f"step {i}: params differ"

@@ -198,6 +198,7 @@ class Reducer:
             extra=(f"bucket caps {list(plan.caps)} bytes, {self.hook.describe()}, reduce dtype {wire_name}, "
                    f"debug={config.debug}, shard={self.shard} (shard group of {config.mesh.shard.size}){frozen}"),
         )
+        self.hook.attach(self, plan)  # (a stateful hook ties its state to this plan, or refuses)
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
 

@@ -547,3 +547,77 @@ def test_10c_adagrad_on_complex_params_equals_torch_adagrad_over_100_steps():
         params, state = opt.update({"w": grad}, state, params)
         assert torch.equal(state.sum["w"], torch_opt.state[w]["sum"]), f"step {i}: the accumulator differs"
         assert torch.equal(params["w"], w.detach()), f"step {i}: params differ"
+
+
+# ----------------------------------------------------------------------------- case 5
+def powersgd_grads(group, steps=5, hook=None, caps=0.001):
+    """Gradients of a Reducer with PowerSGD (compressing from its second step) over several
+    buckets: each step from the same params, so each step's numbers stand alone."""
+    apply, params, buffers = fdp.functionalize(mlp(width=24, seed=22))
+    hook = hook or fdp.hooks.powersgd(rank=1, start_iter=1)
+    reducer = fdp.Reducer(params, group, comm_hook=hook, bucket_cap_mb=caps, first_bucket_cap_mb=caps)
+    grad_fn = reducer.grad(loss_of(apply, buffers))
+    out = [grad_fn(params, *batch(group.rank, i)) for i in range(steps)]
+    return out, len(reducer.plan.buckets), hook.state.iter
+
+
+def test_5_powersgd_over_several_buckets_on_gloo_equals_the_sequential_threads_run():
+    """On gloo each bucket's compressed exchange issues its later all-reduces from callbacks;
+    two buckets in flight at once issued them in different orders on different ranks (gloo
+    aborted the process). The threaded group runs every collective in order: the reference."""
+    want = fdp.testing.run(powersgd_grads, 2)
+    got = fdp.testing.run(powersgd_grads, 2, backend="gloo", timeout=60)
+    for rank, ((grads, nb, it), (ref, _, _)) in enumerate(zip(got, want)):
+        assert nb >= 3 and it == 5, f"rank {rank}: {nb} buckets, {it} steps counted"
+        for i, (g, r) in enumerate(zip(grads, ref)):
+            assert_trees_equal(g, r, f"rank {rank}, step {i}")
+        assert torch.linalg.matrix_rank(grads[-1]["2.weight"]) == 1, "it did not compress"
+
+
+def shared_hook(group):
+    _, params, _ = fdp.functionalize(mlp(width=24, seed=22))
+    hook = fdp.hooks.powersgd(rank=1, start_iter=1)
+    first = fdp.Reducer(params, group, comm_hook=hook)
+    try:
+        fdp.Reducer({"w": torch.zeros(24, 24)}, group, comm_hook=hook)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    first.all_reduce(params)  # the first Reducer keeps it
+    del first
+    # Free again once its Reducer is gone, and as a new hook: the same numbers as a fresh one.
+    reused = powersgd_grads(group, hook=hook)[0]
+    fresh = powersgd_grads(group)[0]
+    return refused, reused, fresh
+
+
+def test_5_a_powersgd_hook_serves_one_reducer_and_a_second_is_refused_on_every_rank():
+    for rank, (refused, reused, fresh) in enumerate(fdp.testing.run(shared_hook, 2, backend="gloo", timeout=60)):
+        assert refused is not None and "already serves another fdp.Reducer" in refused, f"rank {rank}: {refused}"
+        for i, (a, b) in enumerate(zip(reused, fresh)):
+            assert_trees_equal(a, b, f"rank {rank}, step {i}: a hook reused after its Reducer against a fresh one")
+
+
+def powersgd_through_the_auto_freeze(group):
+    apply, params, buffers = fdp.functionalize(mlp(width=24, seed=23))
+    loss = loss_of(apply, buffers)
+    reducer = fdp.Reducer(params, group, bucket_cap_mb="auto", comm_hook=fdp.hooks.powersgd(rank=1, start_iter=1))
+    grad_fn = reducer.grad(loss)
+    i = 0
+    while not reducer.tuning.frozen:  # calibration: many small buckets, compressing from step 1
+        grad_fn(params, *batch(group.rank, i))
+        i += 1
+    first, rest = reducer.tuning.choice.caps
+    fresh = fdp.Reducer(params, group, bucket_cap_mb=rest / 2**20, first_bucket_cap_mb=first / 2**20,
+                        comm_hook=fdp.hooks.powersgd(rank=1, start_iter=1))
+    assert fresh.plan == reducer.plan
+    after = [grad_fn(params, *batch(group.rank, i + j)) for j in range(3)]
+    want = [fresh.grad(loss)(params, *batch(group.rank, i + j)) for j in range(3)]
+    return after, want
+
+
+def test_5_powersgd_starts_afresh_on_the_plan_bucket_cap_mb_auto_freezes():
+    for rank, (after, want) in enumerate(fdp.testing.run(powersgd_through_the_auto_freeze, 2, backend="gloo",
+                                                          timeout=120)):
+        for i, (a, w) in enumerate(zip(after, want)):
+            assert_trees_equal(a, w, f"rank {rank}, step {i} after the freeze, against a fresh Reducer and hook")

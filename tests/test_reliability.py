@@ -621,3 +621,40 @@ def test_5_powersgd_starts_afresh_on_the_plan_bucket_cap_mb_auto_freezes():
                                                           timeout=120)):
         for i, (a, w) in enumerate(zip(after, want)):
             assert_trees_equal(a, w, f"rank {rank}, step {i} after the freeze, against a fresh Reducer and hook")
+
+
+# ----------------------------------------------------------------------------- auto freeze
+def freeze_fails_on_one_rank(group):
+    params = {"w": torch.randn(4000, generator=torch.Generator().manual_seed(24)), "b": torch.zeros(10)}
+
+    def loss(p, x):
+        return (p["w"] * x).square().sum() + p["b"].sum()
+
+    x = torch.randn(4000, generator=torch.Generator().manual_seed(group.rank))
+    reducer = fdp.Reducer(params, group, bucket_cap_mb="auto")
+    fault = KernelFault(fdp.optim.adamw(1e-3), rank=1, nth=0)  # the kernel timed at the freeze
+    fault.armed = group.rank == 1
+    try:
+        fdp.cost.calibrate(reducer, loss, params, x, optimizer=fault.opt)
+        failed = None
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        failed = (type(e).__name__, str(e))
+    fault.armed = False
+    frozen_after_failure = reducer.tuning.frozen
+    choice = fdp.cost.calibrate(reducer, loss, params, x, optimizer=fault.opt)  # tried again: it freezes
+    grads = reducer.grad(loss)(params, x)
+    return failed, frozen_after_failure, choice, reducer.plan.fingerprint, grads
+
+
+def test_a_rank_failing_in_the_auto_freeze_fails_every_rank_at_once_with_the_cause():
+    results = fdp.testing.run(freeze_fails_on_one_rank, 2, backend="gloo", timeout=60)
+    for rank, (failed, frozen, choice, fingerprint, grads) in enumerate(results):
+        assert failed is not None, f"rank {rank}: the freeze reported success"
+        if rank == 1:
+            assert failed[0] == "RuntimeError" and "injected failure" in failed[1], failed
+        else:  # at once (not the group's 48 s timeout), naming rank 1 and its error
+            assert failed[0] == "CollectiveError", failed
+            assert re.search(r"failed on rank\(s\) \[1\] of 2 .*rank 1: RuntimeError: injected failure", failed[1]), failed[1]
+        assert not frozen, f"rank {rank}: frozen after a failed freeze"
+        assert (choice, fingerprint) == results[0][2:4], f"rank {rank}: another plan than rank 0's"
+        assert_trees_equal(grads, results[0][4], f"rank {rank}: gradients after the freeze")

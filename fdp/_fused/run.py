@@ -15,8 +15,9 @@ on issuing the step's collectives (zeros where it has nothing), and the step's s
 after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
 for every bucket, the buckets' own status comes first (``StepSpec.bucket_status``), so a
 rank whose backward failed stops every rank before any update, and the state stays usable.
-A rank that updated anything in a failed step refuses that state afterwards
-(``FusedCore.broken``).
+A step that fails after its buckets were reduced is refused afterwards on every rank (some
+rank may have updated its state in place), and so is one in which this rank had updated
+anything (``FusedCore.broken``).
 """
 
 from __future__ import annotations

@@ -79,9 +79,11 @@ class FusedStep:
     all-reduce's.
 
     A failure on any rank anywhere in a step (the loss, the backward, a transform, the
-    optimizer's kernel, out of memory) fails the step on every rank; a rank whose state was
-    partly updated then refuses it until a fresh one is given (``init``, ``state_from_tree``,
-    a loaded state).
+    optimizer's kernel, out of memory) fails the step on every rank. When it came after the
+    buckets were reduced, some rank may have updated its state (or part of it) in place, so
+    every rank then refuses that state until a fresh one is given (``init``,
+    ``state_from_tree``, a loaded state); a rank whose own step failed earlier, having
+    updated some buckets during the backward, refuses it too.
     """
 
     def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,

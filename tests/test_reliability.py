@@ -87,11 +87,28 @@ class KernelFault:
         self.opt = opt._replace(leaf_kernel=kernel._replace(step=step))
 
 
+class TransformFault:
+    """A per-leaf transform (after the clip: applied in each bucket's update, before its
+    kernel) that raises on one rank when armed: that rank updates nothing at all."""
+
+    def __init__(self, rank):
+        self.armed, self.rank = False, rank
+
+        def apply(tensors, state):
+            if self.armed:
+                raise RuntimeError("injected failure in a transform")
+            return state
+
+        self.transform = fdp.optim.GradientTransform(lambda params: (), lambda g, s, p: (g, s), reach="leaf",
+                                                     apply=apply)
+
+
 WHERE = {  # how a step's updates come after its backward
     "clip": dict(clip=True),
     "skip_nonfinite": dict(skip_nonfinite=True),
     "sharded-clip": dict(clip=True, shard=True),
     "sharded-skip_nonfinite": dict(skip_nonfinite=True, shard=True),
+    "clip-transform": dict(clip=True, transform=True),  # rank 1 fails before updating anything
 }
 
 
@@ -100,9 +117,14 @@ def kernel_fails_on_one_rank(group, where):
     apply, params, buffers = fdp.functionalize(mlp(seed=12))
     loss = loss_of(apply, buffers)
     adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
-    fault = KernelFault(adamw, rank=1)
     clip = (fdp.optim.clip_by_global_norm(0.5),) if cfg.get("clip") else ()
-    opt, plain_opt = fdp.optim.chain(*clip, fault.opt), fdp.optim.chain(*clip, adamw)
+    if cfg.get("transform"):
+        fault = TransformFault(rank=1)
+        opt = fdp.optim.chain(*clip, fault.transform, adamw)
+    else:
+        fault = KernelFault(adamw, rank=1)
+        opt = fdp.optim.chain(*clip, fault.opt)
+    plain_opt = fdp.optim.chain(*clip, adamw)
     reducer = fdp.Reducer(params, group, skip_nonfinite=cfg.get("skip_nonfinite", False),
                           shard=cfg.get("shard", False), hook_threshold_bytes=0, **CAPS)
     step = reducer.grad_and_update(loss, opt)
@@ -139,15 +161,16 @@ def test_2_a_kernel_failure_after_the_backward_fails_the_step_on_every_rank_and_
     for rank, (failed, refused, fused, plain) in enumerate(results):
         assert failed is not None, f"rank {rank}: the step reported success while rank 1's update failed"
         if rank == 1:
-            assert failed[0] == "RuntimeError" and "injected failure" in failed[1], f"rank 1: {failed}"
+            assert failed[0] == "RuntimeError" and "injected failure in" in failed[1], f"rank 1: {failed}"
         else:
             assert failed[0] == "CollectiveError", f"rank {rank}: {failed}"
             assert re.search(r"failed on 1 other rank\(s\) of 2 after the backward.*this is rank 0", failed[1]), failed[1]
             assert "timeout" not in failed[1].split("this is rank")[0], failed[1]
-        # Every rank had updated something (rank 1 its first kernel call's leaves) before the
-        # failure was known: each refuses the state, naming what happened.
+        # Rank 0 had updated its state before the failure was known, rank 1 its first kernel
+        # call's leaves (or, with the failing transform, nothing): every rank refuses the state,
+        # so none goes on alone into collectives the others never issue.
         assert refused is not None and refused[0] == "RuntimeError", f"rank {rank}: a partly updated state was used"
-        assert re.search(r"updated .*optimizer state in place", refused[1]), refused[1]
+        assert re.search(r"updated .*optimizer state in place.*on every rank", refused[1]), refused[1]
         assert_trees_equal(fused, plain, f"rank {rank}, after a fresh state")
         assert_trees_equal(fused, results[0][2], f"rank {rank} is not a replica of rank 0")
 

@@ -70,7 +70,8 @@ OUTRO = """\
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
     ("Models as pure functions", "fdp", ["functionalize", "Apply"]),
-    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "StepRecord", "Timeline", "BucketTimes",
+    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "local_grad", "local_grad_and_value",
+                          "StepRecord", "Timeline", "BucketTimes",
                           "BucketPlan", "Bucket"]),
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
                              "assert_replicas_equal", "ReplicaCheck"]),

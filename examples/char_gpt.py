@@ -16,10 +16,11 @@ The recipe is nanoGPT's train.py (karpathy/nanoGPT), written with fdp:
 * gradient clipping at global norm 1.0 in front of it: ``fdp.optim.chain(clip_by_global_norm)``;
 * a linear warm-up, then cosine decay to lr / 10: ``fdp.optim.schedules.warmup_cosine``, a
   function of the optimizer's own step count (so it resumes with the state);
-* gradient accumulation over --micro-batches: local ``torch.func.grad`` for all but the last
-  micro-batch, then the fused step ``reducer.grad_and_update(..., accumulate=acc)``, whose
-  all-reduce overlaps the last backward (DDP's ``no_sync()``, as a call-site choice) and
-  whose AdamW runs on the flat buckets (after the last one: clipping needs the global norm);
+* gradient accumulation over --micro-batches: ``step.accumulate`` for all but the last
+  micro-batch (DDP's ``no_sync()``: this rank's gradients added, in place, into the fused
+  step's own flat buffers, no communication), then the fused step, whose all-reduce overlaps
+  the last backward and whose AdamW runs on the flat buckets (after the last one: clipping
+  needs the global norm); the same numbers as DDP's loop, bit for bit;
 * an evaluation every --eval-every steps: the validation loss averaged over ranks
   (``fdp.pmean``);
 * a checkpoint of the whole train state every --ckpt-every steps; --resume continues from it
@@ -171,9 +172,6 @@ def loss_fn(params, buffers, x, y):
     return F.cross_entropy(logits.view(-1, vocab), y.view(-1)) / k, buffers
 
 
-local_grad = torch.func.grad(loss_fn, has_aux=True)  # no communication
-
-
 @torch.no_grad()
 def evaluate(params, buffers, batches: int = 4) -> float:
     """Validation loss: the same windows on every run, a different share on each rank."""
@@ -201,15 +199,12 @@ if group.is_main:
 
 t0 = time.perf_counter()
 for step in range(start, args.steps):
-    # Micro-batches 1..k-1: local gradients, summed; no collective is issued.
-    acc = None
+    # Micro-batches 1..k-1: this rank's gradients, added into the step's buffers; no collective.
     for micro in range(k - 1):
-        g, buffers = local_grad(params, buffers, *get_batch(train_data, batch_seed(step, micro)))
-        acc = g if acc is None else {n: acc[n] + g[n] for n in g}
-    # Micro-batch k: its backward adds `acc` into the buckets and all-reduces them as it runs.
+        _, buffers = fused.accumulate(params, buffers, *get_batch(train_data, batch_seed(step, micro)))
+    # Micro-batch k: its backward adds its gradients to the sum and all-reduces them as it runs.
     x, y = get_batch(train_data, batch_seed(step, k - 1))
-    step_fn = reducer.grad_and_update(loss_fn, opt, has_aux=True, accumulate=acc)  # cheap to build
-    params, opt_state, (loss, buffers) = step_fn(params, opt_state, buffers, x, y)
+    params, opt_state, (loss, buffers) = fused(params, opt_state, buffers, x, y)
 
     done = step + 1
     if group.is_main and (step % 25 == 0 or done == args.steps):

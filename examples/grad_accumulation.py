@@ -147,6 +147,6 @@ if group.is_main:
     if args.plot:
         import fdp.viz
 
-        fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png",
+        fdp.viz.plot_timeline(reducer.last_step.timeline, "timeline.png",
                               title=f"last step: micro-batch {k} of {k} (accumulate=)")
         print("wrote timeline.png", flush=True)

@@ -161,5 +161,5 @@ if group.is_main:
     if args.plot:
         import fdp.viz
 
-        fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
+        fdp.viz.plot_timeline(reducer.last_step.timeline, "timeline.png")
         print("wrote timeline.png", flush=True)

@@ -174,7 +174,7 @@ if args.plot:
     fdp.any_rank(False)
     grad_and_loss(params, buffers, *batch_at(0))  # one more step, to draw (not applied)
     if group.is_main:
-        fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
+        fdp.viz.plot_timeline(reducer.last_step.timeline, "timeline.png")
         print("wrote timeline.png", flush=True)
 if accuracy < args.min_accuracy:
     raise SystemExit(f"held-out accuracy {accuracy:.3f} is below --min-accuracy {args.min_accuracy}")

@@ -33,6 +33,8 @@ from ._replicas import assert_same_shapes as assert_same_shapes
 from ._rng import RngState as RngState
 from ._rng import rng_state as rng_state
 from ._rng import set_rng_state as set_rng_state
+from ._step.autodiff import local_grad as local_grad
+from ._step.autodiff import local_grad_and_value as local_grad_and_value
 from ._step.record import BucketTimes as BucketTimes
 from ._step.record import StepRecord as StepRecord
 from ._step.record import Timeline as Timeline
@@ -67,6 +69,8 @@ __all__ = [
     "hooks",
     "init",
     "load",
+    "local_grad",
+    "local_grad_and_value",
     "optim",
     "pmean",
     "psum",

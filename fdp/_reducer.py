@@ -35,7 +35,7 @@ from ._step import functorch
 from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
 from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
-from ._step.record import StepRecord, Timeline
+from ._step.record import StepRecord
 from ._step.traced import traced_all_reduce
 from .cost._autocaps import AutoCaps
 from .hooks import CommHook, as_hook
@@ -81,8 +81,8 @@ class Reducer:
         the local backward to completion first, then reduces (the fallback path).
       skip_nonfinite: after each reduction, check the averaged gradients for inf/NaN (one
         fused pass, AMP's found_inf check). The verdict is the same on every rank (they all
-        hold the same reduced values): ``reducer.last_step.finite`` (also ``reducer.finite``)
-        lets ``if reducer.finite: params, state = opt.update(...)`` skip a bad step on all
+        hold the same reduced values): ``reducer.last_step.finite``
+        lets ``if reducer.last_step.finite: params, state = opt.update(...)`` skip a bad step on all
         ranks together; ``reducer.nonfinite_steps`` counts them.
       debug: before each bucket collective, check that all ranks issue the same one (costs a
         small collective per bucket). Default: the ``FDP_DEBUG`` environment variable.
@@ -344,18 +344,6 @@ class Reducer:
         """The ``fdp.StepRecord`` of the most recent completed step, ``grad`` or fused
         (``grad_and_update``) alike (``None`` before the first)."""
         return self._config.steps.last
-
-    def last_timeline(self) -> Timeline | None:
-        """The timeline of the most recent completed step (``None`` before the first)."""
-        last = self._config.steps.last
-        return None if last is None else last.timeline
-
-    @property
-    def finite(self) -> bool:
-        """The most recent step's verdict (``last_step.finite``; True before the first step).
-        For a fused step, False means it updated nothing."""
-        last = self._config.steps.last
-        return True if last is None else last.finite
 
     @property
     def steps(self) -> int:

@@ -5,7 +5,7 @@ Needs matplotlib (``pip install 'fdp[viz]'``).
     >>> import fdp.viz
     >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
     >>> grads = reducer.grad(lambda p: (p["w"] ** 2).sum())({"w": torch.ones(2)})
-    >>> fdp.viz.plot_timeline(reducer.last_timeline(), "timeline.png")
+    >>> fdp.viz.plot_timeline(reducer.last_step.timeline, "timeline.png")
     <Figure size ...>
 
 How to read it: the grey bar is the backward. Each bucket row shows when its last gradient
@@ -28,7 +28,7 @@ __all__ = ["plot_timeline"]
 
 def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any = None,
                   title: str | None = None) -> Any:
-    """Plot one step's ``Timeline`` (from ``reducer.last_timeline()``).
+    """Plot one step's ``Timeline`` (from ``reducer.last_step.timeline``).
 
     Rows: the forward and backward, then each bucket's "last gradient ready" dot and its
     collective from launch to completion, green while the backward still runs and red after

@@ -254,7 +254,35 @@ def _fused_under_compile_error():
 
 
 def test_the_fused_step_refuses_torch_compile_and_names_the_alternative():
+    """fullgraph=True: dynamo's error gives fdp's reason in its first lines (the step is
+    ``torch.compiler.disable``d with it), not buried under an "Observed exception"."""
     keeps, error = _in_child(_fused_under_compile_error)
     assert error is not None, "the fused step compiled"
-    if keeps and _TRACES_FDP:
-        assert "cannot be traced by torch.compile" in error and "opt.update" in error, error
+    head = "\n".join(error.splitlines()[:3])
+    assert "cannot be traced by torch.compile" in head and "opt.update" in head, error
+
+
+def _fused_inside_a_compiled_function():
+    """A compiled function that calls the fused step (no fullgraph): the step runs eagerly
+    (a graph break), with the numbers of the same step called eagerly."""
+    params = {"w": torch.linspace(-1, 1, 6)}
+    loss = lambda p, x: (p["w"] * x).square().sum()  # noqa: E731
+    out = []
+    for compiled in (False, True):
+        step = fdp.Reducer(params).grad_and_update(loss, fdp.optim.adamw(lr=0.1))
+        state, p = step.init(params), dict(params)
+
+        def train(p, state, x, step=step):
+            p, state, value = step(p, state, x * 2)
+            return p, state, value + 1
+
+        fn = torch.compile(train, backend="eager") if compiled else train
+        for i in range(3):
+            p, state, value = fn(p, state, torch.full((6,), float(i + 1)))
+        out.append((p["w"], value))
+    return out
+
+
+def test_a_compiled_function_runs_the_fused_step_eagerly_with_its_numbers():
+    (eager_w, eager_v), (comp_w, comp_v) = _in_child(_fused_inside_a_compiled_function)
+    assert torch.equal(comp_w, eager_w) and torch.equal(comp_v, eager_v)

@@ -343,7 +343,7 @@ def auto_run(group, steps):
     out["deferred"] = []
     for _ in range(steps):
         g = grad_fn(params)
-        tl = reducer.last_timeline()
+        tl = reducer.last_step.timeline
         out["deferred"].append(all(bt.launch >= tl.backward_end for bt in tl.buckets))
         local = torch.func.grad(loss)(params)
         out["exact"].append(all(torch.allclose(g[k], fdp.pmean(local[k], group=group), atol=1e-6) for k in g))

@@ -45,7 +45,7 @@ def test_reducer_grad_on_cuda_equals_local_grads(nccl_world, hook):
             want = ref[k] if hook is None else ref[k].bfloat16().float()
             assert grads[k].device.type == "cuda"
             assert torch.equal(grads[k], want), k
-    assert reducer.last_timeline().buckets[0].launch < reducer.last_timeline().backward_end
+    assert reducer.last_step.timeline.buckets[0].launch < reducer.last_step.timeline.backward_end
 
 
 def test_batchnorm_step_on_cuda(nccl_world):

@@ -78,8 +78,8 @@ def nonfinite(group):
             x = x.clone()
             x[0, 0] = float("inf")  # only rank 1 sees a bad batch
         grads = reducer.grad(lambda p, x=x, y=y: F.cross_entropy(apply(p, buffers, x)[0], y))(params)
-        verdicts.append(reducer.finite)
-        if reducer.finite:
+        verdicts.append(reducer.last_step.finite)
+        if reducer.last_step.finite:
             params, state = opt.update(grads, state, params)
     return verdicts, reducer.nonfinite_steps, params
 
@@ -99,7 +99,7 @@ def test_without_the_option_the_check_costs_nothing_and_verdict_stays_true():
     params = {"w": torch.tensor([float("nan")])}
     reducer = fdp.Reducer(params)
     reducer.all_reduce(params)
-    assert reducer.finite and reducer.nonfinite_steps == 0
+    assert reducer.last_step.finite and reducer.nonfinite_steps == 0
 
 
 CATCHES_A_TIMEOUT = """

@@ -106,7 +106,7 @@ def overlap_timeline(group, engine):
     timelines = []
     for _ in range(3):
         grad_fn(params, x)
-        timelines.append(reducer.last_timeline())
+        timelines.append(reducer.last_step.timeline)
     return timelines, len(reducer.plan.buckets)
 
 
@@ -336,7 +336,7 @@ def unhooked_tail(group):
     loss = lambda p: apply(p, buffers, x)[0].square().mean()  # noqa: E731
     grads = reducer.grad(loss)(params)
     local = torch.func.grad(loss)(params)
-    return grads, local, reducer.hooked_buckets, len(reducer.plan.buckets), reducer.last_timeline()
+    return grads, local, reducer.hooked_buckets, len(reducer.plan.buckets), reducer.last_step.timeline
 
 
 def init_model(model):

@@ -40,7 +40,7 @@ def test_higher_order_gradients_inside_the_loss_equal_torch_func_in_a_world_of_o
     assert torch.equal(value, want_value), "the loss itself changed: the inner call saw a wrong gradient"
     for k in want:
         assert torch.equal(got[k], want[k]), f"leaf {k!r}: max diff {(got[k] - want[k]).abs().max()}"
-    tl = reducer.last_timeline()
+    tl = reducer.last_step.timeline
     assert tl.buckets[0].launch < tl.backward_end, "the outer backward still overlaps its all-reduce"
 
 
@@ -209,20 +209,22 @@ def test_every_hook_runs_its_own_body_on_the_same_road():
 def test_step_record_reports_the_verdict_and_timeline_of_each_step():
     params = {"w": torch.ones(4)}
     reducer = fdp.Reducer(params, skip_nonfinite=True)
-    assert reducer.last_step is None and reducer.finite
+    assert reducer.last_step is None
     reducer.all_reduce({"w": torch.full((4,), float("nan"))})
     rec = reducer.last_step
     assert (rec.step, rec.kind, rec.finite) == (0, "all_reduce", False)
-    assert rec.timeline is reducer.last_timeline() and reducer.nonfinite_steps == 1
+    assert reducer.nonfinite_steps == 1
     reducer.grad(lambda p: p["w"].sum())(params)
-    assert (reducer.last_step.step, reducer.last_step.kind, reducer.finite) == (1, "grad", True)
+    assert (reducer.last_step.step, reducer.last_step.kind, reducer.last_step.finite) == (1, "grad", True)
 
 
 def test_configuration_is_fixed_at_construction():
     reducer = fdp.Reducer({"w": torch.ones(2)}, engine="functorch")
     assert reducer.engine == "functorch"
-    with pytest.raises(AttributeError):
-        reducer.engine = "autograd"
+    for option, value in (("engine", "autograd"), ("debug", True), ("skip_nonfinite", True),
+                          ("grad_views", True), ("overlap", False)):
+        with pytest.raises(AttributeError):  # read-only: the Reducer's StepConfig is frozen
+            setattr(reducer, option, value)
     with pytest.raises(ValueError, match="engine must be one of"):
         fdp.Reducer({"w": torch.ones(2)}, engine="jax")
     with pytest.raises(ValueError, match="hook_threshold_bytes"):
@@ -254,3 +256,20 @@ def test_a_single_kept_gradient_is_never_overwritten():
     for s in (2.0, 3.0, 4.0):
         grad_fn(params, s)
     assert torch.equal(kept, torch.ones(64)), "the kept gradient was overwritten by a later step"
+
+
+def test_the_reducers_counters_and_record_include_its_fused_steps():
+    """reducer.steps, last_step and nonfinite_steps count plain and fused steps alike (one
+    step count per Reducer: the status checks it across ranks)."""
+    params = {"w": torch.ones(4)}
+    reducer = fdp.Reducer(params, skip_nonfinite=True)
+    step = reducer.grad_and_update(lambda p, s: (p["w"] * s).sum(), fdp.optim.sgd(lr=0.1))
+    state = step.init(params)
+    reducer.grad(lambda p: p["w"].sum())(params)
+    params, state, _ = step(params, state, torch.ones(4))
+    assert reducer.steps == 2 and reducer.last_step is step.last_step and reducer.last_step.finite
+    assert reducer.last_step.step == 1
+    before = params["w"].clone()
+    params, state, _ = step(params, state, torch.full((4,), float("inf")))  # skipped on every rank
+    assert reducer.steps == 3 and not reducer.last_step.finite and reducer.nonfinite_steps == 1
+    assert torch.equal(params["w"], before) and int(state.step) == 1

@@ -41,7 +41,8 @@ from .state import FusedState, StateLayout
 
 def group_runs(plan: BucketPlan, groups: tuple[int, ...], shards: Shards) -> list[list[tuple[int, list[tuple[int, int]]]]]:
     """Per bucket, ``(group, [(lo, hi), ...])``: the element ranges of this rank's slice (the
-    whole bucket, unsharded) whose leaves are in each group, adjacent leaves merged."""
+    whole bucket, unsharded) whose leaves are in each group, adjacent leaves merged, and cut
+    into pieces of at most ``CHUNK`` elements (one kernel call's worth: ``CHUNK``'s comment)."""
     out = []
     for b in plan.buckets:
         lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
@@ -55,7 +56,8 @@ def group_runs(plan: BucketPlan, groups: tuple[int, ...], shards: Shards) -> lis
                 runs[-1] = (runs[-1][0], hi - lo_r)
             else:
                 runs.append((lo - lo_r, hi - lo_r))
-        out.append(sorted(by_group.items()))
+        out.append([(g, [(a, min(a + CHUNK, hi)) for lo, hi in runs for a in range(lo, hi, CHUNK)])
+                    for g, runs in sorted(by_group.items())])
     return out
 
 
@@ -84,13 +86,16 @@ class FusedCore:
         self.runs = group_runs(plan, groups, self.shards)
         # Per bucket: whether its update is one kernel call on the (slice's) flat tensors
         # themselves (one group, one run covering it, one chunk), and whether the wire is cast.
-        self.whole = [len(r) == 1 and r[0][1] == [(0, self.shards.numel(b))] and self.shards.numel(b) <= CHUNK
-                      for b, r in enumerate(self.runs)]
+        self.whole = [len(r) == 1 and r[0][1] == [(0, self.shards.numel(b))] for b, r in enumerate(self.runs)]
         self.cast = [w != b.dtype for w, b in zip(wires, plan.buckets)]
         self.templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in plan.buckets]
         self.scratch: list[torch.Tensor | None] = [None] * len(plan.buckets)  # params-dtype grads of a cast wire
         self.broken: str | None = None
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
+        # Local gradients of the micro-batches since the last step (``accumulate``): flat per
+        # bucket in the params' dtype, as per-leaf views; made on first use.
+        self.acc: list[torch.Tensor] | None = None
+        self.accumulated = 0
         where = "" if not self.sharded else (f", sharded over {sg.size} ranks" + (
             f" x {self.mesh.replicate.size} replicas" if self.mesh.replicate is not None else ""))
         verify_layout(
@@ -129,6 +134,26 @@ class FusedCore:
     def state_layout(self, program: Program) -> StateLayout:
         return StateLayout(program.opt, program.transforms, self.plan, self.shards, self.mesh.shard, self.name)
 
+    # ------------------------------------------------------------------ accumulation
+    def accumulate(self, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict) -> Any:
+        """This rank's gradients of one micro-batch, added in place into the accumulation
+        buffers (the first one copied): no communication, no gradient tree kept. The next
+        step adds its own and averages the sum (DDP's ``no_sync``, then a step)."""
+        self._check_callable()
+        with autograd_on():
+            leaves = self.plan.leaves_of(params, f"{self.name}.accumulate params")
+            grads, value = local_grads(self.config.engine, fn, 0, has_aux, (params, *rest), kwargs, leaves,
+                                       self.plan.treedef, None, None)
+            if self.acc is None:
+                flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.plan.buckets]
+                self.acc = _tree.leaves(self.plan.views(flats))
+            if self.accumulated:
+                torch._foreach_add_(self.acc, grads)
+            else:
+                torch._foreach_copy_(self.acc, grads)
+            self.accumulated += 1
+        return value
+
     # ------------------------------------------------------------------ one step
     def run_grad(self, program: Program, layout: StateLayout, fn: Callable, has_aux: bool, params: Any,
                  state: Any, rest: tuple, kwargs: dict, accumulate: Any, donate: bool) -> tuple[Any, FusedState, Any]:
@@ -136,10 +161,17 @@ class FusedCore:
         self._check_callable()
         with autograd_on():
             state = self.check_state(layout, state)
-            acc = None if accumulate is None else self.plan.leaves_of(accumulate, f"{self.name} accumulate")
+            acc, owned = None, False
+            if self.accumulated:
+                if accumulate is not None:
+                    raise ValueError(f"{self.name}: step.accumulate(...) was called before this step, and it "
+                                     "also got accumulate=: use one way of accumulating")
+                acc, owned, self.accumulated = self.acc, True, 0
+            elif accumulate is not None:
+                acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
             machine = self.machine
-            run = Run(self, program, state, src, dst, kind="grad", acc=acc,
+            run = Run(self, program, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
                       scale=machine.scale_for(self.group.size), active=True)
 
             def backward(step: Step) -> Any:
@@ -164,7 +196,10 @@ class FusedCore:
             is_active = active is None or bool(active)
             glist = self.plan.leaves_of(grads, f"{self.name} grads") if is_active else None
             src, dst = self._sets(params, donate)
-            run = Run(self, program, state, src, dst, kind="all_reduce", acc=None,
+            if self.accumulated:
+                raise ValueError(f"{self.name}: step.accumulate(...) was called before step.update, which takes "
+                                 "gradients computed any other way: accumulate into those instead")
+            run = Run(self, program, state, src, dst, kind="all_reduce", acc=None, acc_owned=False,
                       scale=self.machine.scale_for(n), active=is_active)
 
             def given(step: Step) -> None:

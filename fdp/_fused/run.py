@@ -32,7 +32,6 @@ from .._comm.collectives import wait
 from .._errors import CollectiveError
 from .._step.machine import Step, StepSpec, all_finite
 from ..optim import GradientTransform
-from ..optim._flat import chunks
 from .params import ParamSet
 from .program import Program
 from .shard import Replicas
@@ -46,7 +45,8 @@ class Run:
     """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
 
     def __init__(self, core: FusedCore, program: Program, state: FusedState, src: ParamSet, dst: ParamSet, *,
-                 kind: str, acc: list[torch.Tensor] | None, scale: float | None, active: bool) -> None:
+                 kind: str, acc: list[torch.Tensor] | None, acc_owned: bool, scale: float | None,
+                 active: bool) -> None:
         nb = len(core.plan.buckets)
         self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
         self.early = not program.whole_tree and not core.config.skip_nonfinite
@@ -64,7 +64,8 @@ class Run:
         # second one, after the buckets' own (which stops every rank before any update when a
         # backward failed).
         self.step: Step = core.machine.start(StepSpec(
-            kind, what=core.name, acc=acc, scale=scale, active=active, on_ready=self.arrive, closes=True,
+            kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
+            closes=True,
             bucket_status=not self.early))
 
     # ------------------------------------------------------------------ arrival
@@ -303,11 +304,9 @@ class Run:
 
 
 def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges), as kernel-call-sized views (``t``
-    itself when one run covers it and fits one call)."""
-    if len(runs) == 1 and runs[0] == (0, t.numel()):
-        return chunks(t)
-    return [c for lo, hi in runs for c in chunks(t[lo:hi])]
+    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges, each at most one kernel call's
+    worth: ``FusedCore.runs``), as views."""
+    return [t[lo:hi] for lo, hi in runs]
 
 
 __all__ = ["Run", "pieces"]

@@ -9,9 +9,12 @@ reuses the core of the step before it, and the cache never holds more than ``MAX
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from .._plan.bucket import BucketPlan
 from .._step.autodiff import autograd_on
@@ -24,6 +27,21 @@ from .program import Program
 from .state import FusedState, StateLayout
 
 NAME = "fdp.Reducer.grad_and_update"
+
+# The fused step runs its updates from hooks inside autograd: torch.compile cannot trace it. Its
+# calls are left out of any compiled graph (a graph break: the step runs eagerly inside a
+# compiled function; with fullgraph=True, dynamo's error gives this reason first).
+EAGER_ONLY = (f"{NAME}'s step cannot be traced by torch.compile (its per-bucket updates run from hooks "
+              "inside autograd); compile a step of torch.func.grad, reducer.all_reduce and opt.update "
+              "instead (docs/compile.md), or leave the fused step out of the compiled function")
+
+
+def eager_only(fn: Callable) -> Callable:
+    """``fn`` never traced by torch.compile (``torch.compiler.disable``, with the reason where
+    this torch takes one)."""
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        return torch.compiler.disable(fn, reason=EAGER_ONLY)
+    return torch.compiler.disable(fn)
 
 
 class FusedCores:
@@ -90,7 +108,8 @@ class FusedStep:
                  accumulate: Any, donate: bool) -> None:
         split_chain(opt, NAME, sharded=cores.config.sharded)  # refuse an unsupported optimizer now
         self._cores, self._plan, self.opt = cores, plan, opt
-        self.fn, self.has_aux, self.accumulate, self.donate = fn, has_aux, accumulate, donate
+        self.fn, self.has_aux, self.donate = fn, has_aux, donate
+        self._acc_tree = accumulate  # (grad_and_update's accumulate=: a gradient tree, bound here)
         self._program: Program | None = None
         self._core: FusedCore | None = None
         self._layout: StateLayout | None = None
@@ -119,14 +138,35 @@ class FusedStep:
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
 
+    @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
         core, program, layout = self._bind(params)
         try:
             return core.run_grad(program, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
-                                 self.accumulate, self.donate)
+                                 self._acc_tree, self.donate)
         finally:
             self._last = self._cores.config.steps.last
 
+    @eager_only
+    def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
+        """Gradient accumulation without communication (DDP's ``no_sync``): this rank's
+        gradients of ``fn(params, *rest, **kwargs)`` are added, in place, into the step's own
+        accumulation buffers (flat per bucket; the first micro-batch's copied), and nothing
+        else happens. The next call of the step adds its own micro-batch's gradients to the
+        sum, averages it over the ranks while its backward runs, and updates, as usual::
+
+            for x, y in micro_batches[:-1]:
+                step.accumulate(params, x, y)
+            params, opt_state, loss = step(params, opt_state, *micro_batches[-1])
+
+        The same numbers as DDP's ``no_sync`` loop (the gradients summed in the same order,
+        then averaged); no gradient tree is built or summed per micro-batch. Returns what
+        ``fn`` returns (the loss, or ``(loss, aux)``), detached.
+        """
+        core, _, _ = self._bind(params)
+        return core.accumulate(self.fn, self.has_aux, params, rest, kwargs)
+
+    @eager_only
     def update(self, grads: Any, opt_state: FusedState, params: Any, *, active: bool | None = None
                ) -> tuple[Any, FusedState]:
         """Average ``grads`` computed any other way over the ranks and apply the fused update

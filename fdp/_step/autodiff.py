@@ -138,3 +138,47 @@ def _instrument(fn: Callable, argnums: Any, has_aux: bool, treedef: _tree.TreeDe
         return out
 
     return instrumented
+
+
+def local_grad_and_value(fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable:
+    """``torch.func.grad_and_value``, on this rank only (no communication), computed the way
+    a Reducer computes its local gradients: plain autograd on fresh leaves, which gives the
+    same numbers as ``torch.func.grad`` without wrapping every op of the forward and backward
+    (docs/performance.md, "engine"). Unused leaves get zeros, as ``torch.func`` gives them.
+    Inside another ``torch.func`` transform or under ``torch.compile``, it is
+    ``torch.func.grad_and_value`` itself.
+
+    Returns a function with ``torch.func.grad_and_value``'s signature and result:
+    ``(grads, value)``, ``value`` the loss or ``(loss, aux)``, detached.
+
+    Example:
+      >>> g, v = fdp.local_grad_and_value(lambda p: (p["w"] ** 2).sum())({"w": torch.tensor([1.0, 2.0])})
+      >>> g["w"], v
+      (tensor([2., 4.]), tensor(5.))
+    """
+    def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
+        if _tree.compiling() or functorch.in_transform():
+            return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
+        with autograd_on():
+            leaves, treedef = _tree.flatten(select(args, argnums))
+            grads, value = local_grads("autograd", fn, argnums, has_aux, args, kwargs, leaves, treedef, None, None)
+        return _tree.unflatten(treedef, grads), value
+
+    return grad_and_value_fn
+
+
+def local_grad(fn: Callable, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable:
+    """``torch.func.grad``, on this rank only, computed as ``local_grad_and_value`` does:
+    returns the gradients, or ``(gradients, aux)`` with ``has_aux=True``.
+
+    Example:
+      >>> fdp.local_grad(lambda p: (p["w"] ** 2).sum())({"w": torch.tensor([1.0, 2.0])})["w"]
+      tensor([2., 4.])
+    """
+    gv = local_grad_and_value(fn, argnums, has_aux)
+
+    def grad_fn(*args: Any, **kwargs: Any) -> Any:
+        grads, value = gv(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return grad_fn

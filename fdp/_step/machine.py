@@ -33,6 +33,7 @@ it the summation order that makes fdp's results equal DDP's bit for bit.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,15 @@ RELEASE_BYTES = 64 * 1024
 HOOK_MEAN_BYTES = 16 * 1024
 
 
+def _taker(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function picking ``indices`` from a list, as a list (one C-level itemgetter call)."""
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda xs: [xs[i]]
+    getter = operator.itemgetter(*indices)
+    return lambda xs: list(getter(xs))
+
+
 def hooked_count(buckets: Sequence[tuple[int, int]], hook_threshold_bytes: int) -> int:
     """How many leading buckets get leaf hooks (``(nbytes, leaf count)`` per bucket): up to
     the last whose leaves average at least ``hook_threshold_bytes``; the rest launch when
@@ -77,6 +87,9 @@ class StepSpec:
       kind: ``"grad"`` or ``"all_reduce"`` (the record's kind).
       what: the caller, named in messages (``"fdp.Reducer.grad"``...).
       acc: per leaf, gradients added to this rank's before they are averaged (accumulation).
+      acc_owned: ``acc`` is the caller's own scratch (the fused step's accumulation buffer): the
+        last micro-batch is added into it in place, and the bucket filled from it (no
+        allocation). Otherwise ``acc`` is never modified.
       scale: the factor fused into each bucket's fill (1/world for a mean), or None.
       active: False for a rank that contributes zeros (uneven inputs).
       defer: launch nothing during the backward (ready times are still stamped): a backward
@@ -95,6 +108,7 @@ class StepSpec:
     kind: str
     what: str = "a step"
     acc: list[torch.Tensor] | None = None
+    acc_owned: bool = False
     scale: float | None = None
     active: bool = True
     defer: bool = False
@@ -166,6 +180,12 @@ class StepMachine:
         self.steps = steps if steps is not None else Steps()
         self.bucket_of = [s.bucket for s in plan.slots]
         self.nbytes = [b.nbytes for b in plan.buckets]
+        # Per bucket: its leaves picked from a per-leaf list in one C call (buffer order), and
+        # the slice of leaf indices they fill when contiguous (the common case), else None.
+        self.take = [_taker(b.leaves) for b in plan.buckets]
+        self.span = [(min(b.leaves), max(b.leaves) + 1) if b.leaves and max(b.leaves) - min(b.leaves) + 1 == len(b.leaves)
+                     else (None, None) for b in plan.buckets]
+        self.nones = [[None] * len(b.leaves) for b in plan.buckets]
         self.release = [s.numel * itemsize(s.dtype) >= RELEASE_BYTES for s in plan.slots]
         self.hooked_buckets = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
@@ -269,6 +289,7 @@ class Step:
     """One call's exchange (see the module docstring). Made by ``StepMachine.start``."""
 
     __slots__ = ("spec", "n", "kind", "plan", "group", "hook", "buffers", "debug", "bucket_of", "release",
+                 "take", "span", "nones",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
                  "t0", "times", "bwd_start", "bwd_end", "defer")
@@ -279,6 +300,7 @@ class Step:
         self.n, self.kind, self.plan, self.group = machine.steps.completed, spec.kind, plan, machine.group
         self.hook, self.buffers, self.debug = machine.hook, machine.buffers, machine.debug
         self.bucket_of, self.release = machine.bucket_of, machine.release
+        self.take, self.span, self.nones = machine.take, machine.span, machine.nones
         self.status = machine.status
         self.status_t: StatusSlot | None = machine.status_slot
         self.status_work: Any = None
@@ -350,15 +372,24 @@ class Step:
         if not self.active or self.failed:
             flat.zero_()
         else:
-            srcs = []
-            for i in bucket.leaves:
-                g = self.stash[i]
-                if g is None:  # unused leaf: its hook never fired, its gradient is zero
-                    g = torch.zeros(self.plan.slots[i].shape, dtype=bucket.dtype, device=bucket.device)
-                srcs.append(g)
-                self.stash[i] = None
+            stash, take = self.stash, self.take[b]
+            srcs = take(stash)
+            lo, hi = self.span[b]  # the gradients now live in the bucket only: let the stash go
+            if lo is not None:
+                stash[lo:hi] = self.nones[b]
+            else:
+                for i in bucket.leaves:
+                    stash[i] = None
+            if None in srcs:  # unused leaves: their hooks never fired, their gradients are zero
+                srcs = [torch.zeros(self.plan.slots[i].shape, dtype=bucket.dtype, device=bucket.device)
+                        if g is None else g for i, g in zip(bucket.leaves, srcs)]
             if self.acc is not None:
-                srcs = torch._foreach_add([self.acc[i] for i in bucket.leaves], srcs)
+                acc = take(self.acc)
+                if self.spec.acc_owned:  # the caller's scratch: added into in place, filled from
+                    torch._foreach_add_(acc, srcs)
+                    srcs = acc
+                else:
+                    srcs = torch._foreach_add(acc, srcs)
             if flat.numel() != bucket.numel:  # a sharded step's padded buffer: the padding stays zero
                 flat = flat[:bucket.numel]
             kernels.flatten(srcs, flat, scale=self.scale)

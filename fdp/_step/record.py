@@ -56,7 +56,7 @@ class Timeline:
     Example:
       >>> reducer = fdp.Reducer({"w": torch.zeros(2)})
       >>> _ = reducer.all_reduce({"w": torch.ones(2)})
-      >>> tl = reducer.last_timeline()
+      >>> tl = reducer.last_step.timeline
       >>> tl.kind, len(tl.buckets), tl.backward_end, tl.exposed_comm >= 0
       ('all_reduce', 1, None, True)
     """

@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate] ...``: benchmarks that run fdp
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop] ...``: benchmarks that run fdp
 beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
@@ -9,15 +9,13 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUBCOMMANDS = {"kernels": "kernels", "replicas": "replicas", "soak": "soak", "micro": "micro",
-               "compile": "compile", "optim": "optim", "gpu": "gpu", "predict": "predict",
-               "validate": "validate"}
+SUBCOMMANDS = ("kernels", "replicas", "soak", "micro", "compile", "optim", "gpu", "predict", "validate", "loop")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
-        module = importlib.import_module(f"{__package__}.{SUBCOMMANDS[argv[0]]}")
+        module = importlib.import_module(f"{__package__}.{argv[0]}")
         return module.main(argv[1:])
     from . import models
 

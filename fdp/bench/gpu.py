@@ -217,7 +217,7 @@ def check_step(device: torch.device, args: argparse.Namespace) -> Section:
             return statistics.median(ts[args.warmup:]) * 1e3
 
         ms_fdp, ms_local = timed(lambda: grad_fn(params)), timed(lambda: local(params))
-        tl = reducer.last_timeline()
+        tl = reducer.last_step.timeline
         sec.lines.append(f"step: fdp {ms_fdp:.2f} ms, torch.func.grad {ms_local:.2f} ms "
                          f"({len(reducer.plan.buckets)} buckets; host timeline: backward ends "
                          f"{tl.backward_end * 1e3:.2f} ms, first launch {tl.buckets[0].launch * 1e3:.2f} ms)")

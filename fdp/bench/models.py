@@ -247,7 +247,7 @@ def time_model(name: str, group: fdp.Group, cfg: argparse.Namespace, kinds: tupl
                 cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)
                 others[kind].append(cpu - (time.thread_time() - c0))
                 if kind == "fdp":
-                    exposed.append(steps.reducer.last_timeline().exposed_comm)
+                    exposed.append(steps.reducer.last_step.timeline.exposed_comm)
     # every rank's view; rank 0's is reported (all ranks waited at the same barriers)
     out = {k: statistics.median(v) * 1000 for k, v in times.items()}
     out["iqr"] = {k: [q * 1000 for q in statistics.quantiles(v, n=4)[::2]] for k, v in times.items() if len(v) > 1}

@@ -53,7 +53,7 @@ def profile(name: str, group: fdp.Group, steps: int = 6, warmup: int = 2) -> tup
     for i in range(warmup + steps):
         grad_fn(params, buffers, *batches[i % len(batches)])
         if i >= warmup:
-            timelines.append(reducer.last_timeline())
+            timelines.append(reducer.last_step.timeline)
     link = fdp.cost.measure_link(group)
     return StepProfile.from_timelines(reducer.plan, timelines, link), link, reducer.plan
 

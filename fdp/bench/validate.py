@@ -94,11 +94,11 @@ def validate_model(name: str, group: fdp.Group, cfg: argparse.Namespace) -> dict
     deferred.tuning = _Deferred()
     if cfg.step == "grad":
         fns = {k: r.grad(loss_fn, has_aux=True) for k, r in reducers.items()}
-        clock = {k: r.last_timeline for k, r in reducers.items()}
+        clock = {k: (lambda r=r: r.last_step.timeline) for k, r in reducers.items()}
     else:
         fns = {k: _Fused(r, loss_fn, params) for k, r in reducers.items()}
         clock = {k: f.last_timeline for k, f in fns.items()}
-    fns["deferred"], clock["deferred"] = deferred.grad(loss_fn, has_aux=True), deferred.last_timeline
+    fns["deferred"], clock["deferred"] = deferred.grad(loss_fn, has_aux=True), (lambda: deferred.last_step.timeline)
     kinds = list(fns)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     timelines: dict[str, list] = {}

@@ -1,0 +1,289 @@
+"""``python -m fdp.bench loop``: the loop users write, fdp beside DDP + torch.optim in one run.
+
+A nanoGPT-style trainer: a 2-layer, 64-wide character GPT with tied embedding and head,
+AdamW with weight decay on the 2-D weights only, a linear warm-up then cosine decay (the lr
+set every step from nanoGPT's ``get_lr``), gradient clipping at norm 1.0, and 4 micro-batches
+per step, the first 3 without communication. On 2 gloo ranks, each kind trains its own
+replica from the same start on the same batches, interleaved step by step (the order
+rotates), and after the run every kind's params are compared with DDP's:
+
+  ddp       ``DistributedDataParallel`` with ``no_sync()`` for the first micro-batches,
+            ``clip_grad_norm_``, ``torch.optim.AdamW`` with two param groups;
+  fused     fdp's recommended loop: ``step.accumulate`` for the first micro-batches, then
+            the fused step (``reducer.grad_and_update``, ``donate=True``) with
+            ``chain(clip_by_global_norm, adamw(mask=, lr=schedule))``;
+  fused-pure  the same, pure (``donate=False``);
+  sharded   the fused step of ``Reducer(shard=True)`` (ZeRO: 1/world of AdamW's state per rank);
+  plain     ``fdp.local_grad`` for the first micro-batches (their gradients summed), then
+            ``reducer.grad(..., accumulate=sum)`` + ``opt.update``;
+  compiled  (``--compiled``) the plain loop with its two steps (a local micro-batch, the last
+            micro-batch with the all-reduce and the update) each ``torch.compile``-d.
+
+Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
+to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
+kernels may round differently: the compiled kind is shown, not required, to be identical).
+Exits 1 if an eager kind is not bit-identical with DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fdp
+
+KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
+VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.fc, self.out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model, small: tied embedding and head, nanoGPT's init."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(BLOCK, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def get_lr(it: int, peak: float = 3e-3, warmup: int = 10, total: int = 100, floor: float = 3e-4) -> float:
+    """nanoGPT's ``get_lr``: linear warm-up, cosine decay to ``floor``."""
+    if it < warmup:
+        return peak * (it + 1) / (warmup + 1)
+    if it > total:
+        return floor
+    ratio = (it - warmup) / (total - warmup)
+    return floor + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (peak - floor)
+
+
+def batch(step: int, micro: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(((step * 64 + micro) * 1024) + rank)
+    data = torch.randint(VOCAB, (size, BLOCK + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def decays(path: Any, p: torch.Tensor) -> bool:
+    return p.dim() >= 2
+
+
+class Loop:
+    """One replica per kind of the same model, trained on the same batches."""
+
+    def __init__(self, group: fdp.Group, kinds: tuple[str, ...], micro: int, batch_size: int, steps: int,
+                 autocast: bool = False) -> None:
+        self.group, self.kinds, self.k, self.bs = group, kinds, micro, batch_size
+        # bf16 autocast of the forward (params, gradients and AdamW stay fp32), on both sides
+        self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else _null
+        torch.manual_seed(0)
+        template = GPT()
+        self.lr = lambda t: get_lr(t, total=steps)
+        self.opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(
+            lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1, mask=decays))
+        self.apply, _, _ = fdp.functionalize(template)
+        k = micro
+
+        def loss_fn(params: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with self.autocast():
+                logits, _ = self.apply(params, {}, x)
+            return F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1)) / k
+
+        self.loss_fn = loss_fn
+        self.state: dict[str, list[Any]] = {}
+        for kind in kinds:
+            if kind == "ddp":
+                model = GPT()
+                model.load_state_dict(template.state_dict())
+                self.ddp = nn.parallel.DistributedDataParallel(model, process_group=group.process_group)
+                named = list(model.named_parameters())
+                self.ddp_opt = torch.optim.AdamW(
+                    [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                     {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                    lr=self.lr(0), betas=(0.9, 0.95))
+                continue
+            _, params, _ = fdp.functionalize(template)
+            params = fdp.broadcast({n: t.detach().clone() for n, t in params.items()}, group=group)
+            reducer = fdp.Reducer(params, group, shard=kind == "sharded")
+            if kind in ("fused", "fused-pure", "sharded"):
+                step = reducer.grad_and_update(loss_fn, self.opt, donate=kind != "fused-pure")
+                self.state[kind] = [params, step.init(params), step, reducer]
+            else:
+                self.state[kind] = [params, self.opt.init(params), None, reducer]
+        if "compiled" in kinds:
+            reducer = self.state["compiled"][3]
+            opt = self.opt
+
+            def local(params: dict, x: torch.Tensor, y: torch.Tensor, acc: dict | None) -> dict:
+                g = torch.func.grad(loss_fn)(params, x, y)
+                return g if acc is None else {n: acc[n] + g[n] for n in g}
+
+            def last(params: dict, opt_state: Any, x: torch.Tensor, y: torch.Tensor, acc: dict) -> tuple:
+                g = torch.func.grad(loss_fn)(params, x, y)
+                g = reducer.all_reduce({n: acc[n] + g[n] for n in g})
+                return opt.update(g, opt_state, params)
+
+            self.compiled_local = torch.compile(local)
+            self.compiled_last = torch.compile(last)
+
+    def step(self, kind: str, t: int) -> None:
+        k, rank, bs = self.k, self.group.rank, self.bs
+        batches = [batch(t, m, rank, bs) for m in range(k)]
+        if kind == "ddp":
+            for g in self.ddp_opt.param_groups:
+                g["lr"] = self.lr(t)
+            model = self.ddp
+            for m, (x, y) in enumerate(batches):
+                ctx = model.no_sync() if m < k - 1 else _null()
+                with ctx:
+                    with self.autocast():
+                        logits = model(x)
+                    (F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1)) / k).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            self.ddp_opt.step()
+            self.ddp_opt.zero_grad(set_to_none=True)
+            return
+        st = self.state[kind]
+        params, opt_state, step, reducer = st
+        if kind in ("fused", "fused-pure", "sharded"):
+            for x, y in batches[:-1]:
+                step.accumulate(params, x, y)
+            st[0], st[1], _ = step(params, opt_state, *batches[-1])
+            return
+        if kind == "plain":
+            local = fdp.local_grad(self.loss_fn)
+            acc = None
+            for x, y in batches[:-1]:
+                g = local(params, x, y)
+                acc = g if acc is None else {n: acc[n] + g[n] for n in g}
+            grads = reducer.grad(self.loss_fn, accumulate=acc)(params, *batches[-1])
+            st[0], st[1] = self.opt.update(grads, opt_state, params)
+            return
+        acc = None  # compiled
+        for x, y in batches[:-1]:
+            acc = self.compiled_local(params, x, y, acc)
+        st[0], st[1] = self.compiled_last(params, opt_state, *batches[-1], acc)
+
+    def params(self, kind: str) -> dict[str, torch.Tensor]:
+        if kind == "ddp":
+            return {n: p.detach().clone() for n, p in self.ddp.module.named_parameters()}
+        return {n: t.detach().clone() for n, t in self.state[kind][0].items()}
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def run(group: fdp.Group, cfg: dict) -> dict:
+    """Every kind's step times and params after ``cfg["steps"]`` steps (warm-up excluded)."""
+    torch.set_num_threads(1)
+    kinds = tuple(cfg["kinds"])
+    loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False))
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for t in range(cfg["warmup"] + cfg["steps"]):
+        order = kinds[t % len(kinds):] + kinds[:t % len(kinds)]  # rotate: no kind always runs first
+        for kind in order:
+            t0 = time.perf_counter()
+            loop.step(kind, t)
+            if t >= cfg["warmup"]:
+                times[kind].append(time.perf_counter() - t0)
+    ref = loop.params("ddp") if "ddp" in kinds else None
+    out: dict[str, Any] = {"times": times, "identical": {}, "leaves": 0}
+    if ref is not None:
+        out["leaves"] = len(ref)
+        for kind in kinds:
+            if kind != "ddp":
+                got = loop.params(kind)
+                out["identical"][kind] = sum(torch.equal(got[n], ref[n]) for n in ref)
+                out.setdefault("max_rel", {})[kind] = max(
+                    float((got[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-30)) for n in ref)
+    return out
+
+
+def report(results: list[dict], kinds: tuple[str, ...]) -> tuple[str, bool]:
+    """The table (rank 0's numbers; the step time is the slowest rank's) and whether every
+    eager kind was bit-identical with DDP on every rank."""
+    times = {k: [max(r["times"][k][i] for r in results) for i in range(len(results[0]["times"][k]))] for k in kinds}
+    ddp_total = sum(times["ddp"]) if "ddp" in times else None
+    lines = [f"{'kind':12s} {'total s':>9s} {'median ms':>10s} {'x DDP':>7s} {'identical':>10s}"]
+    ok = True
+    for k in kinds:
+        total, med = sum(times[k]), statistics.median(times[k]) * 1e3
+        ratio = f"{total / ddp_total:.3f}" if ddp_total else "-"
+        same = "-" if k == "ddp" else f"{min(r['identical'][k] for r in results)}/{results[0]['leaves']}"
+        if k not in ("ddp", "compiled") and results[0]["leaves"] and any(
+                r["identical"][k] != r["leaves"] for r in results):
+            ok = False
+        lines.append(f"{k:12s} {total:9.3f} {med:10.2f} {ratio:>7s} {same:>10s}")
+    return "\n".join(lines), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fdp.bench loop", description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--micro", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--compiled", action="store_true", help="add the compiled plain loop")
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
+    p.add_argument("--json", default=None, help="also write the raw results here")
+    a = p.parse_args(argv)
+    kinds = tuple(a.kinds.split(",")) + (("compiled",) if a.compiled else ())
+    cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
+           "autocast": a.autocast}
+    results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)
+    table, ok = report(results, kinds)
+    print(f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
+          f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
+          f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else ""))
+    print(table)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -291,7 +291,8 @@ class Run:
         mine = (f"this rank had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer state "
                 "in place (and with donate=True the params)" if any(self.updated) else
                 "other ranks may have updated their optimizer state in place (and with donate=True the params)")
-        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
+        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and on rank "
+                       f"{core.group.rank} {mine}, so "
                        "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
                        "make a new one (step.init) on every rank to go on")
         if self.error is not None:

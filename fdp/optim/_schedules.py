@@ -115,7 +115,7 @@ class _StepDecay(Schedule):
         if step_size <= 0:
             raise ValueError(f"fdp.optim.schedules.step_decay: step_size must be > 0, got {step_size}")
         self.value, self.step_size, self.gamma = float(value), step_size, float(gamma)
-        self._marks = [self.value]        # the value after EVERY * i decays
+        self._marks = {0: self.value}     # i -> the value after EVERY * i decays (setdefault: idempotent)
         self._last = (0, self.value)      # (decays, value): one tuple, swapped whole
         # made now, not when first traced: a compiled step then never sees it change
         self._table = torch.tensor([self.decayed(k) for k in range(self.TABLE)], dtype=torch.float64)
@@ -124,15 +124,17 @@ class _StepDecay(Schedule):
         """The value after ``k`` decays, as StepLR's running product."""
         done, v = self._last
         if k < done:
-            i = min(k // self.EVERY, len(self._marks) - 1)
+            i = k // self.EVERY
+            while i not in self._marks:  # (marks stop where the value stopped changing)
+                i -= 1
             done, v = i * self.EVERY, self._marks[i]
         while done < k:
             nxt = v * self.gamma
             if nxt == v:  # 0, inf, gamma 1: it stays there
                 break
             v, done = nxt, done + 1
-            if done % self.EVERY == 0 and done // self.EVERY == len(self._marks):
-                self._marks.append(v)
+            if done % self.EVERY == 0:
+                self._marks.setdefault(done // self.EVERY, v)
         self._last = (k, v)
         return v
 

@@ -96,3 +96,14 @@ def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_
     assert r["contention_ms_per_mib"] >= 0 and r["gbit_s"] > 0
     out = capsys.readouterr().out
     assert "ms lost per MiB beside it" in out and "median |error|" in out
+
+
+def test_model_benchmark_runs_muon_with_adamw_beside_torch_optim_muon(capsys):
+    code = models_bench.main(["--models", "tiny1000", "--steps", "2", "--warmup", "1", "--optim", "muon",
+                              "--kinds", "local,ddp,fused,sharded"])
+    text = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny1000")}
+    assert {"ddp", "fused", "sharded"} <= set(rows), text
+    # Muon keeps one momentum buffer per matrix, AdamW two per other param: the same state as torch's
+    assert float(rows["fused"][-1]) == float(rows["ddp"][-1]) > 0, text

@@ -378,9 +378,11 @@ def test_elementwise_updates_run_while_the_backward_goes_on():
 def test_unsupported_optimizers_are_refused_with_the_way_out():
     params = {"w": torch.ones(3)}
     reducer = fdp.Reducer(params)
-    part = fdp.optim.partition({"w": "a"}, {"a": fdp.optim.sgd(lr=0.1)})
-    with pytest.raises(TypeError, match="use reducer.grad and opt.update"):
+    part = fdp.optim.partition({"w": "a"}, {"a": fdp.optim.adafactor(lr=0.1)})  # not element-wise
+    with pytest.raises(TypeError, match="every label of a partition.*use reducer.grad and opt.update"):
         reducer.grad_and_update(lambda p: p["w"].sum(), part)
+    with pytest.raises(TypeError, match="not element-wise.*use reducer.grad and opt.update"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.adafactor(lr=0.1))
     with pytest.raises(TypeError, match="argnums"):  # the params are always fn's first argument
         reducer.grad_and_update(lambda b, p: p["w"].sum(), fdp.optim.sgd(lr=0.1), argnums=1)
     step = reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.sgd(lr=0.1))

@@ -519,7 +519,8 @@ def test_only_kernel_optimizers_have_a_leaf_kernel():
     assert fdp.optim.adamw(0.1).leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
     assert fdp.optim.sgd(0.1).leaf_kernel.fields == ()
     assert fdp.optim.chain(fdp.optim.sgd(0.1)).leaf_kernel is None
-    assert fdp.optim.frozen().leaf_kernel is None
+    assert fdp.optim.frozen().leaf_kernel.fields == ()  # a kernel that changes nothing
+    assert fdp.optim.adafactor(0.1).leaf_kernel is None  # not element-wise
 
 
 @_needs_dynamo_tracing_fdp

@@ -2,9 +2,9 @@
 
 A core belongs to one Reducer and one layout: the Reducer's bucket plan (DDP's buckets, the
 same ones ``reducer.grad`` reduces, so a fused step sums every gradient in the same order on
-any world size) and the optimizer's hyper-parameter group of each leaf. Inside each bucket,
-the leaves of one group form *runs* (contiguous element ranges); a bucket's update is one
-kernel call per group over its runs. The core owns the step machine, the flat gradient
+any world size) and each leaf's key (its part of a partition and its hyper-parameter group:
+``Program.keys``). Inside each bucket, the leaves of one key form *spans*
+(``fdp/_fused/spans.py``); a bucket's update is one kernel call per key over its spans. The core owns the step machine, the flat gradient
 buffers, the param sets and, sharded, the slices and their collectives. Optimizers that
 lay the params out alike share one core (a new ``adamw(lr=...)`` object per step reuses it).
 
@@ -31,41 +31,20 @@ from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._step.record import StepRecord
 from ..hooks import CommHook
-from ..optim._flat import CHUNK
 from .params import ParamSet, ParamSets
 from .program import Program
 from .run import Run
-from .shard import Scatter, Shards, Straddles
+from .shard import Owners, Scatter, Shards, Straddles
+from .spans import Key, Span, Spans
 from .state import FusedState, StateLayout
-
-
-def group_runs(plan: BucketPlan, groups: tuple[int, ...], shards: Shards) -> list[list[tuple[int, list[tuple[int, int]]]]]:
-    """Per bucket, ``(group, [(lo, hi), ...])``: the element ranges of this rank's slice (the
-    whole bucket, unsharded) whose leaves are in each group, adjacent leaves merged, and cut
-    into pieces of at most ``CHUNK`` elements (one kernel call's worth: ``CHUNK``'s comment)."""
-    out = []
-    for b in plan.buckets:
-        lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
-        by_group: dict[int, list[tuple[int, int]]] = {}
-        for i, off, n in zip(b.leaves, b.offsets, b.numels):
-            lo, hi = max(off, lo_r), min(off + n, hi_r)
-            if lo >= hi:
-                continue
-            runs = by_group.setdefault(groups[i], [])
-            if runs and runs[-1][1] == lo - lo_r:
-                runs[-1] = (runs[-1][0], hi - lo_r)
-            else:
-                runs.append((lo - lo_r, hi - lo_r))
-        out.append([(g, [(a, min(a + CHUNK, hi)) for lo, hi in runs for a in range(lo, hi, CHUNK)])
-                    for g, runs in sorted(by_group.items())])
-    return out
 
 
 class FusedCore:
     """One layout's fused step machinery (see the module docstring)."""
 
-    def __init__(self, config: StepConfig, plan: BucketPlan, groups: tuple[int, ...], name: str) -> None:
-        self.config, self.plan, self.groups, self.name = config, plan, groups, name
+    def __init__(self, config: StepConfig, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: frozenset[int],
+                 name: str) -> None:
+        self.config, self.plan, self.keys, self.name = config, plan, keys, name
         self.mesh, self.group = config.mesh, config.mesh.full
         self.sharded = config.sharded
         sg = self.mesh.shard
@@ -83,10 +62,17 @@ class FusedCore:
         self.machine = StepMachine(plan, self.group, hook, buffers, debug=config.debug,
                                    hook_threshold_bytes=config.hook_threshold_bytes, steps=config.steps)
         self.params = ParamSets(plan, self.shards.padded, name)
-        self.runs = group_runs(plan, groups, self.shards)
+        self.parts = 1 + max((k[0] for k in keys), default=0)
+        self.whole_parts = whole_parts
+        # Sharded, whole leaves (Muon's matrices) are each owned and updated by one rank.
+        self.owners: Owners | None = None
+        if self.sharded and whole_parts:
+            self.owners = Owners(plan, self.shards, [i for i, k in enumerate(keys) if k[0] in whole_parts])
+        self.spans = self.spans_of(self.shards.rank)
         # Per bucket: whether its update is one kernel call on the (slice's) flat tensors
-        # themselves (one group, one run covering it, one chunk), and whether the wire is cast.
-        self.whole = [len(r) == 1 and r[0][1] == [(0, self.shards.numel(b))] for b, r in enumerate(self.runs)]
+        # themselves (one key, one span covering it, one chunk), and whether the wire is cast.
+        self.whole = [len(r) == 1 and r[0][1] == [Span(0, self.shards.numel(b), 0, None)]
+                      for b, r in enumerate(self.spans.by_key)]
         self.cast = [w != b.dtype for w, b in zip(wires, plan.buckets)]
         self.templates = [[torch.empty(s, device="meta") for s in b.shapes] for b in plan.buckets]
         self.scratch: list[torch.Tensor | None] = [None] * len(plan.buckets)  # params-dtype grads of a cast wire
@@ -100,7 +86,7 @@ class FusedCore:
             f" x {self.mesh.replicate.size} replicas" if self.mesh.replicate is not None else ""))
         verify_layout(
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots], self.group, name,
-            extra=f"param groups {list(groups)}, bucket caps {list(plan.caps)}, {hook.describe()}{where}",
+            extra=f"param groups {list(keys)}, bucket caps {list(plan.caps)}, {hook.describe()}{where}",
         )
 
     # ------------------------------------------------------------------ pieces a run uses
@@ -131,8 +117,14 @@ class FusedCore:
         self.checked = state.buffers
         return state
 
+    def spans_of(self, rank: int) -> Spans:
+        """Rank ``rank``'s spans of every bucket (``fdp/_fused/spans.py``)."""
+        shards = self.shards if rank == self.shards.rank else Shards(self.plan, self.shards.size, rank)
+        owner = self.owners.owner if self.owners is not None else None
+        return Spans(self.plan, self.keys, set(self.whole_parts), shards, self.parts, owner)
+
     def state_layout(self, program: Program) -> StateLayout:
-        return StateLayout(program.opt, program.transforms, self.plan, self.shards, self.mesh.shard, self.name)
+        return StateLayout(program, self.plan, self.shards, self.mesh.shard, self.name, self.spans_of)
 
     # ------------------------------------------------------------------ accumulation
     def accumulate(self, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict) -> Any:
@@ -171,7 +163,7 @@ class FusedCore:
                 acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
             machine = self.machine
-            run = Run(self, program, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
+            run = Run(self, program, layout, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
                       scale=machine.scale_for(self.group.size), active=True)
 
             def backward(step: Step) -> Any:
@@ -199,7 +191,7 @@ class FusedCore:
             if self.accumulated:
                 raise ValueError(f"{self.name}: step.accumulate(...) was called before step.update, which takes "
                                  "gradients computed any other way: accumulate into those instead")
-            run = Run(self, program, state, src, dst, kind="all_reduce", acc=None, acc_owned=False,
+            run = Run(self, program, layout, state, src, dst, kind="all_reduce", acc=None, acc_owned=False,
                       scale=self.machine.scale_for(n), active=is_active)
 
             def given(step: Step) -> None:

@@ -5,24 +5,39 @@ The chain's gradient transforms are sorted by where they can run (their declared
 it lands; the whole-tree ones and those between them (the *middle*) run once every bucket
 has landed; those after the last whole-tree one (the *suffix*) run per bucket inside its
 update. A global scale right after the prefix has its per-leaf statistics measured as
-each bucket lands too. The optimizer's ``LeafKernel`` updates each bucket, per run of
-leaves of one hyper-parameter group.
+each bucket lands too.
+
+The optimizer is one ``LeafKernel``, or, for ``partition``, one per label (a *part*). Each
+leaf gets a key ``(part, group)``: its part, and its hyper-parameter group in that part's
+kernel (the mask's); a bucket's update is one kernel call per key over its leaves' runs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+from .. import _tree
 from ..optim import GradientTransform, LeafKernel, Optimizer
 from ..optim._flat import split_chain
+
+
+class Part(NamedTuple):
+    """One kernel of a program: a partition's label (None for a plain optimizer), its
+    optimizer and ``LeafKernel``, and the dtype of its step count (None: it keeps none)."""
+
+    label: Any
+    optimizer: Optimizer
+    kernel: LeafKernel
+    count_dtype: Any
 
 
 class Program:
     """One optimizer's part of a fused step (see the module docstring).
 
     Attributes:
-      opt: the optimizer or chain. transforms: its gradient transforms. kernel: its
-      ``LeafKernel``. groups: per leaf, its hyper-parameter group (the mask's).
+      opt: the optimizer or chain. transforms: its gradient transforms. optimizer: the
+      optimizer after them (a partition, or one with a ``LeafKernel``). parts: its kernels.
+      keys: per leaf, ``(part index, group)``.
       prefix: how many leading transforms run on each bucket as it lands.
       last_tree: the index of the last whole-tree transform (-1: none).
       measure: the global scale whose statistics are measured as buckets land, or None.
@@ -33,13 +48,42 @@ class Program:
 
     def __init__(self, opt: Optimizer, params: Any, name: str, *, sharded: bool) -> None:
         self.opt = opt
-        self.transforms, optimizer = split_chain(opt, name, sharded=sharded)
-        self.kernel: LeafKernel = optimizer.leaf_kernel
-        self.groups = tuple(int(g) for g in self.kernel.groups(params))
+        self.transforms, self.optimizer = split_chain(opt, name, sharded=sharded)
+        partition = self.optimizer.partition
+        if partition is None:
+            self.parts = [Part(None, self.optimizer, self.optimizer.leaf_kernel, _count_dtype(self.optimizer, params))]
+            self.keys = tuple((0, int(g)) for g in self.optimizer.leaf_kernel.groups(params))
+        else:
+            leaves, treedef = _tree.flatten(params)
+            labels = partition.labels(params)
+            keys = partition.keys(params)
+            order = list(dict.fromkeys(labels))  # the labels in leaf order of first use
+            self.parts = []
+            for label in order:
+                sub = {keys[i]: leaves[i] for i, lab in enumerate(labels) if lab == label}
+                o = partition.optimizers[label]
+                self.parts.append(Part(label, o, o.leaf_kernel, _count_dtype(o, sub)))
+            per_leaf: list[tuple[int, int] | None] = [None] * len(leaves)
+            for k, part in enumerate(self.parts):
+                idx = [i for i, label in enumerate(labels) if label == part.label]
+                groups = part.kernel.groups({keys[i]: leaves[i] for i in idx})
+                for i, g in zip(idx, groups):
+                    per_leaf[i] = (k, int(g))
+            self.keys = tuple(per_leaf)
         t = self.transforms
         self.prefix = next((i for i, x in enumerate(t) if x.reach == "tree"), len(t))
         self.last_tree = max((i for i, x in enumerate(t) if x.reach == "tree"), default=-1)
         self.measure: GradientTransform | None = t[self.prefix] if self.prefix < len(t) else None
-        self.whole_tree = self.last_tree >= 0  # some transform needs every bucket before any update
-        # the transforms each bucket's update applies after the whole-tree ones
+        self.whole_tree = self.last_tree >= 0
         self.suffix: list[int] = list(range(self.last_tree + 1, len(t))) if self.whole_tree else []
+
+    @property
+    def partitioned(self) -> bool:
+        return self.optimizer.partition is not None
+
+
+def _count_dtype(opt: Optimizer, params: Any) -> Any:
+    """The dtype of ``opt``'s step count (from an init over empty leaves), or None."""
+    state = opt.init(_tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params))
+    step = getattr(state, "step", None)
+    return step.dtype if step is not None else None

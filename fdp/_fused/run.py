@@ -35,7 +35,8 @@ from ..optim import GradientTransform
 from .params import ParamSet
 from .program import Program
 from .shard import Replicas
-from .state import FusedState
+from .spans import Span
+from .state import FusedState, StateLayout
 
 if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
     from .core import FusedCore
@@ -44,12 +45,18 @@ if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
 class Run:
     """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
 
-    def __init__(self, core: FusedCore, program: Program, state: FusedState, src: ParamSet, dst: ParamSet, *,
+    def __init__(self, core: FusedCore, program: Program, layout: StateLayout, state: FusedState, src: ParamSet,
+                 dst: ParamSet, *,
                  kind: str, acc: list[torch.Tensor] | None, acc_owned: bool, scale: float | None,
                  active: bool) -> None:
         nb = len(core.plan.buckets)
         self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
-        self.early = not program.whole_tree and not core.config.skip_nonfinite
+        self.layout = layout
+        # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
+        self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
+                       for part in program.parts]
+        # (sharded whole leaves are updated by their owners once every bucket has landed)
+        self.early = not program.whole_tree and not core.config.skip_nonfinite and core.owners is None
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)
@@ -60,6 +67,7 @@ class Run:
         self.skipped: str | None = None           # why nothing was updated: "nonfinite" or "scale"
         self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
+        self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
         # The step's status comes after the updates (and gathers): early, the only one; else a
         # second one, after the buckets' own (which stops every rank before any update when a
         # backward failed).
@@ -129,7 +137,7 @@ class Run:
     # ------------------------------------------------------------------ update
     def update(self, b: int) -> None:
         """Bucket ``b``'s (slice of the) params, with its optimizer state, by the kernel."""
-        core, step, state, kernel = self.core, self.step, self.state, self.program.kernel
+        core, step, state, parts = self.core, self.step, self.state, self.program.parts
         t0 = time.perf_counter()
         g = self.grads[b]
         if self.coef is not None:
@@ -141,18 +149,37 @@ class Run:
             p, src = core.shards.mine(b, p), core.shards.mine(b, src)
         if self.dst is not self.src:
             p.copy_(src)
-        buffers = state.buffers
+        buffers, keys = state.buffers, self.layout.keys
         self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
-        if core.whole[b]:  # one group, one run, one kernel call: the tensors themselves
-            kernel.step(core.runs[b][0][0], [p], [g], [[buffers[f][b]] for f in kernel.fields], state.step)
+        if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
+            (part, group), _ = core.spans.by_key[b][0]
+            parts[part].kernel.step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
         else:
-            states = [buffers[f][b] for f in kernel.fields]
-            for group, runs in core.runs[b]:
-                # In chunks: each chunk's passes stay in cache, and the kernel's temporaries are
-                # chunk-sized rather than bucket-sized (fdp.optim._flat.CHUNK's comment).
-                kernel.step(group, pieces(p, runs), pieces(g, runs), [pieces(s, runs) for s in states], state.step)
+            # Per key, over its spans: in chunks (each chunk's passes stay in cache, and the
+            # kernel's temporaries are chunk-sized: fdp.optim._flat.CHUNK's comment), or each
+            # leaf whole, in its shape (Muon).
+            for (part, group), spans in core.spans.by_key[b]:
+                states = [buffers[k][b] for k in keys[part]]
+                if spans and spans[0].owned:  # whole leaves this rank owns: in the whole bucket
+                    ps = self._owned(b, spans)
+                    gs = [self.wholes[s.leaf] for s in spans]
+                else:
+                    ps, gs = pieces(p, spans, False), pieces(g, spans, False)
+                parts[part].kernel.step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
+
+    def _owned(self, b: int, spans: list[Span]) -> list[torch.Tensor]:
+        """The params of the whole leaves this rank owns in bucket ``b`` (views of the whole
+        bucket, in their shapes; copied from the set read first when the step is pure)."""
+        dst, src = self.dst.flats[b], self.src.flats[b]
+        out = []
+        for s in spans:
+            p = dst[s.lo:s.hi]
+            if self.dst is not self.src:
+                p.copy_(src[s.lo:s.hi])
+            out.append(p.view(s.shape))
+        return out
 
     # ------------------------------------------------------------------ after the buckets
     def reduced(self) -> None:
@@ -182,6 +209,9 @@ class Run:
                 self.skipped = "nonfinite"
         if finite and not self.early:
             finite = self._whole_tree()
+        if finite and core.owners is not None:
+            self._sharded_whole_leaves()
+            return self._close_after(finite)
         if finite:
             for b in range(len(self.slices)):
                 if not self.updated[b] and self.error is None:
@@ -195,8 +225,39 @@ class Run:
                     self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
             for b, work in self.gathers:
                 self._gathered(b, work)
+        return self._close_after(finite)
+
+    def _close_after(self, finite: bool) -> bool:
         self.close()
         return finite
+
+    def _sharded_whole_leaves(self) -> None:
+        """A sharded step with whole leaves (Muon): each owner gets its leaves' gradients whole,
+        every bucket is updated (the owners their whole leaves), the new params of the whole
+        leaves go back to the ranks whose slices hold them, then the all-gathers: every
+        collective issued on every rank, also after a failure here."""
+        core, shard = self.core, self.core.mesh.shard
+        grads = [self.grads[b] if self.error is None and self.grads[b] is not None else self._zeros(b)
+                 for b in range(len(self.slices))]
+        wholes = core.owners.to_owners(grads, shard)
+        if self.error is None:
+            try:
+                if self.coef is not None and wholes:
+                    torch._foreach_mul_(list(wholes.values()), self.coef)
+                for i in self.program.suffix:  # element-wise (per-leaf ones cannot shard)
+                    self.tstates[i] = self.program.transforms[i].apply(list(wholes.values()), self.tstates[i])
+                self.wholes = wholes
+                for b in range(len(self.slices)):
+                    self.update(b)
+            except Exception as e:  # noqa: BLE001 - reported through the step's status
+                self.fail(e)
+        core.owners.to_holders(self.dst.flats, shard)
+        for b in range(len(self.slices)):  # one all-gather in flight at a time (its staging buffer)
+            if self.gathers:
+                self._gathered(*self.gathers.pop())
+            self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+        for b, work in self.gathers:
+            self._gathered(b, work)
 
     def _guarded(self, fn: Any, default: Any) -> Any:
         if self.error is not None:
@@ -304,10 +365,14 @@ class Run:
             + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
 
 
-def pieces(t: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """``t``'s elements in ``runs`` (``(lo, hi)`` ranges, each at most one kernel call's
-    worth: ``FusedCore.runs``), as views."""
-    return [t[lo:hi] for lo, hi in runs]
+def pieces(t: torch.Tensor, spans: list[Span], state: bool) -> list[torch.Tensor]:
+    """``t``'s elements in ``spans`` (each at most one kernel call's worth, or one leaf), as
+    views: of the (slice of the) bucket, or (``state``) of a part's state buffer; shaped like
+    its leaf for a kernel that takes whole leaves."""
+    if state:
+        return [t[s.at:s.at + (s.hi - s.lo)] if s.shape is None else t[s.at:s.at + (s.hi - s.lo)].view(s.shape)
+                for s in spans]
+    return [t[s.lo:s.hi] if s.shape is None else t[s.lo:s.hi].view(s.shape) for s in spans]
 
 
 __all__ = ["Run", "pieces"]

@@ -330,3 +330,107 @@ class Straddles:
         comm.all_reduce(vec, group, "all-reduce of the per-leaf statistics")
         # A statistic has its leaf's dtype (a norm does); float64 holds every such value exactly.
         return [vec[i].to(dtypes[i] or slots[i].dtype) for i in range(len(slots))]
+
+
+class Owners:
+    """Whole leaves in a sharded step (Muon's matrices): each has one owner rank, which
+    updates it whole with its own state (the state of a matrix lives on its owner only).
+
+    Owners are chosen greedily by cost (``rows * cols * min(rows, cols)``, a Newton-Schulz
+    iteration's), the costliest leaf first, each to the least loaded rank, so every rank's
+    share of the work (and of the state) is within one matrix of 1/world. A step moves each
+    owned leaf's reduced gradient to its owner (``to_owners``: every part held in another
+    rank's slice, one ``all_to_all_single`` of bytes for all of them) and, once the owner has
+    updated it, the parts of the new params back to the ranks whose slices hold them
+    (``to_holders``), before the params' all-gather.
+    """
+
+    def __init__(self, plan: BucketPlan, shards: Shards, leaves: list[int]) -> None:
+        self.plan, self.shards = plan, shards
+        n, me = shards.size, shards.rank
+        slots = plan.slots
+        load = [0] * n
+        self.owner: dict[int, int] = {}
+        for i in sorted(leaves, key=lambda i: (-_cost(slots[i].shape), i)):
+            r = min(range(n), key=lambda r: (load[r], r))
+            self.owner[i] = r
+            load[r] += _cost(slots[i].shape)
+        # per leaf: its parts (bucket, lo, hi, holder), the slices of the bucket it crosses
+        self.parts: dict[int, list[tuple[int, int, int, int]]] = {}
+        for i in leaves:
+            s = slots[i]
+            b = s.bucket
+            per = shards.padded[b] // n
+            self.parts[i] = [(b, max(s.offset, r * per), min(s.offset + s.numel, (r + 1) * per), r)
+                             for r in range(n) if max(s.offset, r * per) < min(s.offset + s.numel, (r + 1) * per)]
+        self.mine = sorted(i for i, r in self.owner.items() if r == me)
+        self.any = bool(leaves) and n > 1
+
+    def _bytes(self, i: int, lo: int, hi: int) -> int:
+        return (hi - lo) * self.plan.slots[i].dtype.itemsize
+
+    def to_owners(self, grads: list[torch.Tensor], group: Group) -> dict[int, torch.Tensor]:
+        """Every leaf this rank owns, whole, in its shape, from the ranks' reduced slices
+        (``grads``: this rank's slice of each bucket, the params' dtype). A collective."""
+        s, me, slots = self.shards, self.shards.rank, self.plan.slots
+        sends = [[] for _ in range(s.size)]
+        recvs = [[] for _ in range(s.size)]
+        for i, parts in sorted(self.parts.items()):
+            o = self.owner[i]
+            for b, lo, hi, r in parts:
+                if r == me and o != me:
+                    sends[o].append(grads[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8))
+                if o == me and r != me:
+                    recvs[r].append((i, lo, hi))
+        out = {i: torch.empty(slots[i].numel, dtype=slots[i].dtype, device=grads[0].device if grads else None)
+               for i in self.mine}
+        for i in self.mine:  # this rank's own parts
+            for b, lo, hi, r in self.parts[i]:
+                if r == me:
+                    off = slots[i].offset
+                    out[i][lo - off:hi - off] = grads[b][lo - s.lo[b]:hi - s.lo[b]]
+        got = self._exchange(sends, recvs, group, "exchange of whole leaves' gradients to their owners")
+        for (i, lo, hi), part in got:
+            off = slots[i].offset
+            out[i][lo - off:hi - off] = part.view(slots[i].dtype)
+        return {i: t.view(slots[i].shape) for i, t in out.items()}
+
+    def to_holders(self, flats: list[torch.Tensor], group: Group) -> None:
+        """The owners' updated leaves (in their whole buckets ``flats``) into the slices of the
+        ranks that hold their parts, before the all-gather. A collective."""
+        s, me, slots = self.shards, self.shards.rank, self.plan.slots
+        sends = [[] for _ in range(s.size)]
+        recvs = [[] for _ in range(s.size)]
+        for i, parts in sorted(self.parts.items()):
+            o = self.owner[i]
+            for b, lo, hi, r in parts:
+                if o == me and r != me:
+                    sends[r].append(flats[b][lo:hi].reshape(-1).view(torch.uint8))
+                if r == me and o != me:
+                    recvs[o].append((i, lo, hi))
+        got = self._exchange(sends, recvs, group, "exchange of whole leaves' new params to their slices")
+        for (i, lo, hi), part in got:
+            flats[slots[i].bucket][lo:hi] = part.view(slots[i].dtype)
+
+    def _exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[tuple[int, int, int]]], group: Group,
+                  what: str) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
+        device = group.device
+        parts = [t for per in sends for t in per]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+        in_sizes = [sum(t.numel() for t in per) for per in sends]
+        out_sizes = [sum(self._bytes(i, lo, hi) for i, lo, hi in per) for per in recvs]
+        recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+        comm.wait(comm.all_to_all(recv, send, group, what, out_splits=out_sizes, in_splits=in_sizes), group, what)
+        out, pos = [], 0
+        for per in recvs:
+            for i, lo, hi in per:
+                n = self._bytes(i, lo, hi)
+                out.append(((i, lo, hi), recv[pos:pos + n]))
+                pos += n
+        return out
+
+
+def _cost(shape: tuple[int, ...]) -> int:
+    """A Newton-Schulz iteration's cost on a matrix of ``shape``: rows * cols * min(rows, cols)."""
+    m, n = (shape[0], shape[1]) if len(shape) == 2 else (max(1, shape[0] if shape else 1), 1)
+    return m * n * min(m, n)

@@ -1,7 +1,8 @@
 """The fused step's optimizer state: flat per bucket (or per slice, sharded), and its per-leaf form.
 
 ``FusedState`` holds, per state field, one flat tensor per bucket; under a sharded step
-(``Reducer(shard=True)``) one per bucket *slice*, this rank's. ``StateLayout`` makes,
+(``Reducer(shard=True)``) one per bucket *slice*, this rank's (for a partition, per label and
+field, the label's elements only: ``fdp/_fused/spans.py``). ``StateLayout`` makes,
 checks and converts it: ``to_tree`` gives the per-leaf layout of ``opt.init(params)`` (a
 collective when sharded: the slices are gathered), which loads into the plain path, another
 bucket plan, another world size or the unsharded step; ``from_tree`` takes it back.
@@ -9,6 +10,8 @@ bucket plan, another world size or the unsharded step; ``from_tree`` takes it ba
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -17,8 +20,10 @@ from .. import _tree
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
-from ..optim import ChainState, Optimizer
+from ..optim import ChainState, PartitionState
+from .program import Program
 from .shard import Shards
+from .spans import Spans
 
 __all__ = ["FusedState", "StateLayout"]
 
@@ -76,9 +81,11 @@ class FusedState(NamedTuple):
 LAYOUT_VERSION = 1
 
 
-def layout_tensor(plan: BucketPlan, shards: Shards) -> torch.Tensor:
-    """The ``FusedState.layout`` of a state in ``plan``'s buckets cut by ``shards``."""
-    fp = plan.fingerprint
+def layout_tensor(plan: BucketPlan, shards: Shards, keys: tuple | None = None) -> torch.Tensor:
+    """The ``FusedState.layout`` of a state in ``plan``'s buckets cut by ``shards`` (and, for a
+    partition, split by its per-leaf ``keys``: the digest covers them too)."""
+    fp = plan.fingerprint if keys is None else hashlib.sha256(
+        (plan.fingerprint + repr(keys)).encode()).hexdigest()
     words = [int(fp[i:i + 15], 16) for i in (0, 15, 30)]  # 60 bits each: positive int64s
     return torch.tensor([LAYOUT_VERSION, shards.rank, shards.size, *words], dtype=torch.int64)
 
@@ -92,37 +99,57 @@ def describe_layout(layout: torch.Tensor) -> str:
 
 
 class StateLayout:
-    """Makes, checks and converts a ``FusedState`` for one fused step's plan and shards."""
+    """Makes, checks and converts a ``FusedState`` for one program on one core's layout.
 
-    def __init__(self, opt: Optimizer, transforms: tuple, plan: BucketPlan, shards: Shards,
-                 group: Group, name: str) -> None:
-        self.opt, self.transforms, self.plan, self.shards, self.group = opt, transforms, plan, shards, group
-        self.kernel = (opt.parts[-1] if opt.parts else opt).leaf_kernel
-        self.name = name
-        self.layout = layout_tensor(plan, shards)
+    ``FusedState.buffers`` holds, per state field of each part (``"exp_avg"``; for a
+    partition ``"label:exp_avg"``), one tensor per bucket: the part's compact state of this
+    rank's slice (``fdp/_fused/spans.py``). ``to_tree`` gives ``opt.init(params)``'s per-leaf
+    layout (a collective when sharded: every rank's state is gathered), ``from_tree`` takes it
+    back.
+    """
 
+    def __init__(self, program: Program, plan: BucketPlan, shards: Shards, group: Group, name: str,
+                 spans_of: Callable[[int], Spans]) -> None:
+        self.program, self.plan, self.shards, self.group, self.name = program, plan, shards, group, name
+        self.opt, self.transforms, self.parts = program.opt, program.transforms, program.parts
+        self.mine, self.spans_of = spans_of(shards.rank), spans_of
+        # per part: the buffers' keys of its fields, in its kernel's order
+        self.keys = [[f if not program.partitioned else f"{part.label}:{f}" for f in part.kernel.fields]
+                     for part in self.parts]
+        self.layout = layout_tensor(plan, shards, program.keys if program.partitioned else None)
+
+    # ------------------------------------------------------------------ make and check
     def init(self, params: Any) -> FusedState:
         self.plan.leaves_of(params, f"{self.name}: init params")  # checked against the plan
-        # The optimizer's own count (its dtype differs between optimizers), from an init over
-        # empty leaves of the same dims: a full init would allocate a whole per-leaf state.
-        empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
-        count = self.template(empty).step.clone()
-        buffers = {f: [torch.full((self.shards.numel(b.index),), self.kernel.init_value, dtype=b.dtype,
-                                  device=b.device) for b in self.plan.buckets] for f in self.kernel.fields}
+        count = self._count(params)
+        buffers = {key: [torch.full((self.mine.sizes[b.index][k],), part.kernel.init_value, dtype=b.dtype,
+                                    device=b.device) for b in self.plan.buckets]
+                   for k, part in enumerate(self.parts) for key in self.keys[k]}
         return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms), self.layout)
 
-    def template(self, params: Any) -> Any:
-        state = self.opt.init(params)
+    def _count(self, params: Any) -> torch.Tensor:
+        """The optimizer's own count (its dtype differs between optimizers), from an init over
+        empty leaves of the same dims: a full init would allocate a whole per-leaf state."""
+        empty = _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)
+        state = self.inner(self.opt.init(empty))
+        if isinstance(state, PartitionState):
+            counts = [s.step for s in state.states.values() if hasattr(s, "step")]
+            return counts[0].clone() if counts else torch.zeros((), dtype=torch.int64)
+        return state.step.clone()
+
+    @staticmethod
+    def inner(state: Any) -> Any:
         return state.optimizer if isinstance(state, ChainState) else state
 
     def check(self, state: Any) -> FusedState:
         if not isinstance(state, FusedState):
             raise TypeError(f"{self.name}: opt_state must be the FusedState of step.init(params) (or "
                             f"step.state_from_tree), got {type(state).__name__}")
-        if set(state.buffers) != set(self.kernel.fields) or len(state.transforms) != len(self.transforms):
+        keys = [key for ks in self.keys for key in ks]
+        if set(state.buffers) != set(keys) or len(state.transforms) != len(self.transforms):
             raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
                              f"{len(state.transforms)} transform states; this optimizer keeps "
-                             f"{sorted(self.kernel.fields)} and {len(self.transforms)}")
+                             f"{sorted(keys)} and {len(self.transforms)}")
         layout = state.layout
         if layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
                                               and torch.equal(layout.cpu(), self.layout)):
@@ -130,45 +157,96 @@ class StateLayout:
             raise ValueError(
                 f"{self.name}: opt_state was made for another layout ({shown}; this step: "
                 f"{describe_layout(self.layout)}): its flat tensors follow another bucket plan (params in another "
-                "key order, another mask, caps or param groups) or another sharding, so its moments would land on "
-                "the wrong leaves. Convert it: step.state_from_tree(old_step.state_to_tree(opt_state, params), params)")
-        for f, flats in state.buffers.items():
-            if len(flats) != len(self.plan.buckets) or any(
-                    t.numel() != self.shards.numel(b.index) or t.dtype != b.dtype or t.device != b.device
-                    for t, b in zip(flats, self.plan.buckets)):
-                what = "slices" if self.shards.sharded else "buckets"
-                raise ValueError(f"{self.name}: opt_state.buffers[{f!r}] does not match this step's "
-                                 f"{len(self.plan.buckets)} {what} (a state made for another plan, world "
-                                 "size or sharding? convert it with step.state_to_tree / step.state_from_tree)")
+                "key order, another partition, caps or param groups) or another sharding, so its moments would "
+                "land on the wrong leaves. Convert it: step.state_from_tree(old_step.state_to_tree(opt_state, "
+                "params), params)")
+        for k in range(len(self.parts)):
+            for key in self.keys[k]:
+                flats = state.buffers[key]
+                if len(flats) != len(self.plan.buckets) or any(
+                        t.numel() != self.mine.sizes[b.index][k] or t.dtype != b.dtype or t.device != b.device
+                        for t, b in zip(flats, self.plan.buckets)):
+                    what = "slices" if self.shards.sharded else "buckets"
+                    raise ValueError(f"{self.name}: opt_state.buffers[{key!r}] does not match this step's "
+                                     f"{len(self.plan.buckets)} {what} (a state made for another plan, world "
+                                     "size or sharding? convert it with step.state_to_tree / step.state_from_tree)")
         return state
 
+    # ------------------------------------------------------------------ per-leaf form
     def to_tree(self, state: FusedState, params: Any) -> Any:
         state = self.check(state)
-        template = self.template(params)
+        template = self.inner(self.opt.init(params))
+        # Per field of each part, every leaf's values in the plan's leaf order (the part's
+        # leaves only), from the whole buckets (gathered when sharded).
+        values = [{f: _tree.leaves(self.plan.views([self._whole(b, k, t) for b, t in enumerate(state.buffers[key])]))
+                   for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
         # In params' own structure: a dict given in another key order than the plan's gets
         # its state in its own order, as opt.init(params) lays it out.
         want = _tree.structure(params)
-        fields = {}
-        for f in self.kernel.fields:
-            flats = [self._whole(b, t) for b, t in enumerate(state.buffers[f])]
-            leaves = list(map(torch.Tensor.clone, _tree.leaves(self.plan.views(flats))))
-            if want != self.plan.treedef:
-                leaves = _tree.in_order_of(want, self.plan.treedef, leaves, f"{self.name}: state_to_tree params")
-            fields[f] = _tree.unflatten(want, leaves)
-        tree = template._replace(step=state.step.clone(), **fields)
+
+        def in_params_order(leaves: list) -> list:
+            if want == self.plan.treedef:
+                return leaves
+            return _tree.in_order_of(want, self.plan.treedef, leaves, f"{self.name}: state_to_tree params")
+
+        if not self.program.partitioned:
+            fields = {f: _tree.unflatten(want, list(map(torch.Tensor.clone, in_params_order(v))))
+                      for f, v in values[0].items()}
+            tree = template._replace(step=state.step.clone(), **fields)
+        else:
+            tree = self._partition_tree(template, values, state.step, params, in_params_order)
         if self.opt.parts:
             return ChainState(tuple(state.transforms), tree)
         return tree
 
-    def _whole(self, b: int, mine: torch.Tensor) -> torch.Tensor:
-        """Bucket ``b``'s whole state from this rank's slice (an all-gather when sharded)."""
-        s = self.shards
-        if not s.sharded:
+    def _partition_tree(self, template: Any, values: list, count: torch.Tensor, params: Any,
+                        in_params_order: Callable[[list], list]) -> Any:
+        partition = self.program.optimizer.partition
+        labels, keys = partition.labels(params), partition.keys(params)
+        part_of = {part.label: k for k, part in enumerate(self.parts)}
+        states = {}
+        for label, sub in template.states.items():
+            k = part_of[label]
+            if not hasattr(sub, "step"):  # (frozen: no state)
+                states[label] = sub
+                continue
+            per_field = {f: in_params_order(v) for f, v in values[k].items()}
+            fields = {f: {keys[i]: v[i].clone() for i in range(len(labels)) if labels[i] == label}
+                      for f, v in per_field.items()}
+            states[label] = sub._replace(step=count.to(sub.step.dtype).clone(), **fields)
+        return PartitionState(states)
+
+    def _whole(self, b: int, k: int, mine: torch.Tensor) -> torch.Tensor:
+        """Bucket ``b``'s whole state of part ``k`` in the bucket's layout, from this rank's
+        (compact) part: an all-gather when sharded; other parts' elements are zeros."""
+        s, bucket = self.shards, self.plan.buckets[b]
+        one_part = len(self.parts) == 1
+        if not s.sharded and one_part:
             return mine
-        out = mine.new_empty(s.padded[b])
-        what = f"{self.name}: gathering bucket {b}'s optimizer state"
-        comm.wait(comm.all_gather_into(out, mine.contiguous(), self.group, what), self.group, what)
-        return out
+        if s.sharded:
+            if one_part:  # the slices themselves, in rank order
+                out = mine.new_empty(s.padded[b])
+                what = f"{self.name}: gathering bucket {b}'s optimizer state"
+                comm.wait(comm.all_gather_into(out, mine.contiguous(), self.group, what), self.group, what)
+                return out
+            sizes = [self.spans_of(r).sizes[b][k] for r in range(s.size)]
+            padded = mine.new_zeros(max(sizes))
+            padded[:mine.numel()] = mine
+            rows = padded.new_empty(s.size * padded.numel())
+            what = f"{self.name}: gathering bucket {b}'s optimizer state"
+            comm.wait(comm.all_gather_into(rows, padded, self.group, what), self.group, what)
+            compact = rows.view(s.size, -1)
+        else:
+            compact = mine.view(1, -1)
+        out = mine.new_zeros(s.padded[b])
+        per = s.padded[b] // s.size
+        for r in range(s.size):
+            for key, spans in self.spans_of(r).by_key[b]:
+                if key[0] == k:
+                    for sp in spans:
+                        base = 0 if sp.owned else r * per  # (an owned whole leaf: the bucket's own offsets)
+                        out[base + sp.lo:base + sp.hi] = compact[r, sp.at:sp.at + (sp.hi - sp.lo)]
+        return out[:bucket.numel] if out.numel() != bucket.numel and not s.sharded else out
 
     def from_tree(self, tree_state: Any, params: Any) -> FusedState:
         transforms = ()
@@ -177,14 +255,46 @@ class StateLayout:
                 raise TypeError(f"{self.name}: expected the ChainState of opt.init(params), got "
                                 f"{type(tree_state).__name__}")
             transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
+        if not self.program.partitioned:
+            count = tree_state.step.clone()
+            full = {f: self.plan.flatten(getattr(tree_state, f)) for f in self.parts[0].kernel.fields}
+            buffers = {f: [self._mine(b, 0, t) for b, t in enumerate(whole)] for f, whole in full.items()}
+            return FusedState(count, buffers, transforms, self.layout)
+        if not isinstance(tree_state, PartitionState):
+            raise TypeError(f"{self.name}: expected the PartitionState of opt.init(params), got "
+                            f"{type(tree_state).__name__}")
+        partition = self.program.optimizer.partition
+        labels, keys = partition.labels(params), partition.keys(params)
+        leaves = _tree.leaves(params)
+        counts = {label: s.step for label, s in tree_state.states.items() if hasattr(s, "step")}
+        if len({int(c) for c in counts.values()}) > 1:
+            raise ValueError(f"{self.name}: the partition's labels have different step counts {counts}; the "
+                             "fused step updates every label at each step, so their counts must agree")
+        count = next(iter(counts.values())).clone() if counts else self._count(params)
         buffers = {}
-        for f in self.kernel.fields:
-            whole = self.plan.flatten(getattr(tree_state, f))
-            if self.shards.sharded:
-                whole = [self.shards.mine(b, self._padded(b, t)).clone() for b, t in enumerate(whole)]
-            buffers[f] = whole
-        return FusedState(tree_state.step.clone(), buffers, transforms, self.layout)
+        for k, part in enumerate(self.parts):
+            for f, key in zip(part.kernel.fields, self.keys[k]):
+                sub = getattr(tree_state.states[part.label], f)
+                per_leaf = [sub[keys[i]] if labels[i] == part.label else torch.zeros_like(leaves[i])
+                            for i in range(len(leaves))]
+                whole = self.plan.flatten(_tree.unflatten(_tree.structure(params), per_leaf))
+                buffers[key] = [self._mine(b, k, t) for b, t in enumerate(whole)]
+        return FusedState(count, buffers, transforms, self.layout)
 
-    def _padded(self, b: int, t: torch.Tensor) -> torch.Tensor:
-        n = self.shards.padded[b]
-        return t if t.numel() == n else torch.cat([t, t.new_zeros(n - t.numel())])
+    def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
+        s = self.shards
+        if len(self.parts) == 1:
+            if not s.sharded:
+                return whole.clone()
+            n = s.padded[b]
+            padded = whole if whole.numel() == n else torch.cat([whole, whole.new_zeros(n - whole.numel())])
+            return s.mine(b, padded).clone()
+        lo_r = s.lo[b]
+        spans = sorted(sp for key, sps in self.mine.by_key[b] if key[0] == k for sp in sps)
+        pieces = sorted((sp.at, whole[(0 if sp.owned else lo_r) + sp.lo:(0 if sp.owned else lo_r) + sp.hi])
+                        for sp in spans)
+        out = whole.new_empty(self.mine.sizes[b][k])
+        for at, piece in pieces:
+            out[at:at + piece.numel()] = piece
+        return out

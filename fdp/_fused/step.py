@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import _tree
 from .._plan.bucket import BucketPlan
 from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
@@ -54,11 +55,12 @@ class FusedCores:
         self.config = config
         self._cores: OrderedDict[tuple, FusedCore] = OrderedDict()
 
-    def get(self, plan: BucketPlan, groups: tuple[int, ...]) -> FusedCore:
-        key = (plan.fingerprint, groups)
+    def get(self, plan: BucketPlan, program: Program) -> FusedCore:
+        whole = frozenset(k for k, part in enumerate(program.parts) if part.kernel.whole_leaves)
+        key = (plan.fingerprint, program.keys, whole)
         core = self._cores.get(key)
         if core is None:
-            core = self._cores[key] = FusedCore(self.config, plan, groups, NAME)
+            core = self._cores[key] = FusedCore(self.config, plan, program.keys, whole, NAME)
             while len(self._cores) > self.MAX:
                 self._cores.popitem(last=False)
         else:
@@ -122,9 +124,10 @@ class FusedStep:
             return self._bind_now(params)
 
     def _bind_now(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
-        if self._program is None:
-            self._program = Program(self.opt, params, NAME, sharded=self._cores.config.sharded)
-        core = self._cores.get(self._plan, self._program.groups)
+        if self._program is None:  # (read on params in the plan's leaf order)
+            ordered = _tree.unflatten(self._plan.treedef, self._plan.leaves_of(params, f"{NAME} params"))
+            self._program = Program(self.opt, ordered, NAME, sharded=self._cores.config.sharded)
+        core = self._cores.get(self._plan, self._program)
         if core is not self._core or self._layout is None:
             self._core, self._layout = core, core.state_layout(self._program)
         return core, self._program, self._layout

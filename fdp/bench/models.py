@@ -19,8 +19,9 @@ step by step (the order rotates) in one process group, warm-up excluded:
   compiled   (``--compiled``) ``torch.compile(fullgraph=True)`` of the ``func-ar`` step:
              collectives inside the graph.
 
-Every step includes the optimizer (``--optim``: SGD with momentum 0.9, or AdamW; in place for
-both libraries; torch.optim's own ``SGD``/``AdamW`` for DDP) and, for
+Every step includes the optimizer (``--optim``: SGD with momentum 0.9, AdamW, or Muon on the
+2-D params with AdamW on the rest; in place for both libraries; torch.optim's own
+``SGD``/``AdamW``/``Muon`` for DDP) and, for
 models with BatchNorm, the buffer synchronisation (DDP's per-forward broadcast; fdp's
 ``sync_buffers``). Reported per model and step kind: the median step time, its ratio to
 DDP's, the exposed communication (median step minus median local step), the CPU time per
@@ -61,8 +62,35 @@ FUSED = ("fused", "fused-pure", "sharded")
 LR = 0.01
 
 
+class _MuonAndAdamW:
+    """torch.optim.Muon on the 2-D params and AdamW on the others, stepped together (the
+    usual pairing, as DDP users write it)."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        self.opts = [torch.optim.Muon([p for p in params if p.dim() == 2], lr=LR * 0.2),
+                     torch.optim.AdamW([p for p in params if p.dim() != 2], lr=LR * 0.1, weight_decay=0.01)]
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.opts for k, v in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
 def make_optimizers(cfg: argparse.Namespace, donate: bool = True) -> tuple[Callable, Any]:
     """(torch.optim factory for DDP's parameters, the fdp optimizer with the same numbers)."""
+    if getattr(cfg, "optim", "sgd") == "muon":
+        return (_MuonAndAdamW, fdp.optim.partition(
+            lambda key, p: "muon" if p.dim() == 2 else "adamw",
+            {"muon": fdp.optim.muon(lr=LR * 0.2, donate=donate),
+             "adamw": fdp.optim.adamw(lr=LR * 0.1, weight_decay=0.01, donate=donate)}))
     if getattr(cfg, "optim", "sgd") == "adamw":
         return (lambda ps: torch.optim.AdamW(ps, lr=LR * 0.1, weight_decay=0.01),
                 fdp.optim.adamw(lr=LR * 0.1, weight_decay=0.01, donate=donate))
@@ -395,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2, help="ranks to fork when not under torchrun")
     p.add_argument("--hook", default="allreduce", choices=["allreduce", "bf16_compress", "fp16_compress"])
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
-    p.add_argument("--optim", default="sgd", choices=["sgd", "adamw"],
+    p.add_argument("--optim", default="sgd", choices=["sgd", "adamw", "muon"],
                    help="the optimizer of every kind (torch.optim's for DDP, fdp.optim's for fdp)")
     p.add_argument("--kinds", default=None, help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")

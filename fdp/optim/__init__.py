@@ -38,6 +38,8 @@ from ._hyperparams import Hyperparams as Hyperparams
 from ._hyperparams import hyperparams as hyperparams
 from ._lion import LionState as LionState
 from ._lion import lion as lion
+from ._muon import MuonState as MuonState
+from ._muon import muon as muon
 from ._optimizers import AdagradState as AdagradState
 from ._optimizers import AdamState as AdamState
 from ._optimizers import AdamWState as AdamWState
@@ -71,6 +73,7 @@ __all__ = [
     "Hyperparams",
     "LeafKernel",
     "LionState",
+    "MuonState",
     "NAdamState",
     "Optimizer",
     "PartitionState",
@@ -91,6 +94,7 @@ __all__ = [
     "global_scale",
     "hyperparams",
     "lion",
+    "muon",
     "nadam",
     "partition",
     "radam",

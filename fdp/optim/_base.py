@@ -61,6 +61,8 @@ class Optimizer(NamedTuple):
         step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
       hyper: a ``Hyperparams`` (torch.optim's param-group terms: what ``fdp.optim.hyperparams``
         reports) for optimizers over a torch.optim kernel; ``None`` for others.
+      partition: for ``partition``, its ``Partitioned`` (the label of each leaf and the
+        optimizer of each label: what the fused step runs per label); ``None`` otherwise.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -75,6 +77,7 @@ class Optimizer(NamedTuple):
     leaf_kernel: LeafKernel | None = None
     parts: tuple = ()
     hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
+    partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
 
 
 class LeafKernel(NamedTuple):
@@ -96,12 +99,15 @@ class LeafKernel(NamedTuple):
         one group in place with the hyper-parameters at update ``count`` (a scalar CPU
         tensor: updates already applied; not incremented here). ``state_lists`` holds one
         list per field.
+      whole_leaves: the update of a leaf depends on all of it (Muon orthogonalises each
+        matrix): the lists must hold each leaf whole, in its own shape, never flat pieces.
     """
 
     fields: tuple[str, ...]
     init_value: float
     groups: Callable[[Any], list[int]]
     step: Callable[..., None]
+    whole_leaves: bool = False
 
 
 class GradientTransform(NamedTuple):

@@ -63,6 +63,7 @@ class Spec(NamedTuple):
     check_params: Callable[[list[Tensor], Any], None] | None = None  # extra checks at init
     torch_class: type | None = None  # the torch.optim class with these numbers (fdp.optim.hyperparams)
     fixed: dict[str, Any] = {}        # its other param-group entries (betas, eps, ...)
+    whole_leaves: bool = False        # the kernel needs each leaf whole, in its shape (Muon)
 
 
 def scalar_dtype() -> torch.dtype:
@@ -197,5 +198,6 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
         return _tree.unflatten(ps.treedef, p), new_state
 
     hyper = Hyperparams(spec.torch_class, lr, weight_decay, dict(spec.fixed), mask)
-    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step),
+    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step,
+                                              spec.whole_leaves),
                      hyper=hyper)

@@ -39,11 +39,15 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
-    if optimizer.leaf_kernel is None:
+    kernels = [optimizer.leaf_kernel] if optimizer.partition is None else [
+        o.leaf_kernel for o in optimizer.partition.optimizers.values()]
+    if any(k is None for k in kernels):
+        which = "" if optimizer.partition is None else " (every label of a partition)"
         raise TypeError(
-            f"{name}: the fused step runs a torch.optim kernel per bucket, so it needs sgd, adam, adamw, "
-            "adagrad or rmsprop (optionally in a chain after gradient transforms); for other optimizers "
-            "(partition, your own) use reducer.grad and opt.update"
+            f"{name}: the fused step runs an optimizer's kernel per bucket, so it needs one with a LeafKernel"
+            f"{which}: sgd, adam, adamw, adagrad, rmsprop, nadam, radam, adamax, adadelta, lion, muon or "
+            "frozen, optionally in a chain after gradient transforms; for others (adafactor, not "
+            "element-wise; your own) use reducer.grad and opt.update"
         )
     for i, t in enumerate(transforms):
         where = f"{name}: part {i} of the chain"

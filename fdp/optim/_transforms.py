@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._base import GradientTransform, Optimizer, global_scale, leaf_options
+from ._base import GradientTransform, LeafKernel, Optimizer, global_scale, leaf_options
 
 __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "global_norm",
            "partition"]
@@ -215,6 +216,22 @@ def clip_by_value(min_value: float, max_value: float) -> GradientTransform:
 # ------------------------------------------------------------------------- partition
 
 
+class Partitioned(NamedTuple):
+    """What a ``partition`` is made of, for callers that run it their own way (the fused step).
+
+    Attributes:
+      labels: ``labels(params) -> list`` of each leaf's label, in leaf order (checked: every
+        label has an optimizer).
+      optimizers: the optimizer of each label.
+      keys: ``keys(params) -> list``: each leaf's key in its label's sub-tree (the keys the
+        label's optimizer sees, as ``partition`` hands them over).
+    """
+
+    labels: Callable[[Any], list[Any]]
+    optimizers: dict[str, Optimizer]
+    keys: Callable[[Any], list[Any]]
+
+
 class PartitionState(NamedTuple):
     """State of ``partition``: one optimizer state per label (``None`` for frozen labels)."""
 
@@ -232,7 +249,15 @@ def frozen() -> Optimizer:
       >>> opt.update({"w": torch.ones(1)}, (), {"w": torch.zeros(1)})[0]["w"]
       tensor([0.])
     """
-    return Optimizer(lambda params: (), lambda grads, state, params: (params, state))
+    def no_groups(params: Any) -> list[int]:
+        return [0] * len(_tree.leaves(params))
+
+    def no_step(group: int, params: list[Tensor], grads: list[Tensor], states: list, count: Tensor) -> None:
+        return None
+
+    # (a kernel that changes nothing: a frozen label of a partition runs in the fused step too)
+    return Optimizer(lambda params: (), lambda grads, state, params: (params, state),
+                     LeafKernel((), 0.0, no_groups, no_step))
 
 
 def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
@@ -310,6 +335,17 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
                 out[i] = new[keys[i]]
         return _tree.unflatten(treedef, out), PartitionState(states)
 
-    return Optimizer(init, update)
+    def labels_of(params: Any) -> list[Any]:
+        leaves, _, _, by_label = plan(params)
+        out: list[Any] = [None] * len(leaves)
+        for label, idx in by_label.items():
+            for i in idx:
+                out[i] = label
+        return out
+
+    def keys_of(params: Any) -> list[Any]:
+        return plan(params)[2]
+
+    return Optimizer(init, update, partition=Partitioned(labels_of, dict(optimizers), keys_of))
 
 

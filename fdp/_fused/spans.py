@@ -1,0 +1,97 @@
+"""``Spans``: where each key's elements are in a rank's slice of each bucket, and where their
+optimizer state lives.
+
+A fused step's bucket holds leaves of several keys (a key is ``(part, group)``: a partition's
+label and a mask's group, ``Program.keys``). A bucket's update is one kernel call per key,
+over that key's *spans*: element ranges of the (slice of the) bucket, adjacent leaves of one
+key merged, cut into pieces of at most ``CHUNK`` elements (one kernel call's worth; see
+``fdp.optim._flat.CHUNK``), or one span per leaf, in its shape, for a kernel that takes whole
+leaves (Muon).
+
+The state of a part is compact: per bucket, one tensor per state field holding that part's
+elements of the slice, in buffer order (a span's ``at`` is its offset there), so a partition
+keeps AdamW's moments only for AdamW's leaves. A program with one part keeps the slice's own
+layout (``at == lo``, the padding included): the state of every element-wise optimizer is
+then exactly the bucket's (or slice's) shape. In a sharded step, a whole leaf's state lives on
+the rank that owns it (``fdp._fused.shard.Owners``), which updates it whole.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .._plan.bucket import BucketPlan
+from ..optim._flat import CHUNK
+from .shard import Shards
+
+Key = tuple[int, int]  # (part, group)
+
+
+class Span(NamedTuple):
+    """Elements ``lo:hi`` of the (slice of the) bucket, at ``at`` in their part's state
+    buffer; ``shape``: the leaf's, for a kernel that takes whole leaves (else None);
+    ``owned``: a whole leaf this rank owns in a sharded step (``lo:hi`` are then the bucket's
+    own elements, not the slice's: ``fdp._fused.shard.Owners``)."""
+
+    lo: int
+    hi: int
+    at: int
+    shape: tuple[int, ...] | None
+    owned: bool = False
+    leaf: int = -1  # (owned spans: the leaf's index)
+
+
+class Spans:
+    """One rank's spans of every bucket (see the module docstring).
+
+    Attributes:
+      by_key: per bucket, ``[(key, [Span, ...]), ...]`` in key order.
+      sizes: per bucket, per part, its state buffers' length.
+    """
+
+    def __init__(self, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: set[int], shards: Shards,
+                 parts: int, owner: dict[int, int] | None = None) -> None:
+        self.by_key: list[list[tuple[Key, list[Span]]]] = []
+        self.sizes: list[list[int]] = []
+        one_part = parts == 1 and owner is None
+        for b in plan.buckets:
+            lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
+            count = [0] * parts
+            spans: dict[Key, list[Span]] = {}
+            for i, off, n, shape in zip(b.leaves, b.offsets, b.numels, b.shapes):
+                if owner is not None and keys[i][0] in whole_parts:  # sharded: the owner's, whole
+                    if owner[i] == shards.rank:
+                        part = keys[i][0]
+                        spans.setdefault(keys[i], []).append(Span(off, off + n, count[part], tuple(shape), True, i))
+                        count[part] += n
+                    continue
+                lo, hi = max(off, lo_r), min(off + n, hi_r)
+                if lo >= hi:
+                    continue
+                key = keys[i]
+                part = key[0]
+                at = lo - lo_r if one_part else count[part]
+                count[part] += hi - lo
+                mine = spans.setdefault(key, [])
+                if part in whole_parts:
+                    mine.append(Span(lo - lo_r, hi - lo_r, at, tuple(shape)))
+                elif mine and mine[-1].hi == lo - lo_r and mine[-1].at + (mine[-1].hi - mine[-1].lo) == at:
+                    last = mine[-1]
+                    mine[-1] = Span(last.lo, hi - lo_r, last.at, None)
+                else:
+                    mine.append(Span(lo - lo_r, hi - lo_r, at, None))
+            self.by_key.append([(key, _chunked(s)) for key, s in sorted(spans.items())])
+            self.sizes.append([shards.numel(b.index)] if one_part else count)
+
+
+def _chunked(spans: list[Span]) -> list[Span]:
+    """Spans of at most ``CHUNK`` elements (whole-leaf spans stay whole)."""
+    out = []
+    for s in spans:
+        if s.shape is not None or s.hi - s.lo <= CHUNK:
+            out.append(s)
+            continue
+        for a in range(s.lo, s.hi, CHUNK):
+            z = min(a + CHUNK, s.hi)
+            out.append(Span(a, z, s.at + (a - s.lo), None))
+    return out

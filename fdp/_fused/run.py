@@ -349,11 +349,12 @@ class Run:
         n = core.machine.close(self.step, self.error is not None)
         if not n:
             return
-        mine = (f"this rank had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer state "
-                "in place (and with donate=True the params)" if any(self.updated) else
-                "other ranks may have updated their optimizer state in place (and with donate=True the params)")
-        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and on rank "
-                       f"{core.group.rank} {mine}, so "
+        rank = core.group.rank
+        mine = (f"rank {rank} had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer "
+                "state in place (and with donate=True the params)" if any(self.updated) else
+                f"rank {rank} updated nothing, but other ranks may have updated their optimizer state in place "
+                "(and with donate=True the params)")
+        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
                        "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
                        "make a new one (step.init) on every rank to go on")
         if self.error is not None:

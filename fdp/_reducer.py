@@ -204,7 +204,8 @@ class Reducer:
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
             overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward))
         self._fused = FusedCores(self._config)
-        self._use_plan(plan)
+        with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
+            self._use_plan(plan)
 
     def _use_plan(self, plan: BucketPlan) -> None:
         """Build the step machine and buffers for ``plan`` and check it is every rank's."""
@@ -230,6 +231,7 @@ class Reducer:
                    f"debug={config.debug}, shard={self.shard!r} (shard group of {config.mesh.shard.size})"
                    f"{units}{frozen}"),
         )
+        self.hook.attach(self, plan)  # (a stateful hook ties its state to this plan, or refuses)
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
 

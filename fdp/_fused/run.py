@@ -15,8 +15,9 @@ on issuing the step's collectives (zeros where it has nothing), and the step's s
 after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
 for every bucket, the buckets' own status comes first (``StepSpec.bucket_status``), so a
 rank whose backward failed stops every rank before any update, and the state stays usable.
-A rank that updated anything in a failed step refuses that state afterwards
-(``FusedCore.broken``).
+A step that fails after its buckets were reduced is refused afterwards on every rank (some
+rank may have updated its state in place), and so is one in which this rank had updated
+anything (``FusedCore.broken``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ class Run:
         if self.dst is not self.src:
             p.copy_(src)
         buffers, keys = state.buffers, self.layout.keys
+        self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
         if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
             (part, group), _ = core.spans.by_key[b][0]
             parts[part].kernel.step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
@@ -163,7 +165,6 @@ class Run:
                 else:
                     ps, gs = pieces(p, spans, False), pieces(g, spans, False)
                 parts[part].kernel.step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
-        self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
 
@@ -354,23 +355,29 @@ class Run:
 
     def close(self) -> None:
         """The step's verdict on every rank: raise this rank's error, or ``CollectiveError``
-        if another rank failed; a rank that updated anything then refuses the state."""
+        if another rank failed; every rank then refuses the state (some rank may have updated
+        its state, or part of it, before the failure was known: the replicas' states differ).
+        Refusing on every rank, not only on those that updated, keeps the ranks in step: a
+        rank that went on alone would wait in the next step's collectives for the timeout."""
         core = self.core
         n = core.machine.close(self.step, self.error is not None)
         if not n:
             return
-        if any(self.updated):
-            core.broken = (f"step {self.step.n} failed on {n} rank(s) after this rank had updated "
-                           f"{sum(self.updated)} of {len(self.updated)} buckets of the optimizer state in place "
-                           "(and with donate=True the params), so the replicas differ now; load a saved state "
-                           "(step.state_from_tree, fdp.load) or make a new one (step.init) to go on")
+        rank = core.group.rank
+        mine = (f"rank {rank} had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer "
+                "state in place (and with donate=True the params)" if any(self.updated) else
+                f"rank {rank} updated nothing, but other ranks may have updated their optimizer state in place "
+                "(and with donate=True the params)")
+        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
+                       "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
+                       "make a new one (step.init) on every rank to go on")
         if self.error is not None:
             raise self.error
         raise CollectiveError(
             f"fdp: step {self.step.n} of {core.name} failed on {n} other rank(s) of {core.group.size} after "
             f"the backward (in a transform, the optimizer's kernel or a gather); this is rank {core.group.rank}. "
-            + ("This rank's state was updated and is refused now: load a saved state to go on."
-               if any(self.updated) else "Nothing was updated on this rank."))
+            + ("This rank's state was updated" if any(self.updated) else "Other ranks may have updated their state")
+            + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
 
 
 def pieces(t: torch.Tensor, spans: list[Span], state: bool) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ import torch
 
 from .. import _tree
 from .._plan.bucket import BucketPlan
+from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
 from ..optim import Optimizer
@@ -107,9 +108,11 @@ class FusedStep:
     all-reduce's.
 
     A failure on any rank anywhere in a step (the loss, the backward, a transform, the
-    optimizer's kernel, out of memory) fails the step on every rank; a rank whose state was
-    partly updated then refuses it until a fresh one is given (``init``, ``state_from_tree``,
-    a loaded state).
+    optimizer's kernel, out of memory) fails the step on every rank. When it came after the
+    buckets were reduced, some rank may have updated its state (or part of it) in place, so
+    every rank then refuses that state until a fresh one is given (``init``,
+    ``state_from_tree``, a loaded state); a rank whose own step failed earlier, having
+    updated some buckets during the backward, refuses it too.
     """
 
     def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
@@ -124,6 +127,12 @@ class FusedStep:
         self._last: StepRecord | None = None
 
     def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+        # What a core keeps across calls is made as ordinary tensors, also when the first
+        # call is inside torch.inference_mode() (the step updates them in place outside it).
+        with autograd_on():
+            return self._bind_now(params)
+
+    def _bind_now(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
         if self._program is None:  # (read on params in the plan's leaf order)
             params = template(params)
             ordered = _tree.unflatten(self._plan.treedef, self._plan.leaves_of(params, f"{NAME} params"))
@@ -137,7 +146,8 @@ class FusedStep:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
         checked across ranks)."""
         core, _, layout = self._bind(params)
-        state = layout.init(template(params))
+        with autograd_on():  # (an inference tensor could not be updated in place by the step)
+            state = layout.init(template(params))
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
 
@@ -208,7 +218,8 @@ class FusedStep:
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
         core, _, layout = self._bind(params)
-        state = layout.from_tree(tree_state, template(params))
+        with autograd_on():
+            state = layout.from_tree(tree_state, template(params))
         core.broken = None
         return state
 

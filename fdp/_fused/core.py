@@ -104,9 +104,10 @@ class FusedCore:
         return ParamSets(self.plan, self.shards.padded, self.name)
 
     # ------------------------------------------------------------------ pieces a run uses
-    def reduced(self, b: int, mine: torch.Tensor) -> torch.Tensor:
+    def reduced(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
         """Bucket ``b``'s reduced (slice of the) gradient ``mine``, as the run keeps it (here:
-        ``mine`` itself, a view of the bucket's buffer)."""
+        ``mine`` itself, a view of the bucket's buffer; ``keep``: the run needs it after the
+        bucket's collective has landed, not only while it lands)."""
         return mine
 
     def grad_of(self, b: int, reduced: torch.Tensor) -> torch.Tensor:

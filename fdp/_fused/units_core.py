@@ -63,8 +63,13 @@ class UnitCore(FusedCore):
     def param_sets(self) -> SliceSets:
         return SliceSets(self, self.plan, self.shards, self.name)
 
-    def reduced(self, b: int, mine: torch.Tensor) -> torch.Tensor:
-        """Bucket ``b``'s reduced slice, copied out of the transient wire buffer into one of its own."""
+    def reduced(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Bucket ``b``'s reduced slice: when the run needs it after it has landed (a whole-tree
+        transform, the finite check, a replica sum), copied out of the transient wire buffer
+        into a slice-sized buffer of its own; else the wire buffer's own slice, updated from
+        before the buffer goes back."""
+        if not keep:
+            return mine
         buf = self.kept[b]
         if buf is None:
             buf = self.kept[b] = torch.empty(self.shards.numel(b), dtype=mine.dtype, device=mine.device)

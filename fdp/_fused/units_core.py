@@ -50,7 +50,8 @@ class UnitCore(FusedCore):
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
         super().__init__(config, plan, keys, whole_parts, name)
         self.gathers_params = False
-        self.units = Units(plan, self.shards, self.scatter, self.mesh.shard, config.units, config.reshard_after_forward)
+        self.units = Units(plan, self.shards, self.scatter, self.mesh.shard, config.units, config.reshard_after_forward,
+                           config.param_dtype)
 
     def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
         return BucketBuffers(self.plan, wires, reuse=True, padded=self.shards.padded, transient=TRANSIENT)

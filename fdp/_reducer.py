@@ -297,7 +297,7 @@ class Reducer:
         return grad_and_value_fn
 
     def grad_and_update(self, fn: Callable, opt: Optimizer, *, has_aux: bool = False,
-                        accumulate: Any = None, donate: bool = False) -> FusedStep:
+                        accumulate: Any = None, donate: bool = False, uneven: bool = False) -> FusedStep:
         """The fused train step: gradient, all-reduce and optimizer update in one call.
 
         ``step = reducer.grad_and_update(loss_fn, opt)``; ``opt_state = step.init(params)``;
@@ -319,6 +319,9 @@ class Reducer:
           accumulate: local gradients of earlier micro-batches, added before averaging.
           donate: update the params in place (the tree passed in is consumed) instead of
             writing a second set of flat buffers.
+          uneven: some ranks may run out of data before others (DDP's ``join``): every call
+            counts the active ranks (one small all-reduce), a rank without data calls
+            ``step.idle`` (its gradients count as zeros) and the mean is over the others.
 
         Raises:
           TypeError: an optimizer the fused step cannot run per bucket (``partition``, your
@@ -334,7 +337,7 @@ class Reducer:
         if self.tuning is not None and not self.tuning.frozen:
             raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
                                "run fdp.cost.calibrate(reducer, loss_fn, *args, optimizer=opt) first (the fused plan is built once)")
-        return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate)
+        return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate, uneven)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
         """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).

@@ -365,3 +365,41 @@ def test_bf16_compute_from_fp32_master_slices_equals_fsdp2_mixed_precision():
         for k in mine:
             assert mine[k].dtype == torch.float32
             assert torch.equal(mine[k], theirs[k]), f"rank {rank}: {k!r} differs from FSDP2's mixed precision"
+
+
+def uneven(group):
+    """Rank 1 runs out of data after two steps: it calls step.idle (its gradients count as
+    zeros, the mean is over rank 0), unsharded and fully sharded; against the fused step given
+    gradients with active= (the mean over the active ranks)."""
+    out = []
+    for shard in (False, "params"):
+        net = block_net(seed=9)
+        apply, params, buffers = fdp.functionalize(net)
+        units = fdp.units(net, Block) if shard else None
+        step = fdp.Reducer(params, group, shard=shard, units=units).grad_and_update(
+            loss_of(apply, buffers), OPTIMIZERS["clip-adamw"](), uneven=True)
+        state, p = step.init(params), {k: v.clone() for k, v in params.items()}
+        for i in range(4):
+            if group.rank == 1 and i >= 2:
+                p, state, _ = step.idle(p, state, *tokens(1, 1))  # a stand-in batch
+            else:
+                p, state, _ = step(p, state, *tokens(group.rank, i))
+        out.append(p.full() if shard else p)
+    net = block_net(seed=9)
+    apply, params, buffers = fdp.functionalize(net)
+    loss = loss_of(apply, buffers)
+    step = fdp.Reducer(params, group).grad_and_update(loss, OPTIMIZERS["clip-adamw"]())
+    state, p = step.init(params), {k: v.clone() for k, v in params.items()}
+    for i in range(4):
+        active = not (group.rank == 1 and i >= 2)
+        g = fdp.local_grad(loss)(p, *tokens(group.rank, i)) if active else None
+        p, state = step.update(g, state, p, active=active)
+    with pytest.raises(TypeError, match="uneven=True"):
+        step.idle(p, state, *tokens(0))
+    return out, p
+
+
+def test_uneven_inputs_a_rank_without_data_idles_and_the_mean_is_over_the_others():
+    for rank, ((plain, fully), given) in enumerate(fdp.testing.run(uneven, 2, backend="gloo", timeout=180)):
+        assert_trees_equal(plain, given, f"rank {rank}: the unsharded step with idle")
+        assert_trees_equal(fully, given, f"rank {rank}: the fully sharded step with idle")

@@ -18,7 +18,9 @@ Two phases:
   and AdamW state are over 1 GB): each kind in a fresh world of its own. Every rank builds
   the whole model (as a DDP user does), a sharding kind shards it and drops the whole copy
   (and the heap's free pages go back to the OS: ``malloc_trim``); then the peak RSS is reset
-  (``/proc/self/clear_refs``) and ``--mem-steps`` steps run.
+  (``/proc/self/clear_refs``) and ``--mem-steps`` steps run. Every allocation of 64 KiB or
+  more is its own mapping in this phase (glibc's ``M_MMAP_THRESHOLD``), so the resident
+  memory is the memory in use, not what the heap kept of earlier steps.
   Reported per kind: the peak resident memory over the steps minus the process's memory
   before the model was built (the largest of the ranks'), and its ratio to DDP's; for zero3
   also the bound ``(params + grads + state) / world + the two largest units + the root``.
@@ -176,8 +178,19 @@ def _trim() -> None:
         pass
 
 
+def _map_each_tensor() -> None:
+    """Every allocation of 64 KiB or more its own mapping, returned to the OS when freed
+    (glibc's ``M_MMAP_THRESHOLD``, fixed): the resident memory is then the memory in use, not
+    what the heap kept of earlier steps (the memory phase runs with ``FDP_MALLOC=os``)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     torch.set_num_threads(cfg.threads)
+    _map_each_tensor()
     _warm(group)
     _trim()
     base = rss()[0]
@@ -254,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"config": vars(cfg)}
     lines = []
     if not cfg.no_memory:
+        os.environ["FDP_MALLOC"] = "os"  # (see _map_each_tensor; the timing phase keeps fdp's default)
         mem = {}
         for kind in cfg.kinds:
             per_rank = fdp.testing.run(memory_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout,
                                        args=(cfg, kind))
             peaks = [r["peak_mib"] for r in per_rank]
             mem[kind] = {**per_rank[0], "peak_mib": None if None in peaks else max(peaks)}
+        os.environ.pop("FDP_MALLOC", None)
         results["memory"] = mem
         params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
         lines.append(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and AdamW "

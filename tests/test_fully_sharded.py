@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import Block, block_net, tokens
+from test_shard import assert_trees_equal
 from torch import nn
 
 import fdp
@@ -48,12 +49,6 @@ def train(group, shard, opt, *, steps=4, seed=0, acc=0, donate=False, mesh=None,
 
 def both(group, name, **kw):
     return train(group, False, OPTIMIZERS[name], **kw)[:2], train(group, "params", OPTIMIZERS[name], **kw)[:2]
-
-
-def assert_trees_equal(a, b, what):
-    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
-    bad = [i for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
-    assert len(la) == len(lb) and not bad, f"{what}: leaves {bad} differ"
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])

@@ -19,7 +19,7 @@ import torch
 from .. import _tree
 from .._comm.collectives import wait
 from .._plan.bucket import BucketPlan
-from .._plan.buffers import held_elsewhere
+from .params import ParamSets
 from .shard import Shards
 from .units import UnitsView
 
@@ -126,18 +126,16 @@ class ShardedParams:
                 f"slice {s.rank} of {s.size})")
 
 
-class SliceSets:
-    """The slice sets of one fully sharded core: at most two tracked, ``cur`` holding the
-    params (see the module docstring)."""
+class SliceSets(ParamSets):
+    """The slice sets of one fully sharded core: param sets whose flats are this rank's slices
+    (at most two tracked, ``cur`` holding the params; see the module docstring)."""
 
     def __init__(self, core: UnitCore, plan: BucketPlan, shards: Shards, name: str) -> None:
-        self.core, self.plan, self.shards, self.name = core, plan, shards, name
-        self.sets: list[SliceSet] = []
-        self.cur: SliceSet | None = None
+        super().__init__(plan, [shards.numel(b.index) for b in plan.buckets], name)
+        self.core, self.shards = core, shards
 
     def _new(self) -> SliceSet:
-        s = self.shards
-        new = SliceSet([torch.zeros(s.numel(b.index), dtype=b.dtype, device=b.device) for b in self.plan.buckets])
+        new = SliceSet([torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)])
         self.sets.append(new)
         return new
 
@@ -169,17 +167,6 @@ class SliceSets:
                         flat[a - lo:z - lo].copy_(leaves[i].reshape(-1)[a - off:z - off])
         self.cur = target
         return target, True
-
-    def free(self, avoid: SliceSet | None) -> SliceSet:
-        """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
-        for ps in self.sets:
-            if ps is not avoid and not any(map(held_elsewhere, ps.flats)):
-                return ps
-        if len(self.sets) >= 2:  # the caller keeps old params: stop tracking one of their sets
-            old = next((ps for ps in self.sets if ps is not avoid and ps is not self.cur), None)
-            if old is not None:
-                self.sets.remove(old)
-        return self._new()
 
     def views(self, ps: SliceSet) -> ShardedParams:
         return ShardedParams(self.core, ps)

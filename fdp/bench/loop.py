@@ -41,47 +41,15 @@ from torch import nn
 
 import fdp
 
+from . import zoo
+
 KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-        self.fc, self.out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, HEADS, c // HEADS).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
+def GPT() -> zoo.GPT:  # noqa: N802 - (the model's name, as nanoGPT calls it)
     """nanoGPT's model, small: tied embedding and head, nanoGPT's init."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Embedding(BLOCK, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * LAYERS) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
+    return zoo.GPT(VOCAB, BLOCK, WIDTH, LAYERS, HEADS)
 
 
 def get_lr(it: int, peak: float = 3e-3, warmup: int = 10, total: int = 100, floor: float = 3e-4) -> float:

@@ -50,43 +50,11 @@ from torch import nn
 
 import fdp
 
+from . import zoo
 from .rss import reset_peak_rss, rss
 
 KINDS = ("ddp", "zero2", "zero3", "fsdp2")
 VOCAB, CONTEXT = 256, 32
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, width: int, layers: int, heads: int = 8) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, width), nn.Embedding(CONTEXT, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(width)
-        self.head = nn.Linear(width, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +63,9 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
-def model(width: int, layers: int) -> GPT:
+def model(width: int, layers: int) -> zoo.GPT:
     torch.manual_seed(0)
-    return GPT(width, layers)
+    return zoo.GPT(VOCAB, CONTEXT, width, layers, heads=8, nanogpt_init=False)
 
 
 class Kind:
@@ -120,7 +88,7 @@ class Kind:
             return
         apply, params, _ = fdp.functionalize(net)
         shard = {"zero2": True, "zero3": "params"}[kind]
-        units = fdp.units(net, Block) if kind == "zero3" else None
+        units = fdp.units(net, zoo.GPTBlock) if kind == "zero3" else None
         reducer = fdp.Reducer(params, group, shard=shard, units=units)
         opt = fdp.optim.adamw(lr=1e-3, weight_decay=0.1)
         if clip:

@@ -1,9 +1,10 @@
 """The benchmark models and their synthetic data (shared by ``python -m fdp.bench`` and its
 subcommands): an MLP, a small CNN with BatchNorm, ``tiny1000`` (1,000 small layers: 2,000
-leaves) and a small transformer."""
+leaves), a small transformer, and nanoGPT's GPT (``bench loop``, ``bench sharded``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,52 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(self.embed(x)))
+
+
+class GPTBlock(nn.Module):
+    """nanoGPT's block: pre-norm causal self-attention and a 4x MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's model: token and position embeddings, ``layers`` blocks, a final LayerNorm and
+    a head tied to the token embedding; ``nanogpt_init``: nanoGPT's init (normal 0.02, the
+    residual projections scaled by 1/sqrt(2 layers)) instead of torch's defaults."""
+
+    def __init__(self, vocab: int, context: int, width: int, layers: int, heads: int,
+                 nanogpt_init: bool = True) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight
+        if nanogpt_init:
+            for name, p in self.named_parameters():
+                if p.dim() >= 2:
+                    std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 0.02
+                    nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
 
 
 def images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -402,3 +402,50 @@ def test_uneven_inputs_a_rank_without_data_idles_and_the_mean_is_over_the_others
     for rank, ((plain, fully), given) in enumerate(fdp.testing.run(uneven, 2, backend="gloo", timeout=180)):
         assert_trees_equal(plain, given, f"rank {rank}: the unsharded step with idle")
         assert_trees_equal(fully, given, f"rank {rank}: the fully sharded step with idle")
+
+
+def failing(group, where):
+    """Rank 1 fails in its forward or backward at step 1; with fully sharded params the others
+    are in the middle of the step's gathers, which that rank issues on its way out."""
+    from models import FailOnce
+
+    net = block_net(seed=11)
+    apply, params, buffers = fdp.functionalize(net)
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
+        lambda p, x, y: loss_of(apply, buffers)(p, x, y) if where != "backward" or group.rank != 1
+        else F.cross_entropy(FailOnce.apply(apply(p, buffers, x)[0]).flatten(0, 1), y.flatten()),
+        fdp.optim.adamw(lr=1e-2))
+    state = step.init(params)
+    got = []
+    for i in range(4):
+        fail = group.rank == 1 and i == 1
+        if fail and where == "backward":
+            FailOnce.arm()
+        args = tokens(group.rank, i)
+        if fail and where == "forward":
+            args = (args[0].float(), args[1])  # float tokens: the embedding raises, in the forward
+        try:
+            params, state, _ = step(params, state, *args)
+            got.append("ok")
+        except fdp.CollectiveError:
+            got.append("other rank failed")
+        except RuntimeError as e:
+            if "load a saved state" in str(e):
+                got.append("refused")
+                state = step.init(params)  # a fresh state: the ranks go on together
+            elif "injected" in str(e) or "indices" in str(e):
+                got.append("own failure")
+            else:
+                raise
+    return got, params.full()
+
+
+@pytest.mark.parametrize("where", ["backward", "forward"])
+def test_a_rank_failing_in_its_forward_or_backward_fails_the_step_everywhere_at_once(where):
+    """On gloo the failed rank issues the gathers the others still expect of it, so every rank
+    learns of the failure from the step's status (not a timeout: the run's timeout is 60 s,
+    and the group stays usable), and refuses the partly updated state until a fresh one."""
+    (got0, p0), (got1, p1) = fdp.testing.run(failing, 2, backend="gloo", timeout=60, args=(where,))
+    assert got0 == ["ok", "other rank failed", "refused", "ok"], got0
+    assert got1 == ["ok", "own failure", "refused", "ok"], got1
+    assert_trees_equal(p0, p1, "the replicas after the failure")

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .. import _tree
-from .._comm.collectives import DONE, wait
+from .._comm.collectives import DONE, exchange, wait
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._step.record import BucketTimes
@@ -191,6 +191,8 @@ class Units:
         self.state = bytearray(len(plan.buckets))
         self.works: list[Any] = [None] * len(plan.buckets)
         self.issued = [0.0] * len(plan.buckets)
+        self.count = [0] * len(plan.buckets)  # gathers issued this step, per bucket
+        self.drained: list[tuple[int, Any]] = []  # a failed step's gathers (``drain``)
         self.times: list[BucketTimes] | None = None
         self.t0 = 0.0
         first = [min((i for i, u in enumerate(self.unit_of) if u == v), default=len(self.unit_of))
@@ -217,12 +219,47 @@ class Units:
         each gather is recorded."""
         self.src, self.training, self.times, self.t0 = src, training, times, t0
         self.entered, self.kept, self.backward = [], set(), False
+        self.count = [0] * len(self.fulls)
         self.filled = bytearray(len(self.plan.buckets))
         return UnitsView(self, self.leaves if tensors is None else tensors, finish)
+
+    def drain(self) -> bool:
+        """This rank's forward or backward failed: issue, without waiting, the all-gathers the
+        other ranks still expect of it this step (each unit's forward gather, and its backward
+        one unless it stays gathered), so that they finish the step and learn of the failure
+        from its status instead of waiting for the timeout. Only where gathers are point to
+        point (gloo), which pairs them by unit whatever the order; elsewhere (NCCL, the threaded
+        test group) the order of every collective counts, and the others wait for the timeout.
+        Returns whether this rank has issued any gather this step."""
+        issued = any(self.count)
+        scatter = self.scatter
+        if scatter is None or scatter.mode != "p2p" or self.src is None:
+            return issued
+        scratch: dict[torch.dtype, torch.Tensor] = {}
+        for b in range(len(self.fulls)):
+            u = self.unit_of_bucket[b]
+            expected = 1 if u == 0 or u in self.kept or not self.reshard else 2
+            for _ in range(expected - self.count[b]):
+                # this rank's slice goes out; what comes in is not looked at (one slice-sized
+                # buffer takes every such receive)
+                mine = self.src[b].to(self.fulls[b].dtype)
+                buf = scratch.get(mine.dtype)
+                if buf is None:
+                    buf = scratch[mine.dtype] = mine.new_empty(max(self.shards.numel(c) for c in range(len(self.fulls))))
+                work = exchange([(mine, j) for j in scatter.peers], [(buf[:mine.numel()], j) for j in scatter.peers],
+                                self.group, f"all-gather of bucket {b}'s params (a failed step's)", tag=2 * b + 1)
+                self.drained.append((b, (work, mine, buf)))
+        return issued or bool(self.drained)
 
     def end(self) -> None:
         """The step is over (or failed): wait for any gather in flight, free everything, and
         keep this forward's unit order for the next step's prefetches."""
+        drained, self.drained = self.drained, []
+        for b, (work, _, _) in drained:  # (the tensors stay alive until their exchange is done)
+            try:
+                wait(work, self.group, f"all-gather of bucket {b}'s params (a failed step's)")
+            except Exception:  # noqa: BLE001 - the step's own error is the one to raise
+                pass
         for b in range(len(self.fulls)):
             self._free(b)
         if self.entered:
@@ -310,6 +347,7 @@ class Units:
         s = self.shards
         full[s.lo[b]:s.hi[b]].copy_(self.src[b])
         self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
+        self.count[b] += 1
         self.issued[b] = time.perf_counter()
         self.state[b] = _GATHERING
 

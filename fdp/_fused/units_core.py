@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._errors import CollectiveError
 from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
 from .._step.autodiff import autograd_on, local_grads
@@ -91,8 +92,19 @@ class UnitCore(FusedCore):
         return value
 
     def _run(self, run: Any, state: Any, src: Any, dst: Any, feed: Callable[[Step], Any]) -> tuple[Any, Any, Any]:
+        def fed(step: Step) -> Any:
+            try:
+                return feed(step)
+            except CollectiveError:
+                raise  # (another rank's failure, or a broken group: nothing more to issue)
+            except BaseException:
+                # This rank failed in its forward or backward: the gathers the others still expect
+                # of it go out first, then the machine drains the reduce-scatters and the status.
+                step.issued_elsewhere = self.units.drain()
+                raise
+
         try:
-            return super()._run(run, state, src, dst, feed)
+            return super()._run(run, state, src, dst, fed)
         finally:
             self.units.end()
 

@@ -246,14 +246,15 @@ class StepMachine:
     def abort(self, step: Step, exc: BaseException | None = None) -> None:
         """This rank's step failed with ``exc``: issue the rest of its collectives marked as
         failed, then return (the caller re-raises). A step that issued nothing yet needs
-        nothing: this rank's next call pairs with the others' current step. After a
+        nothing: this rank's next call pairs with the others' current step (unless the caller
+        issued some of the step's collectives itself: ``Step.issued_elsewhere``). After a
         ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
         another rank's and every rank already knows. A step whose spec ``closes`` and that was
         drained stays in flight when its only status is the close's: that status comes from
         ``close(step, failed=True)``, after the caller's own collectives."""
         drained = False
         try:
-            if step.next > 0 and not isinstance(exc, CollectiveError):
+            if (step.next > 0 or step.issued_elsewhere) and not isinstance(exc, CollectiveError):
                 step.drain()
                 drained = True
         except CollectiveError:
@@ -297,7 +298,7 @@ class Step:
                  "take", "span", "nones",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
-                 "t0", "times", "bwd_start", "bwd_end", "defer")
+                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere")
 
     def __init__(self, machine: StepMachine, spec: StepSpec) -> None:
         plan = machine.plan
@@ -326,6 +327,9 @@ class Step:
         self.bwd_start: float | None = None
         self.bwd_end: float | None = None
         self.defer = spec.defer
+        # The caller issued collectives of this step outside the machine (fully sharded params'
+        # all-gathers): a failure before any bucket launched must still drain them all.
+        self.issued_elsewhere = False
 
     # ------------------------------------------------------------------ during the backward
     def on_backward_start(self, grad: torch.Tensor) -> None:

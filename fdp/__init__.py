@@ -9,8 +9,8 @@ from . import cost as cost
 from . import hooks as hooks
 from . import optim as optim
 from . import testing as testing
-from ._checkpoint import load as load
-from ._checkpoint import save as save
+from ._checkpoint.single import load as load
+from ._checkpoint.single import save as save
 from ._comm.agree import any_rank as any_rank
 from ._comm.group import Group as Group
 from ._comm.group import init as init

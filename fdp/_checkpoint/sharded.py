@@ -454,8 +454,10 @@ class _Reader:
                     self._read(leaf, piece, dest)
                     continue
                 if held is None or held[0] != piece:
-                    held = (piece, torch.empty(piece.stop - piece.start, dtype=out.dtype))
-                    self._read(leaf, piece, held[1])
+                    held = None  # (freed before the next one is made: one piece at a time)
+                    buf = torch.empty(piece.stop - piece.start, dtype=out.dtype)
+                    self._read(leaf, piece, buf)
+                    held = (piece, buf)
                 dest.copy_(held[1][lo - piece.start:hi - piece.start])
             at += b - a
 

@@ -124,6 +124,9 @@ class StateLayout:
         self.keys = [[f if not program.partitioned else f"{part.label}:{f}" for f in part.kernel.fields]
                      for part in self.parts]
         self.layout = layout_tensor(plan, shards, program.keys if program.partitioned else None)
+        # Whether the state buffers are compact (spans.py): a partition's, or a sharded state
+        # with whole leaves owned by one rank each (Muon); else each is the bucket's (slice's) layout.
+        self.compact = len(self.parts) > 1 or (shards.sharded and any(p.kernel.whole_leaves for p in self.parts))
 
     # ------------------------------------------------------------------ make and check
     def init(self, params: Any) -> FusedState:
@@ -322,7 +325,7 @@ class StateLayout:
         """Bucket ``b``'s whole state of part ``k`` in the bucket's layout, from this rank's
         (compact) part: an all-gather when sharded; other parts' elements are zeros."""
         s, bucket = self.shards, self.plan.buckets[b]
-        one_part = len(self.parts) == 1
+        one_part = not self.compact
         if not s.sharded and one_part:
             return mine
         if s.sharded:
@@ -386,7 +389,7 @@ class StateLayout:
     def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
         s = self.shards
-        if len(self.parts) == 1:
+        if not self.compact:
             if not s.sharded:
                 return whole.clone()
             n = s.padded[b]

@@ -105,31 +105,31 @@ class LeafMeta(NamedTuple):
             n *= d
         return n
 
-    def same_leaf(self) -> tuple:
-        """What every rank must agree on (not the ranges)."""
-        return self.path, self.kind, self.shape, self.dtype
+    def agreed(self) -> tuple[str, tuple[int, ...], str]:
+        """What every rank must agree on (not the ranges), as ``verify_layout`` compares it."""
+        return self.path, self.shape, f"{self.kind} {self.dtype}"
 
 
-def plan(everyone: list[list[LeafMeta]], where: str) -> list[list[tuple[int, int, int]]]:
+def plan(metas: list[LeafMeta], held: list[list[tuple[int, int, int]]], where: str) -> list[list[tuple[int, int, int]]]:
     """Per leaf, its pieces ``(rank, start, stop)`` sorted by start: each element written once,
-    by the rank whose range reaches it first (sorted by start, then rank). The same on every
-    rank (every rank has ``everyone``). Raises ``CheckpointError`` when no rank holds some
-    elements of a leaf."""
+    by the rank whose range reaches it first (sorted by start, then rank). ``held``: per rank,
+    the ``(leaf, start, stop)`` ranges it holds; the same on every rank, and so is the plan.
+    Raises ``CheckpointError`` when no rank holds some elements of a leaf."""
+    spans: list[list[tuple[int, int, int]]] = [[] for _ in metas]
+    for r, ranges in enumerate(held):
+        for j, a, b in ranges:
+            spans[j].append((a, r, b))
     out = []
-    for j, meta in enumerate(everyone[0]):
-        if meta.kind == "plain":
-            out.append([])
-            continue
-        spans = sorted((a, r, b) for r, metas in enumerate(everyone) for a, b in metas[j].ranges)
+    for meta, leaf_spans in zip(metas, spans):
         pieces, reach = [], 0
-        for a, r, b in spans:
+        for a, r, b in sorted(leaf_spans):
             if a > reach:
                 raise CheckpointError(f"{where}: leaf {meta.path} (shape {meta.shape}): no rank holds its elements "
                                       f"{reach}:{a} (the ranks' Shards must cover the whole tensor)")
             if b > reach:
                 pieces.append((r, reach, b))
                 reach = b
-        if reach < meta.numel:
+        if meta.kind != "plain" and reach < meta.numel:
             raise CheckpointError(f"{where}: leaf {meta.path} (shape {meta.shape}): no rank holds its elements "
                                   f"{reach}:{meta.numel} (the ranks' Shards must cover the whole tensor)")
         out.append(pieces)

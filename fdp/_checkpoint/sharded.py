@@ -50,7 +50,7 @@ import torch
 
 from .. import _tree
 from .._comm import collectives as comm
-from .._comm.agree import count_ranks, which_ranks
+from .._comm.agree import count_ranks, verify_layout, which_ranks
 from .._comm.group import Group, resolve
 from .._errors import CheckpointError, ReplicaMismatchError
 from .._shard import Shard
@@ -120,17 +120,26 @@ def save_sharded(path: PathLike, tree: Any, group: Group | Any | None = None) ->
             _make_folder(folder)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
-    save_id = uuid.uuid4().hex[:12]
-    said = (metas, save_id) if error is None else _said(error)
-    # 2. Every rank's description (metadata only): failures, the structure, rank 0's save id.
-    everyone = comm.all_gather_object(said, group, f"{what}: the ranks' leaves")
-    failed = [(r, s) for r, s in enumerate(everyone) if isinstance(s, str)]
-    if failed:
-        raise _failure(error, failed, group, f"{SAVE}: could not save {folder}")
-    all_metas = [m for m, _ in everyone]
-    _check_same_leaves(all_metas, group, what)
-    save_id = everyone[0][1]
-    pieces = manifest.plan(all_metas, f"{SAVE}: {folder}")
+    # 2. Agree, with integers only: who failed, rank 0's save id, the structure (a digest), and
+    #    every rank's element ranges (every rank plans the same pieces from them).
+    held = [(j, a, b) for j, m in enumerate(metas) for a, b in m.ranges]
+    head = torch.tensor([error is not None, len(held), int(uuid.uuid4().hex[:12], 16)], dtype=torch.int64)
+    heads = comm.all_gather(head.to(group.device), group, f"{what}: the ranks' verdicts").cpu()
+    if bool(heads[:, 0].any()):
+        said = comm.all_gather_object(None if error is None else _said(error), group, f"{what}: the errors")
+        raise _failure(error, [(r, s) for r, s in enumerate(said) if s is not None], group,
+                       f"{SAVE}: could not save {folder}")
+    save_id = f"{int(heads[0, 2]):012x}"
+    verify_layout([m.agreed() for m in metas], group, what)
+    everyone: list[list[tuple[int, int, int]]] = [[] for _ in range(group.size)]
+    longest = int(heads[:, 1].max())
+    if longest:
+        ranges = torch.full((longest, 3), -1, dtype=torch.int64)
+        if held:
+            ranges[:len(held)] = torch.tensor(held, dtype=torch.int64)
+        ranges = comm.all_gather(ranges.to(group.device), group, f"{what}: the ranks' element ranges").cpu()
+        everyone = [[(j, a, b) for j, a, b in ranges[r].tolist() if j >= 0] for r in range(group.size)]
+    pieces = manifest.plan(metas, everyone, f"{SAVE}: {folder}")
     # 3. This rank's data file.
     mine = manifest.layout(metas, pieces, group.rank, save_id)
     file = os.path.join(folder, manifest.data_name(save_id, group.rank))
@@ -142,7 +151,10 @@ def save_sharded(path: PathLike, tree: Any, group: Group | Any | None = None) ->
         error = e
         remove_quietly(file)
     # 4. The barrier: every rank's verdict and its pieces' CRCs (one all-gather of integers).
-    counts = [sum(r == rank for ps in pieces for r, _, _ in ps) for rank in range(group.size)]
+    counts = [0] * group.size
+    for ps in pieces:
+        for r, _, _ in ps:
+            counts[r] += 1
     row = torch.zeros(1 + max(counts, default=0), dtype=torch.int64)
     row[0] = error is not None
     row[1:1 + len(crcs)] = torch.tensor(crcs, dtype=torch.int64)
@@ -274,26 +286,6 @@ def _failure(error: BaseException | None, failed: list[tuple[int, str]], group: 
     shown = "; ".join(f"rank {r}: {s}" for r, s in failed[:4])
     return CheckpointError(f"{head}: {shown} (rank {group.rank} stops too; the previous checkpoint, if any, "
                            "is untouched)")
-
-
-def _check_same_leaves(everyone: list[list[LeafMeta]], group: Group, what: str) -> None:
-    """Every rank's leaves have rank 0's paths, kinds, shapes and dtypes (the same verdict on every rank)."""
-    ref = [m.same_leaf() for m in everyone[0]]
-    for r, metas in enumerate(everyone[1:], start=1):
-        got = [m.same_leaf() for m in metas]
-        if got == ref:
-            continue
-        for a, b in zip(ref, got):
-            if a != b:
-                raise ReplicaMismatchError(
-                    f"fdp: {what}: ranks disagree (compared with rank 0): leaf {a[0]} is a {a[1]} of shape {a[2]} "
-                    f"{a[3]} on rank 0 but {b[0]} is a {b[1]} of shape {b[2]} {b[3]} on rank {r} "
-                    f"(reported on rank {group.rank})")
-        n = min(len(ref), len(got))
-        longer, who = (ref, 0) if len(ref) > len(got) else (got, r)
-        raise ReplicaMismatchError(
-            f"fdp: {what}: ranks disagree (compared with rank 0): rank 0 has {len(ref)} leaves but rank {r} has "
-            f"{len(got)} (first extra leaf on rank {who}: {longer[n][0]}) (reported on rank {group.rank})")
 
 
 def _make_folder(folder: str) -> None:

@@ -15,7 +15,7 @@ element range, CRC32). Why this and not ``torch.distributed.checkpoint`` (DCP), 
 ``pickle.load``, and its default load planner reads non-tensor values with
 ``torch.load(weights_only=False)``: loading a checkpoint would unpickle whatever the folder
 holds. Its data files have fixed names (``__0_0.distcp``), so a save over a checkpoint
-overwrites it in place: a crash mid-save leaves neither the old checkpoint nor the new.
+overwrites it in place: a crash mid-save leaves the old metadata over partly new data.
 And it reshards DTensor boxes (offsets per dim), where a flat bucket slice starts and ends
 inside rows. DCP's Hugging Face reader avoids pickle, but builds its metadata from every
 ``*.safetensors`` file in the folder, so a crashed save's files would mix in. What is kept
@@ -30,12 +30,16 @@ temporary file and ``os.replace``. The manifest is the commit: a reader, or a jo
 after a crash mid-save, sees the previous complete checkpoint or the new one. The previous
 save's files (and files of saves that crashed) are removed only after the commit.
 
-Memory: nothing is gathered but metadata (every rank's leaf descriptions and ranges: one
-small all-gather). Saving writes each piece from the Shard's own memory (a device tensor is
-copied to the CPU one piece at a time); loading reads each piece with one seek and
-``readinto`` straight into the destination, or, for a piece only partly needed, into a
-buffer of that piece, whose checksum is checked before its elements are copied. Peak:
-this rank's part of the state plus one leaf.
+What the ranks exchange is integers only (no pickle on either path): each rank's verdict and
+rank 0's save id, a digest of the leaves' paths, kinds, shapes and dtypes (``verify_layout``:
+the ranks must agree on the tree), every rank's ``(leaf, start, stop)`` ranges (so that every
+rank plans the same pieces: ``manifest.plan``), and after the writes each piece's CRC32.
+
+Memory: saving writes each piece from the Shard's own memory (a device tensor is copied to
+the CPU one piece at a time); loading reads each piece with one seek and ``readinto``
+straight into the destination, or, for a piece only partly needed, into a buffer of that
+piece, whose checksum is checked before its elements are copied. Peak: this rank's part of
+the state plus one leaf (measured: docs/performance.md, "Sharded checkpoints: memory").
 """
 
 from __future__ import annotations
@@ -272,15 +276,20 @@ def _describe(tree: Any) -> tuple[list[LeafMeta], list[Any]]:
 
 
 def _said(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """An error as another rank shows it (fdp's own messages without their ``fdp.save_sharded: ``)."""
+    text = str(error)
+    if isinstance(error, CheckpointError):
+        return text.removeprefix(f"{SAVE}: ")
+    return f"{type(error).__name__}: {text}"
 
 
 def _failure(error: BaseException | None, failed: list[tuple[int, str]], group: Group, head: str) -> Exception:
-    """The error every rank raises when some failed: this rank's own, or the failed ranks'."""
-    if error is not None and isinstance(error, CheckpointError | ReplicaMismatchError):
+    """The error every rank raises when some failed: this rank's own (naming the folder and
+    the rank), or the failed ranks'."""
+    if isinstance(error, ReplicaMismatchError):
         return error
     if error is not None:
-        err = CheckpointError(f"{head}: on rank {group.rank}: {_said(error)}")
+        err = CheckpointError(f"{head} (rank {group.rank}): {_said(error)}")
         err.__cause__ = error
         return err
     shown = "; ".join(f"rank {r}: {s}" for r, s in failed[:4])

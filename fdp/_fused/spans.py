@@ -14,6 +14,10 @@ keeps AdamW's moments only for AdamW's leaves. A program with one part keeps the
 layout (``at == lo``, the padding included): the state of every element-wise optimizer is
 then exactly the bucket's (or slice's) shape. In a sharded step, a whole leaf's state lives on
 the rank that owns it (``fdp._fused.shard.Owners``), which updates it whole.
+
+``Spans.placed`` says, per leaf, which of its elements this rank's state holds and where: one
+run (the part of the leaf inside the slice, or the whole of an owned leaf), what
+``step.state_to_shards`` hands a sharded checkpoint as an ``fdp.Shard``.
 """
 
 from __future__ import annotations

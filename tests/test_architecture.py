@@ -224,3 +224,12 @@ def test_the_top_level_layout_is_the_projects():
         assert (ROOT / required).exists(), required
     assert not (ROOT / "kernels" / "__init__.py").read_text().startswith("import fdp")
     assert '"fdp.kernels" = "kernels"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists its packages one by one: a folder missing there is missing from the
+    wheel (fdp/_comm, _plan, _step, _fused and cost once were)."""
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fdp").rglob("__init__.py")}
+    assert folders - listed == set(), f"package folders pyproject.toml does not install: {sorted(folders - listed)}"

@@ -69,8 +69,9 @@ OUTRO = """\
 # that module's public names). Every public name must land in exactly one section.
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
-    ("Models as pure functions", "fdp", ["functionalize", "Apply"]),
-    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "local_grad", "local_grad_and_value",
+    ("Models as pure functions", "fdp", ["functionalize", "Apply", "units"]),
+    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "ShardedParams", "local_grad",
+                          "local_grad_and_value",
                           "StepRecord", "Timeline", "BucketTimes",
                           "BucketPlan", "Bucket"]),
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
@@ -94,6 +95,7 @@ NOT_CONSTRUCTED: dict[str, str | None] = {
     "fdp.Pending": None,  # returned by Reducer.all_reduce_async
     "fdp.ReplicaCheck": None,  # returned by assert_replicas_equal(wait=False)
     "fdp.BucketPlan": None,  # built with BucketPlan.build
+    "fdp.ShardedParams": None,  # returned by a fully sharded step (and FusedStep.shard)
 }
 WIDTH = 100  # longer signatures get one parameter per line
 

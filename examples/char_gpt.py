@@ -25,9 +25,12 @@ The recipe is nanoGPT's train.py (karpathy/nanoGPT), written with fdp:
   (``fdp.pmean``);
 * a checkpoint of the whole train state every --ckpt-every steps; --resume continues from it
   bit for bit (the batches are a function of the step, the schedule of the saved count);
-* --shard keeps 1/world of AdamW's state per rank (ZeRO: ``fdp.Reducer(..., shard=True)``);
-  the checkpoint is the same per-leaf state either way (``state_to_tree`` gathers it), so a
-  run may resume sharded or not, on any world size.
+* --shard keeps 1/world of AdamW's state per rank (ZeRO-1/2: ``fdp.Reducer(..., shard=True)``);
+  --shard params keeps 1/world of the params, gradients and state too (ZeRO-3, FSDP:
+  ``fdp.Reducer(..., shard="params", units=fdp.units(model, Block))``; each block is gathered
+  just before it runs and freed after). The checkpoint is the same per-leaf state either way
+  (``state_to_tree`` and ``params.full()`` gather it), so a run may resume sharded or not, on
+  any world size.
 
 The text is generated here from --seed (a small made-up language of short sentences):
 nothing is downloaded. The model is tiny (two blocks, 64 wide); the point is the loop.
@@ -64,7 +67,8 @@ p.add_argument("--ckpt-every", type=int, default=100)
 p.add_argument("--resume", action="store_true", help="continue from --ckpt if it exists")
 p.add_argument("--stop-at", type=int, default=None, help="save and stop after this step (to test resuming)")
 p.add_argument("--out", default=None, help="save the final params here (for comparisons)")
-p.add_argument("--shard", action="store_true", help="shard the optimizer state over the ranks (ZeRO)")
+p.add_argument("--shard", nargs="?", const="state", default=None, choices=["state", "params"],
+               help="shard the optimizer state over the ranks (ZeRO-1/2); 'params': the params too (ZeRO-3)")
 args = p.parse_args()
 
 # --------------------------------------------------------------------------- the world
@@ -150,9 +154,12 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-apply, params, buffers = fdp.functionalize(GPT().to(device))
+model = GPT().to(device)
+apply, params, buffers = fdp.functionalize(model)
 params, buffers = fdp.broadcast((params, buffers), src=0)  # replicas start identical
-reducer = fdp.Reducer(params, shard=args.shard)
+fully_sharded = args.shard == "params"
+units = fdp.units(model, Block) if fully_sharded else None  # one unit per block; the rest is the root
+reducer = fdp.Reducer(params, shard=args.shard or False, units=units)
 
 # nanoGPT's optimizer: decay the 2-D weights only, clip at 1.0, warm-up + cosine to lr / 10.
 warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
@@ -192,9 +199,14 @@ params, buffers, start = state["params"], state["buffers"], state["step"]
 # Its state is flat; checkpoints hold opt.init's per-leaf layout (loads into any plan or world).
 fused = reducer.grad_and_update(loss_fn, opt, has_aux=True)
 opt_state = fused.state_from_tree(state["opt"], params)
+n_params = sum(v.numel() for v in params.values())
+if fully_sharded:  # this rank keeps its slices of the params; the whole copies go
+    params = fused.shard(params)
+    model.to("meta")
+    del state["params"]
 first_val = evaluate(params, buffers)
 if group.is_main:
-    print(f"world {group.size}: vocab {vocab}, {sum(v.numel() for v in params.values()):,} params; "
+    print(f"world {group.size}: vocab {vocab}, {n_params:,} params; "
           f"step {start} val loss {first_val:.4f} (uniform: {math.log(vocab):.4f})", flush=True)
 
 t0 = time.perf_counter()
@@ -216,7 +228,8 @@ for step in range(start, args.steps):
             print(f"step {done:5d}  val loss {val:.4f} (mean over {group.size} ranks)", flush=True)
     if done % args.ckpt_every == 0 or done == args.steps or done == args.stop_at:
         os.makedirs(os.path.dirname(os.path.abspath(args.ckpt)), exist_ok=True)
-        state = {"params": params, "buffers": buffers, "opt": fused.state_to_tree(opt_state, params),
+        whole = params.full() if fully_sharded else params  # (gathered: fine for a small model)
+        state = {"params": whole, "buffers": buffers, "opt": fused.state_to_tree(opt_state, params),
                  "step": done, "meta": state["meta"]}
         fdp.save(args.ckpt, state)
     if done == args.stop_at:
@@ -226,17 +239,18 @@ for step in range(start, args.steps):
 elapsed = time.perf_counter() - t0
 
 # --------------------------------------------------------------------------- report
-fdp.assert_replicas_equal(params)  # cheap: one checksum per leaf
+whole = params.full() if fully_sharded else params
+fdp.assert_replicas_equal(whole)  # cheap: one checksum per leaf
 final_val = evaluate(params, buffers)
+ctx = torch.tensor([[encode["a"]]], device=device)
+with torch.no_grad():  # on every rank: fully sharded params are gathered unit by unit (a collective)
+    for _ in range(60):  # greedy sample: the language's structure should show
+        logits, _ = apply(params, buffers, ctx[:, -args.block :])
+        ctx = torch.cat([ctx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
 if group.is_main:
-    ctx = torch.tensor([[encode["a"]]], device=device)
-    with torch.no_grad():
-        for _ in range(60):  # greedy sample: the language's structure should show
-            logits, _ = apply(params, buffers, ctx[:, -args.block :])
-            ctx = torch.cat([ctx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     sample = "".join(chars[i] for i in ctx[0].tolist()).replace("\n", " | ")
     print(f"sample: {sample}", flush=True)
     print(f"world {group.size}: {args.steps - start} steps of {k} x {args.batch_size} sequences per "
           f"rank in {elapsed:.1f}s; val loss {first_val:.4f} -> {final_val:.4f}", flush=True)
     if args.out:
-        torch.save({n: v.cpu() for n, v in params.items()}, args.out)
+        torch.save({n: v.cpu() for n, v in whole.items()}, args.out)

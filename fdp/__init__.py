@@ -21,6 +21,8 @@ from ._errors import CollectiveError as CollectiveError
 from ._errors import ReplicaMismatchError as ReplicaMismatchError
 from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
+from ._functional import units as units
+from ._fused.sharded_params import ShardedParams as ShardedParams
 from ._fused.state import FusedState as FusedState
 from ._fused.step import FusedStep as FusedStep
 from ._plan.bucket import Bucket as Bucket
@@ -62,6 +64,7 @@ __all__ = [
     "ReplicaMismatchError",
     "RngState",
     "Shard",
+    "ShardedParams",
     "StepRecord",
     "Timeline",
     "any_rank",
@@ -85,4 +88,5 @@ __all__ = [
     "set_rng_state",
     "sync_buffers",
     "testing",
+    "units",
 ]

@@ -148,6 +148,9 @@ class Apply:
         return out
 
     def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
+        units = getattr(params, "__fdp_units__", None)
+        if units is not None:  # fully sharded params: gathered unit by unit (fdp/_fused/units.py)
+            return self._call_units(units(), buffers, args, kwargs)
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
         new_buffers = {k: v.clone() for k, v in buffers.items()}
@@ -176,9 +179,100 @@ class Apply:
                 owner[key] = old
         return out, new_buffers
 
+    def _call_units(self, view: Any, buffers: Tree, args: tuple, kwargs: dict) -> tuple[Any, Tree]:
+        """The forward over fully sharded params (``view``: their ``UnitsView``): every unit
+        leaf's place holds a meta placeholder except while its unit's module runs, when the
+        real leaf (its unit just gathered) is there; the root's leaves are there throughout."""
+        try:
+            _check("buffers", buffers, self._buffer_shapes)
+            if torch.compiler.is_compiling():
+                raise RuntimeError("fdp: fully sharded params cannot run under torch.compile (each unit is gathered "
+                                   "by a hook around its module's forward)")
+            by_unit, modules = self._unit_slots(view)
+            new_buffers = {k: v.clone() for k, v in buffers.items()}
+            if self._forward.training != self.training or self.module.training != self.training:
+                self._forward.train(self.training)
+            saved: list[tuple[dict, str, Any]] = []
+            handles = []
+            tensors, placeholders = view.tensors, view.placeholders
+            try:
+                for tree in (new_buffers, self._constants):
+                    for name, t in tree.items():
+                        for owner, key in self._slots[name]:
+                            saved.append((owner, key, owner[key]))
+                            owner[key] = t
+                for slots in by_unit:
+                    for owner, key, i in slots:
+                        saved.append((owner, key, owner[key]))
+                        owner[key] = placeholders[i]
+                for u, module in modules:
+                    handles.append(module.register_forward_pre_hook(_enter_unit(view, u, by_unit[u], tensors)))
+                    handles.append(module.register_forward_hook(_exit_unit(view, u, by_unit[u], placeholders)))
+                if view.root is not None:
+                    view.enter(view.root)
+                    for owner, key, i in by_unit[view.root]:
+                        owner[key] = tensors[i]
+                out = self._forward(*args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+                for owner, key, old in reversed(saved):
+                    owner[key] = old
+            return out, new_buffers
+        finally:
+            view.done()
+
+    def _unit_slots(self, view: Any) -> tuple[list[list[tuple[dict, str, int]]], list[tuple[int, nn.Module]]]:
+        """Per unit, every (owner dict, key, leaf) its leaves are held in; and each unit's
+        module (not the root's). Checked once per layout: the keys and shapes are the ones
+        functionalize returned, and a tied param's names are all inside its unit."""
+        cached = getattr(self, "_units_cache", None)
+        if cached is not None and cached[0] is view.layout:
+            return cached[1]
+        want = {k: tuple(s) for k, s in self._param_shapes.items()}
+        got = {k: tuple(p.shape) for k, p in zip(view.keys, view.placeholders)}
+        if want != got:
+            _check("params", dict(zip(view.keys, view.placeholders)), self._param_shapes)
+        by_unit: list[list[tuple[dict, str, int]]] = [[] for _ in view.names]
+        for i, (k, u) in enumerate(zip(view.keys, view.unit_of)):
+            prefix = view.names[u]
+            for alias, first in self._first.items():
+                if first == k and prefix and not (alias == prefix or alias.startswith(prefix + ".")):
+                    raise ValueError(
+                        f"fdp: param {k!r} of unit {prefix!r} is also the module's {alias!r}, outside that unit: a unit "
+                        "is gathered only while its module runs, so a tied param must lie inside one unit (or in "
+                        "the root: leave it out of units)")
+            for owner, key in self._slots[k]:
+                by_unit[u].append((owner, key, i))
+        modules = []
+        for u, prefix in enumerate(view.names):
+            if prefix:
+                try:
+                    modules.append((u, self.module.get_submodule(prefix)))
+                except AttributeError as e:
+                    raise ValueError(f"fdp: unit {prefix!r} is not a module of {type(self.module).__name__}") from e
+        self._units_cache = (view.layout, (by_unit, modules))
+        return by_unit, modules
+
     def __repr__(self) -> str:
         mode = "train" if self.training else "eval"
         return f"fdp.Apply({type(self.module).__name__}, {mode}, {len(self._param_shapes)} params)"
+
+
+def _enter_unit(view: Any, u: int, slots: list[tuple[dict, str, int]], tensors: list[torch.Tensor]) -> Any:
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        view.enter(u)
+        for owner, key, i in slots:
+            owner[key] = tensors[i]
+    return pre_hook
+
+
+def _exit_unit(view: Any, u: int, slots: list[tuple[dict, str, int]], placeholders: list[torch.Tensor]) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        for owner, key, i in slots:
+            owner[key] = placeholders[i]
+        view.exit(u, output)
+    return hook
 
 
 def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[str, str]]:
@@ -336,3 +430,27 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
         forward,
     )
     return apply, params, buffers
+
+
+def units(module: nn.Module, *types: type) -> list[str]:
+    """The names of ``module``'s submodules that are instances of ``types``, in registration
+    order: the ``units=`` of ``fdp.Reducer(params, shard="params", units=...)`` (as FSDP2 users
+    call ``fully_shard`` on each block).
+
+    Raises:
+      ValueError: no submodule is an instance of ``types`` (or no type is given).
+
+    Example:
+      >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+      >>> fdp.units(net, nn.Linear)
+      ['0', '2']
+    """
+    if not types or not all(isinstance(t, type) for t in types):
+        raise ValueError(f"fdp.units: give one or more module classes (e.g. fdp.units(model, Block)), got {types!r}")
+    if isinstance(module, _COMPILED):
+        module = module._orig_mod
+    names = [name for name, m in module.named_modules() if name and isinstance(m, types)]
+    if not names:
+        raise ValueError(f"fdp.units: {type(module).__name__} has no submodule of type "
+                         f"{', '.join(t.__name__ for t in types)}")
+    return names

@@ -28,8 +28,9 @@ from ._comm.agree import count_and_check_active, verify_layout
 from ._comm.group import Group
 from ._comm.mesh import resolve_mesh
 from ._fused.step import FusedCores, FusedStep
+from ._fused.units import bucket_groups, unit_of_leaves
 from ._log import debug_mode, log
-from ._plan.bucket import BucketPlan
+from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
 from ._step import functorch
 from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
@@ -92,11 +93,23 @@ class Reducer:
       hook_threshold_bytes: trailing buckets whose leaves average fewer bytes than this get
         no leaf hooks and launch when the backward returns (a hook costs more than an early
         launch of thousands of tiny leaves gains). ``0`` hooks every bucket.
-      shard: shard the optimizer state of ``grad_and_update`` over the ranks (ZeRO-1/2): each
-        bucket is reduce-scattered, each rank updates its slice with its slice of the state,
-        and the params are all-gathered (docs/concepts.md). ``group`` may then be a 2-D
-        ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP: slices are also all-reduced
-        over ``replicate``). ``grad``/``all_reduce`` are unchanged (a 2-D mesh: over all its ranks).
+      shard: shard the optimizer state of ``grad_and_update`` over the ranks (``True`` or
+        ``"state"``, ZeRO-1/2): each bucket is reduce-scattered, each rank updates its slice
+        with its slice of the state, and the params are all-gathered (docs/concepts.md).
+        ``"params"`` (ZeRO-3, FSDP): the params are sharded too; each rank keeps only its
+        slice of every unit (see ``units``), the step gathers a unit just before its module
+        runs and frees it after, and returns ``fdp.ShardedParams``. ``group`` may then be a
+        2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP: slices are also
+        all-reduced over ``replicate``). ``grad``/``all_reduce`` are unchanged (a 2-D mesh:
+        over all its ranks).
+      units: with ``shard="params"``, the module names whose params are gathered together
+        (``fdp.units(model, Block)`` lists a model's blocks); a param under none of them
+        belongs to the *root*, gathered for the whole step. Each unit is one bucket (per
+        dtype): the plan's buckets are the units, in reverse registration order.
+      reshard_after_forward: with ``shard="params"``, free each unit after its forward and
+        gather it again for its backward (default, FSDP2's); ``False`` keeps every unit
+        gathered from its forward until its gradients are reduced (one gather per unit per
+        step, the memory of the whole params at the end of the forward).
 
     Attributes:
       plan: the ``fdp.BucketPlan`` built from ``params``' layout.
@@ -104,7 +117,8 @@ class Reducer:
         ``choice``); None otherwise.
       group: the ``fdp.Group`` the gradients are averaged over.
       hook: the ``fdp.hooks.CommHook`` every bucket goes through.
-      shard: whether ``grad_and_update`` shards the optimizer state over the ranks.
+      shard: ``False``, ``"state"`` (the optimizer state is sharded) or ``"params"`` (the
+        params too).
       nonfinite_steps: with ``skip_nonfinite=True``, how many steps had a non-finite
         averaged gradient (a reducer-level counter, the same on every rank).
 
@@ -151,30 +165,47 @@ class Reducer:
         skip_nonfinite: bool = False,
         engine: str = "auto",
         hook_threshold_bytes: int = HOOK_MEAN_BYTES,
-        shard: bool = False,
+        shard: bool | str = False,
+        units: Sequence[str] | None = None,
+        reshard_after_forward: bool = True,
     ) -> None:
         mesh = resolve_mesh(group)
         self.group = mesh.full
-        self.shard = bool(shard)
+        if shard not in (False, True, "state", "params"):
+            raise ValueError(f"fdp.Reducer: shard must be False, True (or 'state': the optimizer state) or "
+                             f"'params' (the params too), got {shard!r}")
+        self.shard = {True: "state"}.get(shard, shard)
+        if units is not None and self.shard != "params":
+            raise ValueError("fdp.Reducer: units= gathers params unit by unit, which only fully sharded params do; "
+                             "pass shard='params'")
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
             raise ValueError("fdp.Reducer: bucket_cap_mb='auto' chooses every cap; pass no first_bucket_cap_mb/bucket_caps_mb")
+        if bucket_cap_mb == "auto" and self.shard == "params":
+            raise ValueError("fdp.Reducer: with shard='params' the buckets are the units; bucket_cap_mb='auto' has "
+                             "nothing to choose")
         self.tuning = AutoCaps(shard=bool(shard)) if bucket_cap_mb == "auto" else None
-        plan = BucketPlan.build(  # "auto" starts on the calibration plan
-            params, bucket_cap_mb=25 if self.tuning else bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB if self.tuning else bucket_caps_mb)
+        names = None
+        if self.shard == "params":  # one bucket per unit (and dtype), no cap
+            names, of_leaf = unit_of_leaves(_tree.keys(_tree.structure(params)), tuple(units or ()), "fdp.Reducer")
+            plan = BucketPlan.from_caps(params, (NO_CAP,), groups=bucket_groups(of_leaf, len(names)))
+        else:
+            plan = BucketPlan.build(  # "auto" starts on the calibration plan
+                params, bucket_cap_mb=25 if self.tuning else bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
+                bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB if self.tuning else bucket_caps_mb)
         plan.check_one_device("fdp.Reducer")
         self.hook = as_hook(comm_hook)
-        self.hook.check_config(reduce_dtype, shard, "fdp.Reducer")
+        self.hook.check_config(reduce_dtype, bool(shard), "fdp.Reducer")
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
         # Everything resolved once, in one frozen object every machine and fused step reads.
         self._config = StepConfig(
-            mesh=mesh, shard=self.shard, hook=self.hook, wire=self.hook.dtype or reduce_dtype,
+            mesh=mesh, shard=bool(self.shard), hook=self.hook, wire=self.hook.dtype or reduce_dtype,
             debug=debug_mode() if debug is None else bool(debug), hook_threshold_bytes=hook_threshold_bytes,
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
-            overlap=bool(overlap), steps=Steps())
+            overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward))
         self._fused = FusedCores(self._config)
-        self._use_plan(plan)
+        with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
+            self._use_plan(plan)
 
     def _use_plan(self, plan: BucketPlan) -> None:
         """Build the step machine and buffers for ``plan`` and check it is every rank's."""
@@ -191,12 +222,16 @@ class Reducer:
         # agree across ranks: the plan, the hook, the wire dtype, debug's fingerprint checks.
         wire_name = "the gradients' dtype" if wire is None else str(wire).replace("torch.", "")
         frozen = f", auto plan {plan.fingerprint}" if old is not None else ""
+        units = "" if config.units is None else (
+            f", units {list(config.units[1:])}, reshard_after_forward={config.reshard_after_forward}")
         verify_layout(
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",
             extra=(f"bucket caps {list(plan.caps)} bytes, {self.hook.describe()}, reduce dtype {wire_name}, "
-                   f"debug={config.debug}, shard={self.shard} (shard group of {config.mesh.shard.size}){frozen}"),
+                   f"debug={config.debug}, shard={self.shard!r} (shard group of {config.mesh.shard.size})"
+                   f"{units}{frozen}"),
         )
+        self.hook.attach(self, plan)  # (a stateful hook ties its state to this plan, or refuses)
         if log.isEnabledFor(logging.INFO):
             log.info("Reducer (hook %s, world %d): %s", self.hook.name, self.group.size, self.plan.summary())
 

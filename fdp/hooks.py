@@ -19,7 +19,10 @@ its own body on the same road):
   with the group's timeout, polls completion for the timeline, and hands out ``flat`` itself
   (no copy). Calling such a hook directly still returns a Future, like any other hook;
 * ``traced``: a function ``(flat, group) -> Tensor`` that does the same reduction with
-  traceable collectives, used under ``torch.compile``; hooks without one are refused there.
+  traceable collectives, used under ``torch.compile``; hooks without one are refused there;
+* ``bind``: a function ``(reducer, plan)`` each Reducer calls with itself and its bucket plan
+  (again when ``bucket_cap_mb="auto"`` freezes a new plan): a hook that keeps state per
+  bucket (PowerSGD) ties it to that plan there, or refuses a second Reducer.
 
 Built-ins: ``allreduce`` (the default), ``fp16_compress``, ``bf16_compress``, ``noop`` and
 ``powersgd(...)``.
@@ -27,6 +30,7 @@ Built-ins: ``allreduce`` (the default), ``fp16_compress``, ``bf16_compress``, ``
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +60,9 @@ class CommHook:
         handle with ``wait(timeout)`` and ``is_completed()`` (a c10d ``Work``).
       traced: ``traced(flat, group) -> Tensor``, the same reduction built from traceable
         collectives (``torch.distributed._functional_collectives``), for ``torch.compile``.
+      bind: ``bind(reducer, plan)``, called by every Reducer that uses the hook, once it has
+        checked its plan across ranks, and again with the new plan when ``bucket_cap_mb="auto"``
+        freezes one; may raise (a stateful hook that already serves another Reducer).
 
     A plain callable passed as ``comm_hook=`` is wrapped as ``CommHook(fn)``. A hook whose
     function returns something other than a Future, or a Future of anything but a floating
@@ -78,17 +85,25 @@ class CommHook:
     """
 
     def __init__(self, fn: HookFn, *, dtype: torch.dtype | None = None, prescale: bool = True,
-                 name: str | None = None, in_place: bool = False, traced: TracedFn | None = None):
+                 name: str | None = None, in_place: bool = False, traced: TracedFn | None = None,
+                 bind: Callable[[Any, Any], None] | None = None):
         if not callable(fn):
             raise TypeError(f"fdp: a comm hook must be callable, got {type(fn).__name__}")
-        if traced is not None and not callable(traced):
-            raise TypeError(f"fdp: CommHook(traced=...) must be callable, got {type(traced).__name__}")
+        for arg, value in (("traced", traced), ("bind", bind)):
+            if value is not None and not callable(value):
+                raise TypeError(f"fdp: CommHook({arg}=...) must be callable, got {type(value).__name__}")
+        self.bind = bind
         self.fn = fn
         self.dtype = dtype
         self.prescale = prescale
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.in_place = in_place
         self.traced = traced
+
+    def attach(self, reducer: Any, plan: Any) -> None:
+        """Called by a Reducer with itself and its plan (see ``bind``)."""
+        if self.bind is not None:
+            self.bind(reducer, plan)
 
     @property
     def traceable(self) -> bool:
@@ -242,14 +257,25 @@ def powersgd(
     Unlike DDP, ``start_iter`` may be 0 or 1 even with error feedback: fdp's buckets never
     change after construction (DDP forbids it because it rebuilds buckets after step 1).
 
-    The returned hook is stateful (errors, warm-start matrices): use one per Reducer.
-    ``hook.state`` is the underlying ``PowerSGDState`` once the first step has run. The
-    arguments are ``PowerSGDState``'s (``rank`` is its ``matrix_approximation_rank``,
-    ``start_iter`` its ``start_powerSGD_iter``). It divides by the world size itself
-    (``prescale=False``). In a world of one it does nothing.
+    The returned hook is stateful (errors, warm-start matrices, kept per bucket index): it
+    belongs to one Reducer, whose ``grad``, ``all_reduce`` and fused steps share it as steps
+    of one model. A second Reducer built with it raises ``ValueError`` (one's compression
+    error would be added to the other's leaves): make one hook per Reducer. When
+    ``bucket_cap_mb="auto"`` freezes its plan, the hook starts afresh on the new buckets, as
+    a new hook given to a Reducer built with the frozen caps would (``start_iter`` counts
+    from the freeze). ``hook.state`` is the underlying ``PowerSGDState`` once the first step
+    has run. The arguments are ``PowerSGDState``'s (``rank`` is its
+    ``matrix_approximation_rank``, ``start_iter`` its ``start_powerSGD_iter``). It divides by
+    the world size itself (``prescale=False``). In a world of one it does nothing.
+
+    Once compressing, torch's hook issues each bucket's second and third all-reduce from the
+    callbacks of its first, on the backend's threads; two buckets in flight at once would then
+    issue theirs in an order that differs between ranks (gloo aborts the process, DDP's hook
+    does the same). fdp starts a bucket's exchange only once the previous bucket's has ended,
+    so every rank issues the same sequence (the backward waits for it there).
 
     Raises:
-      ValueError: ``rank < 1`` or ``start_iter < 0``.
+      ValueError: ``rank < 1`` or ``start_iter < 0``; a second Reducer built with the hook.
 
     Example:
       >>> hook = fdp.hooks.powersgd(rank=2, start_iter=10)
@@ -264,6 +290,21 @@ def powersgd(
         raise ValueError(f"fdp.hooks.powersgd: start_iter must be >= 0, got {start_iter}")
 
     holder: dict[str, Any] = {}
+    name = f"powersgd(rank={rank})"
+
+    def _bind(reducer: Any, plan: Any) -> None:
+        owner = holder.get("owner")
+        current = owner() if owner is not None else None
+        if current is not None and current is not reducer:
+            raise ValueError(
+                f"fdp.hooks.{name}: this hook already serves another fdp.Reducer. Its state (error "
+                "feedback and warm-start matrices) is kept per bucket index of that Reducer's plan, so a "
+                "second Reducer would add one's compression error to the other's leaves; make one hook "
+                "per Reducer (call fdp.hooks.powersgd(...) again)")
+        if current is None or holder.get("plan") != plan.fingerprint:  # a new owner, or its frozen plan
+            holder.clear()
+            hook.state = None
+        holder["owner"], holder["plan"] = weakref.ref(reducer), plan.fingerprint
 
     def _powersgd(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Future:
         if group.process_group is None:
@@ -284,8 +325,14 @@ def powersgd(
             state.start_powerSGD_iter = start_iter  # no bucket rebuild in fdp: 0 and 1 are safe
             holder["state"] = state
             hook.state = state
-        return psgd.powerSGD_hook(state, _GradBucketView(bucket, flat))
+        prev = holder.get("pending")
+        if prev is not None and not prev.done() and state.iter >= state.start_powerSGD_iter:
+            # (compressing: the previous bucket's callbacks may still issue collectives)
+            comm.wait_future(prev, group, f"{name}: bucket {bucket.index - 1}'s exchange, before bucket "
+                             f"{bucket.index}'s starts")
+        fut = holder["pending"] = psgd.powerSGD_hook(state, _GradBucketView(bucket, flat))
+        return fut
 
-    hook = CommHook(_powersgd, prescale=False, name=f"powersgd(rank={rank})")
+    hook = CommHook(_powersgd, prescale=False, name=name, bind=_bind)
     hook.state = None
     return hook

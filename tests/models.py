@@ -82,3 +82,47 @@ def ce_loss(apply):
         return F.cross_entropy(out, y), new_buffers
 
     return loss_fn
+
+
+class Block(nn.Module):
+    """A residual block (LayerNorm, a 2-layer MLP): the unit of fully sharded params."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class BlockNet(nn.Module):
+    """Token embedding, ``n`` blocks, a final LayerNorm and a head tied to the embedding (as
+    GPT-2's): the embedding, the final norm and the head are the root of a fully sharded
+    model whose units are the blocks."""
+
+    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln(x))
+
+
+def block_net(seed: int = 0, **kw) -> BlockNet:
+    return init_(BlockNet(**kw), seed)
+
+
+def tokens(rank: int, step: int = 0, n: int = 4, t: int = 5, vocab: int = 32):
+    """A batch of token sequences and their next tokens, per rank and step."""
+    g = torch.Generator().manual_seed(5000 + 1000 * rank + step)
+    seq = torch.randint(0, vocab, (n, t + 1), generator=g)
+    return seq[:, :-1], seq[:, 1:]

@@ -107,3 +107,24 @@ def test_model_benchmark_runs_muon_with_adamw_beside_torch_optim_muon(capsys):
     assert {"ddp", "fused", "sharded"} <= set(rows), text
     # Muon keeps one momentum buffer per matrix, AdamW two per other param: the same state as torch's
     assert float(rows["fused"][-1]) == float(rows["ddp"][-1]) > 0, text
+
+
+def test_sharded_benchmark_prints_memory_and_time_of_every_kind(capsys):
+    from fdp.bench import sharded
+
+    code = sharded.main(["--width", "32", "--layers", "2", "--mem-width", "32", "--mem-layers", "2", "--steps", "2",
+                         "--warmup", "1", "--mem-steps", "1", "--batch", "1"])
+    text = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ") and line.split()}
+    for kind in sharded.KINDS:
+        assert kind in rows, text
+    assert "bound" in text and "all-gather wait" in text, text
+    # the same params as DDP's after the run, bit for bit (two ranks, no clipping)
+    lines = text.splitlines()
+    timed = [line.split() for line in lines[lines.index(next(ln for ln in lines if ln.startswith("time:"))):]
+             if line.startswith(("  zero2 ", "  zero3 ", "  fsdp2 "))]
+    assert len(timed) == 3, text
+    for row in timed:
+        a, b = row[-1].split("/")
+        assert a == b, row

@@ -120,7 +120,8 @@ def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tm
     assert "stopped after step 4" in out, out
     import shutil
 
-    shutil.copytree(resumed, tmp_path / "sharded")  # the step-4 checkpoint, for a sharded resume below
+    shutil.copytree(resumed, tmp_path / "sharded")  # the step-4 checkpoint, for sharded resumes below
+    shutil.copytree(resumed, tmp_path / "fully")
     out = run_example("char_gpt.py", [*args, "--resume", "--out", "resumed.pt"], resumed, ranks=2)
     assert "resumed from ckpt/gpt.pt at step 4" in out, out
     import torch
@@ -133,6 +134,16 @@ def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(tm
     plain.mkdir()
     out = run_example("char_gpt.py", ["--steps", "3", "--batch-size", "4", "--ckpt", "c.pt"], plain, ranks=None)
     assert "world 1:" in out, out
+
+    # Fully sharded (--shard params): the unsharded run's checkpoint at step 4 resumes with each
+    # rank holding its slices only; on two ranks the same numbers bit for bit (the sums of a
+    # reduce-scatter of two are the all-reduce's, and the clip's norm is each leaf's, whole).
+    out = run_example("char_gpt.py", [*args, "--resume", "--shard", "params", "--out", "fully.pt"],
+                      tmp_path / "fully", ranks=2)
+    assert "resumed from ckpt/gpt.pt at step 4" in out and "sample:" in out, out
+    d = torch.load(tmp_path / "fully" / "fully.pt", weights_only=True)
+    for k in a:
+        assert torch.equal(d[k], a[k]), f"params[{k!r}] fully sharded differs from the straight run"
 
     # Sharded (--shard): the unsharded run's checkpoint at step 4 resumes sharded. On two
     # ranks the sharded sums are the all-reduce's; only the global-norm clip's summation

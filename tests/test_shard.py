@@ -261,7 +261,7 @@ def disagree(group):
 
 
 def test_ranks_that_disagree_on_sharding_are_named_at_construction():
-    with pytest.raises(fdp.ReplicaMismatchError, match="shard=True"):
+    with pytest.raises(fdp.ReplicaMismatchError, match="shard=.state."):
         fdp.testing.run(disagree, 2)
 
 

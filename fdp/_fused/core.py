@@ -58,10 +58,11 @@ class FusedCore:
             hook = CommHook(lambda bucket, flat, group: scatter.launch(bucket.index, flat), dtype=hook.dtype,
                             name=f"{hook.name}, sharded", in_place=True)
         wires = [config.wire or b.dtype for b in plan.buckets]
-        buffers = BucketBuffers(plan, wires, reuse=True, padded=self.shards.padded)
-        self.machine = StepMachine(plan, self.group, hook, buffers, debug=config.debug,
-                                   hook_threshold_bytes=config.hook_threshold_bytes, steps=config.steps)
-        self.params = ParamSets(plan, self.shards.padded, name)
+        self.machine = StepMachine(plan, self.group, hook, self.bucket_buffers(wires), debug=config.debug,
+                                   hook_threshold_bytes=self.hook_threshold(), steps=config.steps)
+        self.params = self.param_sets()
+        # Sharded (ZeRO-1/2), the updated slices are all-gathered at the end of the step.
+        self.gathers_params = self.scatter is not None
         self.parts = 1 + max((k[0] for k in keys), default=0)
         self.whole_parts = whole_parts
         # Sharded, whole leaves (Muon's matrices) are each owned and updated by one rank.
@@ -89,7 +90,25 @@ class FusedCore:
             extra=f"param groups {list(keys)}, bucket caps {list(plan.caps)}, {hook.describe()}{where}",
         )
 
+    # ------------------------------------------------------------------ what a layout keeps
+    def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
+        """The flat buffers the buckets are filled and reduced in: one per bucket, reused."""
+        return BucketBuffers(self.plan, wires, reuse=True, padded=self.shards.padded)
+
+    def hook_threshold(self) -> int:
+        """The step machine's ``hook_threshold_bytes`` (the Reducer's)."""
+        return self.config.hook_threshold_bytes
+
+    def param_sets(self) -> Any:
+        """The flat param buffers (``ParamSets``: the whole padded buckets)."""
+        return ParamSets(self.plan, self.shards.padded, self.name)
+
     # ------------------------------------------------------------------ pieces a run uses
+    def reduced(self, b: int, mine: torch.Tensor) -> torch.Tensor:
+        """Bucket ``b``'s reduced (slice of the) gradient ``mine``, as the run keeps it (here:
+        ``mine`` itself, a view of the bucket's buffer)."""
+        return mine
+
     def grad_of(self, b: int, reduced: torch.Tensor) -> torch.Tensor:
         """Bucket ``b``'s (slice of the) averaged gradient in the params' dtype (a cast wire is
         cast once, into a buffer kept for the next step)."""
@@ -162,19 +181,21 @@ class FusedCore:
             elif accumulate is not None:
                 acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
-            machine = self.machine
             run = Run(self, program, layout, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
-                      scale=machine.scale_for(self.group.size), active=True)
+                      scale=self.machine.scale_for(self.group.size), active=True)
 
-            def backward(step: Step) -> Any:
-                leaves = self.plan.views(src.flats)  # (the padding of a sharded step's flats is left out)
-                engine = self.config.engine
-                local, value = local_grads(engine, fn, 0, has_aux, (leaves, *rest), kwargs, _tree.leaves(leaves),
-                                           self.plan.treedef, machine.leaf_hooks[engine], step.on_backward_start)
-                step.backward_done(local, machine.unhooked)
-                return value
+            return self._run(run, state, src, dst, lambda step: self.backward(step, src, fn, has_aux, rest, kwargs))
 
-            return self._run(run, state, src, dst, backward)
+    def backward(self, step: Step, src: ParamSet, fn: Callable, has_aux: bool, rest: tuple, kwargs: dict) -> Any:
+        """The loss and its backward on the params in ``src``, each leaf's gradient handed to the
+        step machine by its hook; returns the loss (or ``(loss, aux)``)."""
+        machine = self.machine
+        leaves = self.plan.views(src.flats)  # (the padding of a sharded step's flats is left out)
+        engine = self.config.engine
+        local, value = local_grads(engine, fn, 0, has_aux, (leaves, *rest), kwargs, _tree.leaves(leaves),
+                                   self.plan.treedef, machine.leaf_hooks[engine], step.on_backward_start)
+        step.backward_done(local, machine.unhooked)
+        return value
 
     def run_update(self, program: Program, layout: StateLayout, grads: Any, state: Any, params: Any,
                    active: bool | None, donate: bool) -> tuple[Any, FusedState]:
@@ -209,6 +230,9 @@ class FusedCore:
                                "reducer.all_reduce and opt.update instead (docs/compile.md)")
         if functorch.in_transform():
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
+
+    def on_filled(self, b: int) -> None:
+        """``StepSpec.on_filled`` of this core's steps (fully sharded params free a unit)."""
 
     def _sets(self, params: Any, donate: bool) -> tuple[ParamSet, ParamSet]:
         src, packed = self.params.current(self.params.leaves_of(params, "params"), donate)

@@ -15,8 +15,9 @@ on issuing the step's collectives (zeros where it has nothing), and the step's s
 after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
 for every bucket, the buckets' own status comes first (``StepSpec.bucket_status``), so a
 rank whose backward failed stops every rank before any update, and the state stays usable.
-A rank that updated anything in a failed step refuses that state afterwards
-(``FusedCore.broken``).
+A step that fails after its buckets were reduced is refused afterwards on every rank (some
+rank may have updated its state in place), and so is one in which this rank had updated
+anything (``FusedCore.broken``).
 """
 
 from __future__ import annotations
@@ -72,8 +73,7 @@ class Run:
         # backward failed).
         self.step: Step = core.machine.start(StepSpec(
             kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
-            closes=True,
-            bucket_status=not self.early))
+            closes=True, bucket_status=not self.early, on_filled=core.on_filled))
 
     # ------------------------------------------------------------------ arrival
     def fail(self, e: BaseException) -> None:
@@ -85,10 +85,10 @@ class Run:
         the backward's hooks: it never raises (a failure is kept for the status)."""
         core = self.core
         try:
-            mine = core.scatter.finish(b, flat) if core.scatter is not None else flat
+            mine = core.reduced(b, core.scatter.finish(b, flat) if core.scatter is not None else flat)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
-            mine = core.shards.mine(b, core.machine.buffers.wire(b))
+            mine = self._wire_zeros(b)
         if self.replicas is not None:
             for landed in self.replicas.arrive(b, mine):
                 self._arrived(landed, self.replicas.slices[landed])
@@ -144,11 +144,12 @@ class Run:
         for i in self.program.suffix:
             self._apply(i, b, g)
         p, src = self.dst.flats[b], self.src.flats[b]
-        if core.sharded:
+        if core.sharded and core.gathers_params:  # (fully sharded: the sets hold the slices only)
             p, src = core.shards.mine(b, p), core.shards.mine(b, src)
         if self.dst is not self.src:
             p.copy_(src)
         buffers, keys = state.buffers, self.layout.keys
+        self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
         if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
             (part, group), _ = core.spans.by_key[b][0]
             parts[part].kernel.step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
@@ -164,7 +165,6 @@ class Run:
                 else:
                     ps, gs = pieces(p, spans, False), pieces(g, spans, False)
                 parts[part].kernel.step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
-        self.updated[b] = 1
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
 
@@ -191,7 +191,7 @@ class Run:
         """This rank's step failed before the machine finished (the machine has drained the
         buckets): issue the rest of the step's collectives, with nothing of its own."""
         if self.replicas is not None:
-            self.replicas.drain(lambda b: self.core.shards.mine(b, self.core.machine.buffers.wire(b)).zero_())
+            self.replicas.drain(self._wire_zeros)
 
     def finish(self) -> bool:
         """Everything after the buckets: the finite check, the whole-tree transforms, the
@@ -206,8 +206,11 @@ class Run:
                 finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
             if not finite:
                 self.skipped = "nonfinite"
-        if finite and not self.early:
-            finite = self._whole_tree()
+        if not self.early:
+            # A rejected step still meets the first global scale: a loss scale decides about
+            # non-finite gradients itself and backs off on them (only a scale that skips keeps
+            # its new state; the same verdict on every rank, so the same collectives).
+            finite = self._whole_tree(rejected=not finite) and finite
         if finite and core.owners is not None:
             self._sharded_whole_leaves()
             return self._close_after(finite)
@@ -218,7 +221,7 @@ class Run:
                         self.update(b)
                     except Exception as e:  # noqa: BLE001 - reported through the step's status
                         self.fail(e)
-                if core.scatter is not None:  # bucket b's params gather while bucket b + 1 updates
+                if core.gathers_params:  # bucket b's params gather while bucket b + 1 updates
                     if self.gathers:  # one in flight at a time: its staging buffer serves the next
                         self._gathered(*self.gathers.pop())
                     self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
@@ -267,14 +270,18 @@ class Run:
             self.fail(e)
             return default
 
-    def _whole_tree(self) -> bool:
+    def _whole_tree(self, rejected: bool = False) -> bool:
         """Every bucket has arrived: run the program's middle transforms over all of them (a
         global scale's factor from every leaf's statistic, in leaf order). The last global
         scale's factor is left for ``update`` to multiply each bucket by. Returns False when
         a global scale skips the step (sharded, every rank decides it from the same gathered
-        statistics, also a rank that failed, so all issue the same collectives after it)."""
+        statistics, also a rank that failed, so all issue the same collectives after it).
+        ``rejected``: the finite check has rejected the step; only the first global scale
+        runs, to skip it itself (then ``skipped`` is ``"scale"`` and its state is kept)."""
         program = self.program
-        for i in range(program.prefix, program.last_tree + 1):
+        if rejected and program.measure is None:
+            return False
+        for i in range(program.prefix, program.prefix + 1 if rejected else program.last_tree + 1):
             t = program.transforms[i]
             if self.coef is not None:  # an earlier global scale: its product first
                 self._guarded(lambda coef=self.coef: self._mul_all(coef), None)
@@ -288,6 +295,8 @@ class Run:
             try:
                 factor, new = t.scale(stats, self.tstates[i])
             except Exception as e:  # noqa: BLE001 - reported through the step's status
+                if rejected:  # the finite check's skip stands (clip_by_global_norm(error_if_nonfinite=True))
+                    return False
                 self.fail(e)
                 continue
             if self.error is None:
@@ -328,6 +337,12 @@ class Run:
                 self.fail(e)
         return core.straddles.gather(own if self.error is None else {}, core.mesh.shard)
 
+    def _wire_zeros(self, b: int) -> torch.Tensor:
+        """Zeros for bucket ``b``'s (slice of the) reduced gradient, in its wire dtype."""
+        bucket = self.core.plan.buckets[b]
+        return torch.zeros(self.core.shards.numel(b), dtype=self.core.machine.buffers.wire_dtypes[b],
+                           device=bucket.device)
+
     def _zeros(self, b: int) -> torch.Tensor:
         bucket = self.core.plan.buckets[b]
         return torch.zeros(self.core.shards.numel(b), dtype=bucket.dtype, device=bucket.device)
@@ -340,23 +355,29 @@ class Run:
 
     def close(self) -> None:
         """The step's verdict on every rank: raise this rank's error, or ``CollectiveError``
-        if another rank failed; a rank that updated anything then refuses the state."""
+        if another rank failed; every rank then refuses the state (some rank may have updated
+        its state, or part of it, before the failure was known: the replicas' states differ).
+        Refusing on every rank, not only on those that updated, keeps the ranks in step: a
+        rank that went on alone would wait in the next step's collectives for the timeout."""
         core = self.core
         n = core.machine.close(self.step, self.error is not None)
         if not n:
             return
-        if any(self.updated):
-            core.broken = (f"step {self.step.n} failed on {n} rank(s) after this rank had updated "
-                           f"{sum(self.updated)} of {len(self.updated)} buckets of the optimizer state in place "
-                           "(and with donate=True the params), so the replicas differ now; load a saved state "
-                           "(step.state_from_tree, fdp.load) or make a new one (step.init) to go on")
+        rank = core.group.rank
+        mine = (f"rank {rank} had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer "
+                "state in place (and with donate=True the params)" if any(self.updated) else
+                f"rank {rank} updated nothing, but other ranks may have updated their optimizer state in place "
+                "(and with donate=True the params)")
+        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
+                       "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
+                       "make a new one (step.init) on every rank to go on")
         if self.error is not None:
             raise self.error
         raise CollectiveError(
             f"fdp: step {self.step.n} of {core.name} failed on {n} other rank(s) of {core.group.size} after "
             f"the backward (in a transform, the optimizer's kernel or a gather); this is rank {core.group.rank}. "
-            + ("This rank's state was updated and is refused now: load a saved state to go on."
-               if any(self.updated) else "Nothing was updated on this rank."))
+            + ("This rank's state was updated" if any(self.updated) else "Other ranks may have updated their state")
+            + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
 
 
 def pieces(t: torch.Tensor, spans: list[Span], state: bool) -> list[torch.Tensor]:

@@ -42,8 +42,10 @@ class FusedState(NamedTuple):
     dtypes, caps and param groups) its flat tensors follow and, sharded, which slice of each
     bucket this rank holds. It travels with every copy, ``fdp.save`` and ``fdp.load``: a
     step refuses a state of another layout (a params dict built in another key order, another
-    mask or caps) instead of applying its moments to the wrong leaves, and ``fdp.save``
-    refuses a sharded state (one rank's slices are not the state), copies included.
+    mask or caps) instead of applying its moments to the wrong leaves, and ``fdp.save`` and
+    ``torch.distributed.checkpoint.save`` (at any depth of its state dict) refuse a sharded
+    state (one rank's slices are not the state), copies included; save
+    ``step.state_to_tree(opt_state, params)`` with either.
 
     Attributes:
       step: the optimizer's count of updates applied (the tensor the per-leaf state holds).
@@ -74,6 +76,27 @@ class FusedState(NamedTuple):
                 "step.state_to_shards(opt_state, params) with fdp.save_sharded (every rank its own "
                 "slices, per leaf), or step.state_to_tree(opt_state, params) with fdp.save (gathered, "
                 "per leaf); either loads into any world size")
+
+    def __getattr__(self, name: str) -> Any:
+        # torch.distributed.checkpoint asks every value it saves, at any depth of the state
+        # dict, for ``__create_write_items__`` (its ``_Checkpointable`` hook: how to write the
+        # object; torch 2.13's planner_helpers._create_write_items, looked up with hasattr). A
+        # tuple is otherwise one opaque object to DCP: pickled by one rank, and loaded on
+        # every rank. Only a sharded state answers, and its answer is a refusal; an unsharded
+        # one (the same on every rank) is saved as DCP saves any object.
+        if name == "__create_write_items__" and self.sharded:
+            return self._refuse_dcp
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def _refuse_dcp(self, fqn: str, obj: Any) -> list:
+        rank, ranks = (int(v) for v in self.layout[1:3])
+        raise ValueError(
+            f"fdp: torch.distributed.checkpoint cannot save {fqn!r} (shard rank {rank}): it is this rank's "
+            f"slices of a fused optimizer state sharded over {ranks} ranks (Reducer(shard=True)), which DCP "
+            "would store as one object from one rank and load on every rank. Put "
+            "step.state_to_tree(opt_state, params) there instead (gathered, per leaf: it loads into any world "
+            "size; after dcp.load, opt_state = step.state_from_tree(loaded, params)), or save with fdp.save, or "
+            "with no gather: fdp.save_sharded of step.state_to_shards(opt_state, params)")
 
     def __fdp_check_load__(self, like: Any) -> str | None:
         """Why a loaded state cannot stand where ``like`` stood (None: it can)."""

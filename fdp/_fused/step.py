@@ -18,6 +18,7 @@ import torch
 
 from .. import _tree
 from .._plan.bucket import BucketPlan
+from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
 from ..optim import Optimizer
@@ -25,6 +26,7 @@ from ..optim._flat import split_chain
 from .core import FusedCore
 from .program import Program
 from .state import FusedState, StateLayout
+from .units_core import UnitCore
 
 NAME = "fdp.Reducer.grad_and_update"
 
@@ -44,6 +46,13 @@ def eager_only(fn: Callable) -> Callable:
     return torch.compiler.disable(fn)
 
 
+def template(params: Any) -> Any:
+    """``params``, or for fully sharded ``ShardedParams`` their tree of meta tensors (the
+    shapes and dtypes masks and ``opt.init`` read)."""
+    make = getattr(params, "__fdp_template__", None)
+    return make() if make is not None else params
+
+
 class FusedCores:
     """A Reducer's fused cores, by (plan, param groups); the least recently used goes first
     once there are ``MAX``."""
@@ -59,7 +68,8 @@ class FusedCores:
         key = (plan.fingerprint, program.keys, whole)
         core = self._cores.get(key)
         if core is None:
-            core = self._cores[key] = FusedCore(self.config, plan, program.keys, whole, NAME)
+            kind = FusedCore if self.config.units is None else UnitCore
+            core = self._cores[key] = kind(self.config, plan, program.keys, whole, NAME)
             while len(self._cores) > self.MAX:
                 self._cores.popitem(last=False)
         else:
@@ -100,9 +110,11 @@ class FusedStep:
     all-reduce's.
 
     A failure on any rank anywhere in a step (the loss, the backward, a transform, the
-    optimizer's kernel, out of memory) fails the step on every rank; a rank whose state was
-    partly updated then refuses it until a fresh one is given (``init``, ``state_from_tree``,
-    a loaded state).
+    optimizer's kernel, out of memory) fails the step on every rank. When it came after the
+    buckets were reduced, some rank may have updated its state (or part of it) in place, so
+    every rank then refuses that state until a fresh one is given (``init``,
+    ``state_from_tree``, a loaded state); a rank whose own step failed earlier, having
+    updated some buckets during the backward, refuses it too.
     """
 
     def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
@@ -117,7 +129,14 @@ class FusedStep:
         self._last: StepRecord | None = None
 
     def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+        # What a core keeps across calls is made as ordinary tensors, also when the first
+        # call is inside torch.inference_mode() (the step updates them in place outside it).
+        with autograd_on():
+            return self._bind_now(params)
+
+    def _bind_now(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
         if self._program is None:  # (read on params in the plan's leaf order)
+            params = template(params)
             ordered = _tree.unflatten(self._plan.treedef, self._plan.leaves_of(params, f"{NAME} params"))
             self._program = Program(self.opt, ordered, NAME, sharded=self._cores.config.sharded)
         core = self._cores.get(self._plan, self._program)
@@ -129,9 +148,26 @@ class FusedStep:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
         checked across ranks)."""
         core, _, layout = self._bind(params)
-        state = layout.init(params)
+        with autograd_on():  # (an inference tensor could not be updated in place by the step)
+            state = layout.init(template(params))
         core.broken = None  # a fresh state: a failed step's partial update is behind us
         return state
+
+    def shard(self, params: Any) -> Any:
+        """Fully sharded params (``Reducer(shard="params")``): this rank's slices of a whole
+        params tree, as the ``fdp.ShardedParams`` the step takes and returns (a copy of this
+        rank's elements; no communication). Drop the whole tree afterwards (and the module's
+        copy: ``model.to("meta")``): from then on the rank holds only its slices.
+
+        Raises:
+          TypeError: the Reducer does not shard its params.
+        """
+        core, _, _ = self._bind(params)
+        if not isinstance(core, UnitCore):
+            raise TypeError(f"{NAME}: step.shard(params) is for fully sharded params (Reducer(shard='params')); "
+                            "this step's params are whole on every rank")
+        pset, _ = core.params.current(params, False)
+        return core.params.views(pset)
 
     @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
@@ -179,12 +215,13 @@ class FusedStep:
         slices are gathered, and every rank gets the whole state (save it with ``fdp.save``;
         it loads into any world size, plan, or the unsharded step)."""
         core, _, layout = self._bind(params)
-        return layout.to_tree(core.check_state(layout, opt_state), params)
+        return layout.to_tree(core.check_state(layout, opt_state), template(params))
 
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
         core, _, layout = self._bind(params)
-        state = layout.from_tree(tree_state, params)
+        with autograd_on():
+            state = layout.from_tree(tree_state, template(params))
         core.broken = None
         return state
 

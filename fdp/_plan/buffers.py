@@ -14,6 +14,13 @@ Two policies (the Reducer's ``grad_views``):
 Buckets that travel in another dtype than the gradients (``reduce_dtype``, compressing
 hooks) always fill a persistent wire buffer (scratch), and the result is cast into fresh
 tensors (or into persistent result buffers under reuse).
+
+A third policy serves fully sharded params (``Reducer(shard="params")``), where a buffer per
+bucket would be a whole set of gradients on every rank: *transient* buffers, a few shared by
+the buckets in flight (``transient=n``: at most ``n`` per wire dtype, each the largest
+padded bucket's size). ``wire(b)`` lends one (None when all are lent: the step machine then
+waits for its oldest collective), ``release(b)`` takes it back once the bucket's reduced
+slice has been copied out.
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ class BucketBuffers:
     """Flat buffers for ``plan``'s buckets, travelling in ``wire`` dtypes (one per bucket)."""
 
     def __init__(self, plan: BucketPlan, wire: list[torch.dtype], *, reuse: bool,
-                 padded: list[int] | None = None) -> None:
+                 padded: list[int] | None = None, transient: int = 0) -> None:
         self.plan, self.wire_dtypes, self.reuse = plan, list(wire), reuse
         # Wire lengths: the buckets' own, or (a sharded step) rounded up to a multiple of the
         # shard group's size; the padding is zeros, never filled (only with ``reuse``).
@@ -87,12 +94,20 @@ class BucketBuffers:
         self._results: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._handed = [Pool(b.numel, w, b.device) for b, w in zip(plan.buckets, self.wire_dtypes)]
         self._casts = [Pool(b.numel, b.dtype, b.device) for b in plan.buckets]
+        # transient: the buffers made so far per wire dtype, the free ones, and which is lent to whom
+        self.transient = transient
+        self._made: dict[torch.dtype, int] = {}
+        self._free: dict[torch.dtype, list[torch.Tensor]] = {}
+        self._lent: list[torch.Tensor | None] = [None] * len(plan.buckets)
 
-    def wire(self, b: int) -> torch.Tensor:
-        """The 1-D buffer bucket ``b`` is filled in this step."""
+    def wire(self, b: int) -> torch.Tensor | None:
+        """The 1-D buffer bucket ``b`` is filled in this step (transient: None when every
+        buffer is lent)."""
         bucket = self.plan.buckets[b]
         dtype = self.wire_dtypes[b]
         n = self.padded[b]
+        if self.transient:
+            return self._lend(b, bucket, dtype, n)
         if self.reuse or dtype != bucket.dtype:
             buf = self._wire[b]
             if buf is None:
@@ -100,6 +115,37 @@ class BucketBuffers:
                 buf = self._wire[b] = make(n, dtype=dtype, device=bucket.device)
             return buf
         return self._handed[b].take()
+
+    def _lend(self, b: int, bucket, dtype: torch.dtype, n: int) -> torch.Tensor | None:
+        buf = self._lent[b]
+        if buf is not None:
+            return buf[:n]
+        free = self._free.setdefault(dtype, [])
+        if free:
+            buf = free.pop()
+        elif self._made.get(dtype, 0) < self.transient:
+            self._made[dtype] = self._made.get(dtype, 0) + 1
+            buf = torch.empty(max(p for p, w in zip(self.padded, self.wire_dtypes) if w == dtype), dtype=dtype,
+                              device=bucket.device)
+        else:
+            return None
+        self._lent[b] = buf
+        if n != bucket.numel:
+            buf[bucket.numel:n].zero_()  # the padding (shared with other buckets' longer data)
+        return buf[:n]
+
+    def release(self, b: int) -> None:
+        """Bucket ``b``'s transient buffer is free again (no-op otherwise)."""
+        buf = self._lent[b] if self.transient else None
+        if buf is not None:
+            self._lent[b] = None
+            self._free[buf.dtype].append(buf)
+
+    def release_all(self) -> None:
+        """A new step: every transient buffer is free (a failed step may have left some lent)."""
+        if self.transient:
+            for b in range(len(self._lent)):
+                self.release(b)
 
     def grads(self, results: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per bucket, the flat tensor in the gradients' dtype that the returned gradients view."""

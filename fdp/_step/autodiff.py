@@ -86,13 +86,16 @@ _NOTHING = contextlib.nullcontext()
 def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
                 leaves: list[torch.Tensor], treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
-                on_backward_start: Callable[[torch.Tensor], None] | None) -> tuple[list[Any], Any]:
+                on_backward_start: Callable[[torch.Tensor], None] | None,
+                wrap: Callable[[list[torch.Tensor]], Any] | None = None) -> tuple[list[Any], Any]:
     """This rank's gradients (a list in leaf order) and value, as ``grad_and_value`` gives them.
 
     With ``hooks``, each hooked leaf's hook sees its gradient as the backward produces it,
     ``on_backward_start`` runs when the outer backward begins, and only the entries of
     leaves without a hook are meaningful (None for a leaf the loss does not use). Without
-    hooks, unused leaves get zeros, as ``torch.func.grad`` returns.
+    hooks, unused leaves get zeros, as ``torch.func.grad`` returns. ``wrap`` (autograd
+    engine): makes ``fn``'s differentiated argument from the autograd leaves instead of the
+    tree (fully sharded params: a ``Gathering``).
     """
     if engine == "functorch":
         # The differentiated tree is handed over in the plan's order (a dict given in another
@@ -108,7 +111,7 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
         for leaf, hook in zip(inputs, hooks):
             if hook is not None:
                 functorch.set_leaf_hook(leaf, hook)
-    args = replace(args, argnums, _tree.unflatten(treedef, inputs))
+    args = replace(args, argnums, _tree.unflatten(treedef, inputs) if wrap is None else wrap(inputs))
     with torch.enable_grad():
         out = fn(*args, **kwargs)
         loss = loss_of(out, has_aux)

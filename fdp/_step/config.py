@@ -33,6 +33,10 @@ class StepConfig:
       grad_views: ``reducer.grad`` returns views into buffers reused every step.
       overlap: launch all-reduces during the backward.
       steps: the count every step of this Reducer adds to (its machines and fused steps).
+      units: fully sharded params (``shard="params"``): the units' module names, the root
+        (``""``) first; the plan has one bucket per unit and dtype. None otherwise.
+      reshard_after_forward: fully sharded, free a unit's gathered params after its forward
+        (and gather them again for its backward) rather than keep them until then.
     """
 
     mesh: Mesh
@@ -46,6 +50,8 @@ class StepConfig:
     grad_views: bool
     overlap: bool
     steps: Steps
+    units: tuple[str, ...] | None = None
+    reshard_after_forward: bool = True
 
     @property
     def sharded(self) -> bool:

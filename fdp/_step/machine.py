@@ -43,7 +43,7 @@ import torch
 
 from .. import kernels
 from .._comm.agree import check_collective
-from .._comm.collectives import all_reduce, is_completed, wait
+from .._comm.collectives import DONE, all_reduce, is_completed, wait
 from .._comm.group import Group
 from .._errors import CollectiveError
 from .._plan.bucket import BucketPlan, itemsize
@@ -103,6 +103,9 @@ class StepSpec:
       bucket_status: with ``closes``, also issue the usual status with the last bucket
         (checked when the buckets are): a rank whose backward failed then stops every rank
         before the caller's own work, and the close's status is a second one, for that work.
+      on_filled: called as ``on_filled(b)`` once bucket ``b``'s gradients are in its flat
+        buffer (just before its collective is launched): nothing needs the bucket's params
+        for this backward any more (fully sharded params free their gathered copy then).
     """
 
     kind: str
@@ -115,6 +118,7 @@ class StepSpec:
     on_ready: Callable[[int, torch.Tensor], None] | None = None
     closes: bool = False
     bucket_status: bool = False
+    on_filled: Callable[[int], None] | None = None
 
     @property
     def buckets_status(self) -> bool:
@@ -207,6 +211,7 @@ class StepMachine:
     def start(self, spec: StepSpec) -> Step:
         """Begin a step as ``spec`` says (one step at a time per machine)."""
         self.check_idle(spec.what)
+        self.buffers.release_all()
         step = Step(self, spec)
         self._live.step = step
         return step
@@ -397,7 +402,12 @@ class Step:
     def _launch(self, b: int) -> None:
         bucket = self.plan.buckets[b]
         flat = self.buffers.wire(b)
+        while flat is None:  # transient buffers, all lent: the oldest collective lands first
+            self._land_oldest()
+            flat = self.buffers.wire(b)
         self._fill(b, flat)
+        if self.spec.on_filled is not None:
+            self.spec.on_filled(b)
         what = self.what(b)
         if self.debug:
             check_collective(self.group, self.n, b, flat.numel(), flat.dtype, what)
@@ -408,8 +418,7 @@ class Step:
         self.handles[b] = self.hook.launch(bucket, flat, self.group)
         if self.group.process_group is None:
             times.done = times.launch
-            if self.on_ready is not None and self.hook.in_place:
-                self._ready(b, flat)
+            self._landed(b, flat)
         else:
             self.in_flight.append(b)
         if bucket.last and self.status and self.hook.in_place and self.spec.buckets_status:
@@ -441,9 +450,25 @@ class Step:
             else:
                 still.append(b)
         self.in_flight = still
+        for b in ready:
+            self._landed(b, self.flats[b])
+
+    def _landed(self, b: int, result: torch.Tensor) -> None:
+        """Bucket ``b``'s collective is complete: hand it on (``on_ready``, in-place hooks), then
+        give back its transient buffer (the caller has copied what it keeps)."""
         if self.on_ready is not None and self.hook.in_place and not self.failed:
-            for b in ready:
-                self._ready(b, self.flats[b])
+            self._ready(b, result)
+        self.buffers.release(b)
+
+    def _land_oldest(self) -> None:
+        """Wait for the oldest collective in flight and land it (its transient buffer is needed)."""
+        if not self.in_flight:
+            raise RuntimeError("fdp: no transient bucket buffer is free and no collective is in flight")
+        b = self.in_flight.pop(0)
+        self.hook.collect(self.handles[b], self.plan.buckets[b], self.flats[b], self.group, self.what(b))
+        self.handles[b] = DONE
+        self.times[b].done = time.perf_counter() - self.t0
+        self._landed(b, self.flats[b])
 
     def _ready(self, b: int, result: torch.Tensor) -> None:
         if not self.readied[b]:

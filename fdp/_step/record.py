@@ -34,6 +34,9 @@ class BucketTimes:
     update_end: float | None = None
     # The sharded fused step: when this bucket's params all-gather was seen complete.
     gathered: float | None = None
+    # Fully sharded params: each all-gather of this bucket's (its unit's) params in the step,
+    # as (issued, waited for from, complete); the wait is what the compute did not hide.
+    gathers: list[tuple[float, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -80,6 +83,12 @@ class Timeline:
         if start is None:
             start = min((b.launch or 0.0) for b in self.buckets) if self.buckets else 0.0
         return max(0.0, self.comm_done - start)
+
+    @property
+    def exposed_gather(self) -> float:
+        """Fully sharded params: seconds the step waited for its units' params all-gathers
+        (what the compute and the prefetch did not hide; 0 otherwise)."""
+        return sum(done - waited for b in self.buckets for _, waited, done in b.gathers)
 
     @property
     def exposed_update(self) -> float:

@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop] ...``: benchmarks that run fdp
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop|sharded] ...``: benchmarks that run fdp
 beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-SUBCOMMANDS = ("kernels", "replicas", "soak", "micro", "compile", "optim", "gpu", "predict", "validate", "loop")
+SUBCOMMANDS = ("kernels", "replicas", "soak", "micro", "compile", "optim", "gpu", "predict", "validate", "loop",
+               "sharded")
 
 
 def main(argv: list[str] | None = None) -> int:

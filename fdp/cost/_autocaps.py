@@ -12,6 +12,7 @@ import torch
 
 from .._comm import collectives as comm
 from .._comm.group import Group
+from .._errors import CollectiveError
 from .._log import log
 from .._plan.bucket import BucketPlan, MiB, itemsize
 from .._step.record import Timeline
@@ -88,22 +89,32 @@ class AutoCaps:
         if len(self._timelines) < self.STEPS or len(self._deferred) < self.DEFERRED:
             return None
         self.link = measure_link(group)
-        msg = torch.zeros(12, dtype=torch.float64, device=group.device)
-        fixed, per_byte = update_cost(self.optimizer, plan) if self.optimizer is not None else (0.0, 0.0)
-        mine = [[replace(StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes),
-                         update_fixed=fixed, update_per_byte=per_byte) for tl in tls]
-                for tls in (self._deferred, self._timelines)]
+        # What may fail on one rank (its update's timing, its profiles; rank 0's choice) is
+        # caught and sent through the freeze's own collectives, so every rank raises at once,
+        # naming the rank and the cause, instead of waiting in the next collective.
+        error: BaseException | None = None
+        try:
+            fixed, per_byte = update_cost(self.optimizer, plan) if self.optimizer is not None else (0.0, 0.0)
+            mine: Any = [[replace(StepProfile.from_timelines(plan, [tl], self.link, hook_threshold_bytes),
+                                  update_fixed=fixed, update_per_byte=per_byte) for tl in tls]
+                         for tls in (self._deferred, self._timelines)]
+        except Exception as e:  # noqa: BLE001 - raised below, after the others know
+            error, mine = e, _Failed(f"{type(e).__name__}: {e}")
         profiles = comm.all_gather_object(mine, group, "fdp.Reducer auto caps (profiles)")
+        self._raise_failed(profiles, error, group, "measuring its step profile")
+        choice: Any = None
         if group.rank == 0:
-            profile = StepProfile.with_contention(StepProfile.over_ranks([p[0] for p in profiles]),
-                                                  StepProfile.over_ranks([p[1] for p in profiles]))
-            self.profile = profile
-            c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
-                            hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
-            msg = torch.tensor([c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)],
-                               dtype=torch.float64, device=group.device)
-        comm.broadcast(msg, 0, group, "fdp.Reducer auto caps (rank 0's choice)")
-        v = msg.tolist()
+            try:
+                profile = StepProfile.with_contention(StepProfile.over_ranks([p[0] for p in profiles]),
+                                                      StepProfile.over_ranks([p[1] for p in profiles]))
+                self.profile = profile
+                c = choose_caps(profile, self.link, group.size, wire_ratio=wire_ratio,
+                                hook_threshold_bytes=hook_threshold_bytes, shard=self.shard)
+                choice = [c.caps[0], c.caps[-1], *astuple(c.predicted), *astuple(c.baseline)]
+            except Exception as e:  # noqa: BLE001 - raised below, after the others know
+                error, choice = e, _Failed(f"{type(e).__name__}: {e}")
+        v = comm.all_gather_object(choice, group, "fdp.Reducer auto caps (rank 0's choice)")[0]
+        self._raise_failed([v], error, group, "choosing the caps")
         self.choice = Choice((int(v[0]), int(v[1])), Prediction(*v[2:6], int(v[6])), Prediction(*v[7:11], int(v[11])))
         self.frozen, self._timelines, self._deferred = True, [], []
         log.info("bucket_cap_mb='auto' (world %d, link alpha %.1f us, %.3g GB/s%s): %s", group.size,
@@ -111,6 +122,27 @@ class AutoCaps:
                  "" if self.profile is None else f", backward loses {self.profile.contention * 2**20 * 1e3:.2f} ms "
                  "per MiB communicated beside it", self.choice.describe())
         return self.choice.caps
+
+    @staticmethod
+    def _raise_failed(parts: list[Any], error: BaseException | None, group: Group, doing: str) -> None:
+        """Raise on every rank if any rank's part is a ``_Failed``: this rank's own error, or a
+        ``CollectiveError`` naming the failed ranks and their errors. The caps stay unchosen
+        (the next ``grad`` step tries the freeze again, on every rank)."""
+        failed = {r: str(p) for r, p in enumerate(parts) if isinstance(p, _Failed)}
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        ranks = sorted(failed)  # (parts[r] is rank r's; rank 0's choice alone is parts[0])
+        causes = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
+        raise CollectiveError(
+            f"fdp.Reducer bucket_cap_mb='auto': freezing the caps failed on rank(s) {ranks} of {group.size} "
+            f"while {doing} ({causes}); this is rank {group.rank}. The caps are not chosen yet: the next "
+            "grad step tries again on every rank")
+
+
+class _Failed(str):
+    """What a rank sends in place of its part of the freeze when it failed: its error."""
 
 
 def update_cost(opt: Any, plan: BucketPlan, sizes: tuple[int, ...] = (256 * 1024, 4 * MiB),

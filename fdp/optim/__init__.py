@@ -1,13 +1,16 @@
 """fdp.optim: functional optimizers over torch.optim's own kernels (and optax's Lion),
-gradient transforms, schedules and parameter groups.
+gradient transforms (clipping, dynamic loss scaling), schedules and parameter groups.
 
 An ``Optimizer`` is ``init(params) -> state`` and ``update(grads, state, params) ->
 (new_params, new_state)`` with torch.optim's numbers bit for bit; ``GradientTransform`` s
-(clipping, your own) compose in front of one with ``chain``; ``lr`` and ``weight_decay`` may
-be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition`` give torch's param
-groups. ``hyperparams(opt, state)`` reads the lr (and the rest) an update used;
-``state_from_torch`` / ``state_to_torch`` move a state to and from a torch.optim state dict.
-See docs/optim.md for the optax and torch.optim correspondences.
+(clipping, ``loss_scale``, your own) compose in front of one with ``chain``; ``lr`` and
+``weight_decay`` may be schedules (``fdp.optim.schedules``); ``mask=`` and ``partition``
+give torch's param groups. ``ema(opt, decay)`` also keeps an EMA of the params in the
+state (torch's ``AveragedModel``), ``multi_steps(opt, k)`` accumulates k calls' gradients in
+it (optax's ``MultiSteps``), ``inject_hyperparams(factory)(...)`` keeps the hyper-parameters
+in it (``set_hyperparams`` changes them between steps). ``hyperparams(opt, state)`` reads
+the lr (and the rest) an update used; ``state_from_torch`` / ``state_to_torch`` move a state
+to and from a torch.optim state dict. See docs/optim.md for the optax and torch.optim correspondences.
 
 Pure by default: ``update`` never modifies its inputs. With ``donate=True`` it updates params
 and state in place and returns them (the inputs are consumed, as with JAX's
@@ -34,10 +37,22 @@ from ._base import Optimizer as Optimizer
 from ._base import chain as chain
 from ._base import global_scale as global_scale
 from ._base import stateless as stateless
+from ._ema import EmaState as EmaState
+from ._ema import ema as ema
+from ._ema import ema_params as ema_params
+from ._ema import ema_update as ema_update
 from ._hyperparams import Hyperparams as Hyperparams
 from ._hyperparams import hyperparams as hyperparams
+from ._inject import InjectHyperparamsState as InjectHyperparamsState
+from ._inject import inject_hyperparams as inject_hyperparams
+from ._inject import set_hyperparams as set_hyperparams
 from ._lion import LionState as LionState
 from ._lion import lion as lion
+from ._loss_scale import LossScaleState as LossScaleState
+from ._loss_scale import current_loss_scale as current_loss_scale
+from ._loss_scale import loss_scale as loss_scale
+from ._multi_steps import MultiStepsState as MultiStepsState
+from ._multi_steps import multi_steps as multi_steps
 from ._muon import MuonState as MuonState
 from ._muon import muon as muon
 from ._optimizers import AdagradState as AdagradState
@@ -69,10 +84,14 @@ __all__ = [
     "AdamaxState",
     "ChainState",
     "ClipState",
+    "EmaState",
     "GradientTransform",
     "Hyperparams",
+    "InjectHyperparamsState",
     "LeafKernel",
     "LionState",
+    "LossScaleState",
+    "MultiStepsState",
     "MuonState",
     "NAdamState",
     "Optimizer",
@@ -89,17 +108,25 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_by_value",
+    "current_loss_scale",
+    "ema",
+    "ema_params",
+    "ema_update",
     "frozen",
     "global_norm",
     "global_scale",
     "hyperparams",
+    "inject_hyperparams",
     "lion",
+    "loss_scale",
+    "multi_steps",
     "muon",
     "nadam",
     "partition",
     "radam",
     "rmsprop",
     "schedules",
+    "set_hyperparams",
     "sgd",
     "state_from_torch",
     "state_to_torch",

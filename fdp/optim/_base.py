@@ -367,7 +367,11 @@ def clone(leaves: Sequence[Tensor]) -> list[Tensor]:
 
 
 def zeros_like(leaves: Sequence[Tensor], value: float = 0.0) -> list[Tensor]:
-    return [torch.full_like(t, value, memory_format=torch.preserve_format) for t in leaves]
+    """State tensors like ``leaves``, filled with ``value``; a complex leaf's with ``value +
+    value * 1j``, as torch.optim starts Adagrad's ``sum`` (its kernels view complex tensors as
+    pairs of reals, so both parts are accumulators)."""
+    return [torch.full_like(t, complex(value, value) if value and t.is_complex() else value,
+                            memory_format=torch.preserve_format) for t in leaves]
 
 
 class ScratchLeaves:

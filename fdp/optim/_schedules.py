@@ -1,12 +1,15 @@
 """Learning-rate (and weight-decay) schedules: functions of the number of updates applied.
 
 A schedule is called with the step count ``t`` (0 for the first update, as ``LambdaLR``
-sees it). Called with a Python int it returns a float computed with the expression torch's
-scheduler uses in its closed form (``_get_closed_form_lr`` in
-``torch/optim/lr_scheduler.py``), so ``lr = schedule(t)`` equals ``scheduler.get_last_lr()``
-after ``t`` calls of ``scheduler.step()`` up to the rounding of torch's chainable
-(recursive) form, which multiplies the previous lr by a ratio each step; ``LambdaLR`` has no
-recursion and is matched bit for bit.
+sees it). Called with a Python int it returns a float. ``step_decay`` computes StepLR's
+running product (the previous lr times gamma), so it equals ``scheduler.get_last_lr()``
+after ``t`` calls of ``scheduler.step()`` bit for bit. ``linear`` and ``cosine`` use the
+expression of torch's closed form (``_get_closed_form_lr`` in
+``torch/optim/lr_scheduler.py``), which equals it bit for bit and equals the same formula
+written as a ``LambdaLR`` multiplier; torch's ``LinearLR`` and ``CosineAnnealingLR`` step in
+their chainable form (the previous lr times a ratio), whose values differ from the closed
+form in the last bits (within 1e-12 relative). ``LambdaLR`` has no recursion and is matched
+bit for bit.
 
 Called with a tensor (the optimizer's step counter, under ``torch.compile``), a schedule
 returns a float64 tensor computed by the same formula in torch ops: the step is a graph
@@ -100,16 +103,52 @@ class _Cosine(Schedule):
 
 
 class _StepDecay(Schedule):
+    """``StepLR``'s values: the lr after ``k`` decays is ``((value * gamma) * gamma) ...``, the
+    running product torch's chainable form computes (``gamma ** k`` rounds differently when
+    gamma is not a power of two). Memoised: the last value, and every ``EVERY``-th, so steps
+    in order cost O(1) each and any step at most ``EVERY`` multiplications."""
+
+    EVERY = 1024
+    TABLE = 4096  # decays the traced form holds exactly (past them: the closed form)
+
     def __init__(self, value: float, step_size: int, gamma: float) -> None:
         if step_size <= 0:
             raise ValueError(f"fdp.optim.schedules.step_decay: step_size must be > 0, got {step_size}")
-        self.value, self.step_size, self.gamma = float(value), step_size, gamma
+        self.value, self.step_size, self.gamma = float(value), step_size, float(gamma)
+        self._marks = {0: self.value}     # i -> the value after EVERY * i decays (setdefault: idempotent)
+        self._last = (0, self.value)      # (decays, value): one tuple, swapped whole
+        # made now, not when first traced: a compiled step then never sees it change
+        self._table = torch.tensor([self.decayed(k) for k in range(self.TABLE)], dtype=torch.float64)
+
+    def decayed(self, k: int) -> float:
+        """The value after ``k`` decays, as StepLR's running product."""
+        done, v = self._last
+        if k < done:
+            i = k // self.EVERY
+            while i not in self._marks:  # (marks stop where the value stopped changing)
+                i -= 1
+            done, v = i * self.EVERY, self._marks[i]
+        while done < k:
+            nxt = v * self.gamma
+            if nxt == v:  # 0, inf, gamma 1: it stays there
+                break
+            v, done = nxt, done + 1
+            if done % self.EVERY == 0:
+                self._marks.setdefault(done // self.EVERY, v)
+        self._last = (k, v)
+        return v
 
     def host(self, t: int) -> float:
-        return self.value * self.gamma ** (t // self.step_size)  # torch's StepLR closed form
+        return self.decayed(t // self.step_size)
 
     def traced(self, t: Tensor) -> Tensor:
-        return self.value * torch.pow(self.gamma, torch.div(t, self.step_size, rounding_mode="floor"))
+        # The running product of the first TABLE decays as a constant of the graph, indexed by
+        # the step; past it (a schedule still changing after 4096 decays) the closed form.
+        table = self._table.to(t.device)
+        k = torch.div(t, self.step_size, rounding_mode="floor")
+        exact = table.gather(0, k.clamp(0, self.TABLE - 1).long().reshape(1)).reshape(k.shape)
+        past = table[-1] * torch.pow(self.gamma, k - (self.TABLE - 1))
+        return torch.where(k < self.TABLE, exact, past)
 
     def __repr__(self) -> str:
         return f"step_decay({self.value}, {self.step_size}, {self.gamma})"
@@ -199,7 +238,15 @@ def cosine(value: float, steps: int, final: float = 0.0) -> Schedule:
 
 
 def step_decay(value: float, step_size: int, gamma: float = 0.1) -> Schedule:
-    """``value * gamma ** (t // step_size)``: ``torch.optim.lr_scheduler.StepLR``.
+    """``value`` multiplied by ``gamma`` every ``step_size`` updates:
+    ``torch.optim.lr_scheduler.StepLR``, bit for bit.
+
+    The value after ``k = t // step_size`` decays is the running product ``value * gamma *
+    gamma ...`` (k times, in Python floats), as StepLR multiplies the previous lr each
+    period; the closed form ``value * gamma ** k`` differs from it in the last bit when
+    ``gamma`` is not a power of two. Memoised: a step costs O(1) in order. Under
+    ``torch.compile`` (a tensor step) the first 4,096 decays are the same values; after
+    4,096 decays (and only if the value still changes then) the closed form continues.
 
     Args:
       value: the starting (base) learning rate.

@@ -1,0 +1,365 @@
+"""Units of fully sharded params (``Reducer(shard="params")``): gathered just before they run,
+freed right after.
+
+At rest each rank holds only its slice of every bucket's params; a *unit* (the leaves under
+one module prefix, such as a transformer block, or the *root*: every leaf under no prefix)
+is one bucket per dtype, so a unit's slices are a bucket's slices (``fdp/_fused/shard.py``).
+
+``Units`` owns, per bucket, the gathered params (a flat tensor whose storage is allocated
+only while the unit is gathered) and, once for the core's life, each leaf as a tensor on
+that storage. Through a step:
+
+* **forward**: ``fdp.Apply`` (given the ``Gathering`` a step passes to the loss, or
+  ``ShardedParams`` for inference) puts a meta placeholder in each unit leaf's place in the
+  module and, around each unit module's forward, calls ``enter`` (gather the unit, or wait
+  for its prefetch, and prefetch the next unit of the last step's order; the real leaves go
+  into their places) and ``exit`` (placeholders back; the gathered copy freed unless
+  ``reshard_after_forward=False``; a hook on the unit's outputs for the backward). Code that
+  reads a unit's param outside its module's forward sees the placeholder (a meta tensor: an
+  error, never a read of freed memory), except through ``Gathering[key]``, which gathers
+  the unit and keeps it for the rest of the step. The root is gathered when the forward
+  starts and kept.
+* **backward**: the first gradient reaching a unit's outputs gathers the unit again (the
+  autograd graph saved its leaves, whose storage is filled again) and prefetches the unit
+  that ran before it; once the step machine has copied a bucket's gradients into its flat
+  buffer (``StepSpec.on_filled``), nothing needs the bucket's params: they are freed.
+* **end**: every gather in flight is waited for, everything is freed, and this step's
+  forward order becomes the next step's prefetch order.
+
+Every rank runs the same forward and backward, so every rank issues the same gathers in the
+same order (the all-gathers, and the reduce-scatters the step machine issues, are each in
+one deterministic order).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import _tree
+from .._comm.collectives import DONE, wait
+from .._comm.group import Group
+from .._plan.bucket import BucketPlan, contiguous_strides
+from .._step.record import BucketTimes
+from .shard import Scatter, Shards
+
+ROOT = ""
+_FREE, _GATHERING, _READY = 0, 1, 2
+
+
+def unit_of_leaves(keys: Sequence[Any], units: Sequence[str], what: str) -> tuple[tuple[str, ...], list[int]]:
+    """(unit names: the root first, then ``units`` in the order given; per leaf its unit's
+    index). A leaf belongs to the longest prefix that matches its key (``"h.0"`` matches
+    ``"h.0.attn.weight"``); a leaf under none belongs to the root."""
+    if isinstance(units, str) or not all(isinstance(u, str) and u for u in units):
+        raise TypeError(f"{what}: units must be a list of module names (non-empty strings such as 'h.0'), "
+                        f"got {units!r}")
+    if len(set(units)) != len(units):
+        raise ValueError(f"{what}: units names a module twice: {sorted(u for u in set(units) if list(units).count(u) > 1)}")
+    if not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"{what}: units need the params to be a dict keyed by module path (fdp.functionalize's), "
+                        f"got keys {list(keys)[:4]}")
+    names = (ROOT, *units)
+    by_length = sorted(range(1, len(names)), key=lambda u: -len(names[u]))
+    out, used = [], set()
+    for k in keys:
+        u = next((u for u in by_length if k == names[u] or k.startswith(names[u] + ".")), 0)
+        out.append(u)
+        used.add(u)
+    unused = [names[u] for u in range(1, len(names)) if u not in used]
+    if unused:
+        raise ValueError(f"{what}: unit {unused[0]!r} holds no trainable param (the params' keys start "
+                         f"{list(keys)[:3]}...); name modules that have params")
+    return names, out
+
+
+# What code may ask of a unit's param outside its module's forward: its metadata.
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "size", "dim",
+                       "numel", "nelement", "is_floating_point", "is_complex", "element_size", "stride",
+                       "is_contiguous", "names", "grad_fn", "__len__"})
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property's getter: the property's name
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class Placeholder(torch.Tensor):
+    """What stands in a unit's param's place in the module while the unit is not gathered: a
+    tensor with the param's shape and dtype and no memory (meta), whose metadata may be read
+    but which raises on any computation, naming the param and its unit (a meta tensor alone
+    would not: ``cpu_tensor @ meta_tensor`` returns a CPU tensor of garbage)."""
+
+    what: str
+
+    @staticmethod
+    def make(shape: Sequence[int], dtype: torch.dtype, what: str) -> Placeholder:
+        t = torch.Tensor._make_subclass(Placeholder, torch.empty(shape, dtype=dtype, device="meta"), False)
+        t.what = what
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if _name(func) in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        what = next((a.what for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)), "a param")
+        raise RuntimeError(
+            f"fdp: {what} was used outside its unit's forward; with shard='params' a unit's params are gathered "
+            "only while its module runs. Use it inside that module, read it through the params the step "
+            "passes to the loss (params[key] gathers its unit for the step), or leave it out of units (the "
+            "root is gathered for the whole step)")
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"fdp.Placeholder({self.what}, shape={tuple(self.shape)})"
+
+
+def bucket_groups(unit_of: Sequence[int], n_units: int) -> list[int]:
+    """Per leaf, its bucket group: its unit's index, or for the root's leaves, one group per
+    run of consecutive root leaves (``n_units``, ``n_units + 1``, ...). So the embedding before
+    the first block and the head after the last are buckets of their own, in backward order
+    with the blocks: a bucket holding both would be complete only when the backward ends, and
+    hold up every bucket after it."""
+    out, run = [], n_units - 1
+    for i, u in enumerate(unit_of):
+        if u == 0:
+            if i == 0 or unit_of[i - 1] != 0:
+                run += 1
+            out.append(run)
+        else:
+            out.append(u)
+    return out
+
+
+class UnitsView:
+    """What ``fdp.Apply`` needs to run a forward unit by unit (``__fdp_units__``): per leaf its
+    key, its real tensor and its meta placeholder, per unit its module name, and the two
+    calls around a unit's forward."""
+
+    __slots__ = ("units", "keys", "tensors", "placeholders", "unit_of", "names", "root", "layout", "_finish")
+
+    def __init__(self, units: Units, tensors: list[torch.Tensor], finish: Callable[[], None] | None) -> None:
+        self.units, self.tensors, self._finish = units, tensors, finish
+        self.keys, self.placeholders = units.keys, units.placeholders
+        self.unit_of, self.names, self.layout = units.unit_of, units.names, units
+        self.root = 0 if units.buckets_of[0] else None
+
+    def enter(self, u: int) -> None:
+        self.units.enter(u)
+
+    def exit(self, u: int, output: Any) -> None:
+        self.units.exit(u, output)
+
+    def done(self) -> None:
+        """The forward's call has returned (an inference forward frees everything now; a
+        step's forward leaves that to the step)."""
+        if self._finish is not None:
+            self._finish()
+
+
+class Units:
+    """The gathered params of every unit of one fused core (see the module docstring)."""
+
+    def __init__(self, plan: BucketPlan, shards: Shards, scatter: Scatter | None, group: Group,
+                 names: tuple[str, ...], reshard_after_forward: bool) -> None:
+        self.plan, self.shards, self.scatter, self.group = plan, shards, scatter, group
+        self.names, self.reshard = names, reshard_after_forward
+        self.keys = list(_tree.keys(plan.treedef))
+        self.unit_of_bucket = [b.group if b.group < len(names) else 0 for b in plan.buckets]  # (bucket_groups)
+        self.unit_of = [self.unit_of_bucket[s.bucket] for s in plan.slots]
+        self.buckets_of: list[list[int]] = [[] for _ in names]
+        for b, u in enumerate(self.unit_of_bucket):
+            self.buckets_of[u].append(b)
+        self.fulls = [torch.empty(n, dtype=b.dtype, device=b.device) for b, n in zip(plan.buckets, shards.padded)]
+        self.nbytes = [f.untyped_storage().nbytes() for f in self.fulls]
+        self.leaves = [torch.empty(0, dtype=s.dtype, device=s.device).set_(
+            self.fulls[s.bucket].untyped_storage(), s.offset, s.shape, contiguous_strides(s.shape))
+            for s in plan.slots]
+        self.metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in plan.slots]
+        self.placeholders = [
+            Placeholder.make(s.shape, s.dtype, f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
+            for i, (k, s) in enumerate(zip(self.keys, plan.slots))]
+        for f in self.fulls:
+            f.untyped_storage().resize_(0)
+        self.state = bytearray(len(plan.buckets))
+        self.works: list[Any] = [None] * len(plan.buckets)
+        self.issued = [0.0] * len(plan.buckets)
+        self.times: list[BucketTimes] | None = None
+        self.t0 = 0.0
+        first = [min((i for i, u in enumerate(self.unit_of) if u == v), default=len(self.unit_of))
+                 for v in range(len(names))]
+        self.order = sorted((u for u in range(len(names)) if self.buckets_of[u]), key=lambda u: first[u])
+        self.src: list[torch.Tensor] | None = None
+        self.entered: list[int] = []
+        self.kept: set[int] = set()
+        self.filled = bytearray(len(plan.buckets))
+        self.backward = False
+        self.training = False
+        self.peak_gathered = 0  # the most bytes gathered at once (this core's life)
+        self._gathered_now = 0
+
+    # ------------------------------------------------------------------ a step
+    def begin(self, src: list[torch.Tensor], training: bool, tensors: list[torch.Tensor] | None = None,
+              finish: Callable[[], None] | None = None, times: list[BucketTimes] | None = None,
+              t0: float = 0.0) -> UnitsView:
+        """Start a forward over the param slices ``src`` (one per bucket); ``training``: a
+        backward follows (the units' outputs get hooks, a unit is freed once its gradients
+        are in their bucket). ``tensors``: the leaves the forward uses (a step's autograd
+        leaves on the gathered storage; default: the core's own). ``finish``: what the
+        view's ``done`` calls. ``times``: the step's ``BucketTimes`` (since ``t0``), where
+        each gather is recorded."""
+        self.src, self.training, self.times, self.t0 = src, training, times, t0
+        self.entered, self.kept, self.backward = [], set(), False
+        self.filled = bytearray(len(self.plan.buckets))
+        return UnitsView(self, self.leaves if tensors is None else tensors, finish)
+
+    def end(self) -> None:
+        """The step is over (or failed): wait for any gather in flight, free everything, and
+        keep this forward's unit order for the next step's prefetches."""
+        for b in range(len(self.fulls)):
+            self._free(b)
+        if self.entered:
+            rest = [u for u in self.order if u not in self.entered]
+            self.order = self.entered + rest
+        self.src, self.times = None, None
+
+    # ------------------------------------------------------------------ forward hooks
+    def enter(self, u: int) -> None:
+        if u not in self.entered:
+            self.entered.append(u)
+        self.ensure(u)
+        if not self.backward:  # prefetch the unit that ran next last time
+            order = self.order
+            if u in order:
+                i = order.index(u) + 1
+                if i < len(order):
+                    self._prefetch(order[i])
+
+    def exit(self, u: int, output: Any) -> None:
+        if self.backward:  # (a recomputation inside the backward: activation checkpointing)
+            return
+        if self.training and torch.is_grad_enabled():
+            hook = self._pre_backward_hook(u)
+            for t in _tree.leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(hook)
+        if u != 0 and u not in self.kept and (self.reshard or not self.training):
+            for b in self.buckets_of[u]:
+                self._free(b)
+
+    def keep(self, u: int) -> None:
+        """Unit ``u`` was read outside its module's forward: gather it and keep it for the
+        rest of the step."""
+        self.kept.add(u)
+        self.ensure(u)
+
+    def _pre_backward_hook(self, u: int) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self.before_backward(u)
+        return hook
+
+    # ------------------------------------------------------------------ backward
+    def before_backward(self, u: int) -> None:
+        """A gradient has reached unit ``u``'s outputs: gather it (again), and prefetch the unit
+        that ran before it in the forward."""
+        self.backward = True
+        if all(self.filled[b] for b in self.buckets_of[u]):
+            return
+        self.ensure(u)
+        if u in self.entered:
+            for v in reversed(self.entered[:self.entered.index(u)]):
+                if any(not self.filled[b] for b in self.buckets_of[v]):
+                    self._prefetch(v)
+                    break
+
+    def on_filled(self, b: int) -> None:
+        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer."""
+        self.filled[b] = 1
+        self._free(b)
+
+    # ------------------------------------------------------------------ gathers
+    def ensure(self, u: int) -> None:
+        """Unit ``u``'s params gathered (waits for a prefetch in flight)."""
+        for b in self.buckets_of[u]:
+            if self.state[b] == _FREE:
+                self._start(b)
+        for b in self.buckets_of[u]:
+            if self.state[b] == _GATHERING:
+                self._wait(b)
+
+    def _prefetch(self, u: int) -> None:
+        for b in self.buckets_of[u]:
+            if self.state[b] == _FREE and not self.filled[b]:
+                self._start(b)
+
+    def _start(self, b: int) -> None:
+        if self.src is None:
+            raise RuntimeError("fdp: a unit of fully sharded params ran outside a step (its params are not "
+                               "gathered); call apply inside the step's loss, or with ShardedParams under torch.no_grad()")
+        full = self.fulls[b]
+        full.untyped_storage().resize_(self.nbytes[b])
+        self._gathered_now += self.nbytes[b]
+        self.peak_gathered = max(self.peak_gathered, self._gathered_now)
+        s = self.shards
+        full[s.lo[b]:s.hi[b]].copy_(self.src[b])
+        self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
+        self.issued[b] = time.perf_counter()
+        self.state[b] = _GATHERING
+
+    def _wait(self, b: int) -> None:
+        work, self.works[b] = self.works[b], None
+        self.state[b] = _READY  # (allocated: freed by ``end`` even when the wait fails)
+        waited = time.perf_counter()
+        wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
+                               f"(bucket {b})")
+        if self.scatter is not None:
+            self.scatter.gathered(b)
+        if self.times is not None:
+            t0 = self.t0
+            self.times[b].gathers.append((self.issued[b] - t0, waited - t0, time.perf_counter() - t0))
+
+    def _free(self, b: int) -> None:
+        if self.state[b] == _GATHERING:
+            self._wait(b)
+        if self.state[b] == _READY:
+            self.fulls[b].untyped_storage().resize_(0)
+            self._gathered_now -= self.nbytes[b]
+            self.state[b] = _FREE
+
+
+class Gathering(Mapping):
+    """The params a fully sharded step passes to the loss function: a read-only mapping
+    from each key to its leaf. ``fdp.Apply`` runs the forward unit by unit through it
+    (``__fdp_units__``); reading a leaf directly (``params[key]``) gathers its unit and keeps
+    it gathered until the step's backward is done with it."""
+
+    __slots__ = ("_view", "_index")
+
+    def __init__(self, view: UnitsView) -> None:
+        self._view = view
+        self._index = {k: i for i, k in enumerate(view.keys)}
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        i = self._index[key]
+        self._view.units.keep(self._view.unit_of[i])
+        return self._view.tensors[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._view.keys)
+
+    def __len__(self) -> int:
+        return len(self._view.keys)
+
+    def __fdp_units__(self) -> UnitsView:
+        return self._view
+
+    def __repr__(self) -> str:
+        return f"fdp.Gathering({len(self)} params in {len(self._view.names)} units)"
+
+
+__all__ = ["ROOT", "Gathering", "Placeholder", "Units", "UnitsView", "bucket_groups", "unit_of_leaves"]

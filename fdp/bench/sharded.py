@@ -1,0 +1,284 @@
+"""``python -m fdp.bench sharded``: memory and step time of the ways to shard, side by side.
+
+A GPT-style model (token and position embeddings, ``--layers`` pre-norm blocks of width
+``--width``, a final LayerNorm and a head tied to the token embedding), trained with AdamW
+(and ``--clip``: clipping at norm 1.0) on gloo ranks, each of these kinds from the same start
+on the same batches:
+
+  ddp     ``DistributedDataParallel`` + ``torch.optim.AdamW`` (every rank: params, ``.grad``,
+          DDP's buckets, the whole AdamW state);
+  zero2   fdp's fused step with ``Reducer(shard=True)`` (ZeRO-1/2: 1/world of AdamW's state);
+  zero3   fdp's fused step with ``Reducer(shard="params", units=<the blocks>)`` (ZeRO-3:
+          1/world of the params, gradients and state at rest; a block gathered while it runs);
+  fsdp2   torch's ``fully_shard`` on each block and on the model + ``torch.optim.AdamW``.
+
+Two phases:
+
+* **memory** (``--mem-width``/``--mem-layers``, by default a model whose params, gradients
+  and AdamW state are over 1 GB): each kind in a fresh world of its own. Every rank builds
+  the whole model (as a DDP user does), a sharding kind shards it and drops the whole copy;
+  then the peak RSS is reset (``/proc/self/clear_refs``) and ``--mem-steps`` steps run.
+  Reported per kind: the peak resident memory over the steps minus the process's memory
+  before the model was built (the largest of the ranks'), and its ratio to DDP's; for zero3
+  also the bound ``(params + grads + state) / world + the two largest units + the root``.
+* **time** (``--width``/``--layers``): one world, every kind's replica, the kinds interleaved
+  step by step (the order rotates), warm-up excluded; the median step per kind and its ratio
+  to DDP's and to FSDP2's; zero3's exposed all-gather time (``Timeline.exposed_gather``).
+  After the run every kind's params are compared with DDP's (bit for bit on two ranks
+  without ``--clip``: FSDP2's clipping sums each rank's squares of its shards, another
+  rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fdp
+
+from .rss import reset_peak_rss, rss
+
+KINDS = ("ddp", "zero2", "zero3", "fsdp2")
+VOCAB, CONTEXT = 256, 32
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int = 8) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, width), nn.Embedding(CONTEXT, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1024 + rank)
+    data = torch.randint(VOCAB, (size, CONTEXT + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def model(width: int, layers: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(width, layers)
+
+
+class Kind:
+    """One kind's replica and its step."""
+
+    def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool) -> None:
+        self.kind, self.group, self.clip = kind, group, clip
+        net = model(width, layers)
+        self.timeline: Any = None
+        if kind in ("ddp", "fsdp2"):
+            if kind == "ddp":
+                self.module = nn.parallel.DistributedDataParallel(net, process_group=group.process_group)
+            else:
+                from torch.distributed.fsdp import fully_shard
+
+                for b in net.blocks:
+                    fully_shard(b)
+                self.module = fully_shard(net)
+            self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.1)
+            return
+        apply, params, _ = fdp.functionalize(net)
+        shard = {"zero2": True, "zero3": "params"}[kind]
+        units = fdp.units(net, Block) if kind == "zero3" else None
+        reducer = fdp.Reducer(params, group, shard=shard, units=units)
+        opt = fdp.optim.adamw(lr=1e-3, weight_decay=0.1)
+        if clip:
+            opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), opt)
+
+        def loss_fn(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(apply(p, {}, x)[0].view(-1, VOCAB), y.reshape(-1))
+
+        self.step_fn = reducer.grad_and_update(loss_fn, opt, donate=True)
+        self.state = self.step_fn.init(params)
+        self.params = params
+        if kind == "zero3":  # the whole copy goes: this rank keeps its slices only
+            self.params = self.step_fn.shard(params)
+            net.to("meta")
+            del params
+
+    def step(self, t: int, size: int) -> None:
+        x, y = batch(t, self.group.rank, size)
+        if self.kind in ("ddp", "fsdp2"):
+            F.cross_entropy(self.module(x).view(-1, VOCAB), y.reshape(-1)).backward()
+            if self.clip:
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
+        self.params, self.state, _ = self.step_fn(self.params, self.state, x, y)
+        self.timeline = self.step_fn.last_step.timeline
+
+    def named(self) -> dict[str, torch.Tensor]:
+        if self.kind == "ddp":
+            return {k: v.detach().clone() for k, v in self.module.module.named_parameters()}
+        if self.kind == "fsdp2":
+            return {k: v.full_tensor().detach().clone() for k, v in self.module.named_parameters()}
+        p = self.params.full() if isinstance(self.params, fdp.ShardedParams) else self.params
+        return {k: v.detach().clone() for k, v in p.items()}
+
+
+def _warm(group: fdp.Group) -> None:
+    """Every kind once on a tiny model: imports and one-time setup are not the model's memory."""
+    for kind in KINDS:
+        k = Kind(kind, group, 16, 1, False)
+        k.step(0, 1)
+    gc.collect()
+
+
+def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
+    torch.set_num_threads(cfg.threads)
+    _warm(group)
+    base = rss()[0]
+    k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
+    gc.collect()
+    if not reset_peak_rss():
+        return {"peak_mib": None}
+    for t in range(cfg.mem_steps):
+        k.step(t, cfg.batch)
+    out: dict[str, Any] = {"peak_mib": (rss()[1] - base) / 2**20}
+    if kind == "zero3":
+        core = k.step_fn._core  # the bound: (params + grads + state) / world + two largest units + the root
+        units = core.units
+        blocks = sorted(n for b, n in enumerate(units.nbytes) if units.unit_of_bucket[b] != 0)
+        root = sum(n for b, n in enumerate(units.nbytes) if units.unit_of_bucket[b] == 0)
+        whole = sum(b.nbytes for b in core.plan.buckets)
+        out["bound_mib"] = (4 * whole / group.size + sum(blocks[-2:]) + root) / 2**20
+        out["gathered_mib"] = units.peak_gathered / 2**20
+    return out
+
+
+def time_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
+    torch.set_num_threads(cfg.threads)
+    kinds = {kind: Kind(kind, group, cfg.width, cfg.layers, cfg.clip) for kind in cfg.kinds}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    exposed: list[float] = []
+    order = list(kinds)
+    for t in range(cfg.warmup + cfg.steps):
+        for kind in order:
+            fdp.pmean({"x": torch.zeros(1)}, group)  # every rank starts each kind's step together
+            t0 = time.perf_counter()
+            kinds[kind].step(t, cfg.batch)
+            if t >= cfg.warmup:
+                times[kind].append(time.perf_counter() - t0)
+                if kind == "zero3":
+                    exposed.append(kinds[kind].timeline.exposed_gather)
+        order = order[1:] + order[:1]
+    ref = kinds["ddp"].named() if "ddp" in kinds else None
+    same = {}
+    for kind, k in kinds.items():
+        if ref is not None and kind != "ddp":
+            got = k.named()
+            same[kind] = sum(torch.equal(got[n], ref[n]) for n in ref), len(ref)
+    return {"ms": {k: statistics.median(v) * 1000 for k, v in times.items()},
+            "exposed_gather_ms": statistics.median(exposed) * 1000 if exposed else None, "same": same,
+            "params_m": sum(p.numel() for p in model(cfg.width, cfg.layers).parameters()) / 1e6}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fdp.bench sharded", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--width", type=int, default=256, help="the timing model's width")
+    p.add_argument("--layers", type=int, default=4, help="the timing model's blocks")
+    p.add_argument("--mem-width", type=int, default=1024, help="the memory model's width")
+    p.add_argument("--mem-layers", type=int, default=6, help="the memory model's blocks (6 x 1024: 1.2 GB with AdamW)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--clip", action="store_true", help="clip at global norm 1.0 in every kind")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-time", action="store_true")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", default=None)
+    cfg = p.parse_args(argv)
+    cfg.kinds = tuple(k for k in cfg.kinds.split(",") if k)
+    if not set(cfg.kinds) <= set(KINDS) or "ddp" not in cfg.kinds:
+        p.error(f"--kinds must include ddp and come from {list(KINDS)}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    results: dict[str, Any] = {"config": vars(cfg)}
+    lines = []
+    if not cfg.no_memory:
+        mem = {}
+        for kind in cfg.kinds:
+            per_rank = fdp.testing.run(memory_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout,
+                                       args=(cfg, kind))
+            peaks = [r["peak_mib"] for r in per_rank]
+            mem[kind] = {**per_rank[0], "peak_mib": None if None in peaks else max(peaks)}
+        results["memory"] = mem
+        params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
+        lines.append(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and AdamW "
+                     f"state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}")
+        lines.append(f"  {'kind':<7} {'peak MiB':>9} {'vs ddp':>7}")
+        ddp_peak = mem["ddp"]["peak_mib"]
+        for kind in cfg.kinds:
+            m = mem[kind]
+            if m["peak_mib"] is None:
+                lines.append(f"  {kind:<7} {'n/a':>9} (no /proc/self/clear_refs here)")
+                continue
+            extra = "" if "bound_mib" not in m else (
+                f"   (bound {m['bound_mib']:.0f} MiB: state/world + 2 units + root; gathered at most "
+                f"{m['gathered_mib']:.0f} MiB)")
+            lines.append(f"  {kind:<7} {m['peak_mib']:9.0f} {m['peak_mib'] / ddp_peak:7.3f}{extra}")
+    if not cfg.no_time:
+        r = fdp.testing.run(time_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
+        results["time"] = r
+        ms = r["ms"]
+        lines.append(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
+                     f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)")
+        lines.append(f"  {'kind':<7} {'ms':>9} {'vs ddp':>7} {'vs fsdp2':>8}  params == ddp's")
+        for kind in cfg.kinds:
+            vs_fsdp = f"{ms[kind] / ms['fsdp2']:8.3f}" if "fsdp2" in ms else ""
+            same = r["same"].get(kind)
+            lines.append(f"  {kind:<7} {ms[kind]:9.1f} {ms[kind] / ms['ddp']:7.3f} {vs_fsdp}  "
+                         + ("" if same is None else f"{same[0]}/{same[1]}"))
+        if r["exposed_gather_ms"] is not None:
+            lines.append(f"  zero3: median all-gather wait not hidden by compute {r['exposed_gather_ms']:.2f} ms/step")
+    print("\n".join(lines))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""``inject_hyperparams``: hyper-parameters held in the optimizer state, changed between steps.
+
+optax's ``inject_hyperparams(factory)(**kwargs)`` (``optax/schedules/_inject.py``) keeps
+every numeric argument of the factory in the state (``state.hyperparams``) and builds the
+inner transformation from the state's values at each update, so a user changes the lr by
+replacing a value in the state. torch users do the same with ``group["lr"] = ...``. Here the
+values are 0-d CPU tensors (float64 for floats, as the Python floats torch's param groups
+hold, so every value round-trips exactly; int64 for ints; a tuple of them for ``betas``),
+read on the host at each update: the kernel gets the same Python float torch.optim's does,
+and the numbers are torch's after ``group["lr"] = value``, bit for bit.
+
+What an update costs: the inner optimizer is built once per distinct set of values and
+kept (the last ``CACHED``), except for the arguments fdp.optim's factories take as schedules
+(``lr`` and ``weight_decay``, annotated ``Hyper``): those are passed to the factory as a
+schedule that reads the state's value at each update, so changing them every step builds
+nothing. Changing ``betas``, ``momentum``, ``eps``... builds the inner optimizer anew when
+the value is new (as optax does at every update), and its factory checks the value.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._base import ChainState, Optimizer
+from ._ema import EmaState
+from ._multi_steps import MultiStepsState
+from ._transforms import PartitionState
+
+__all__ = ["InjectHyperparamsState", "inject_hyperparams", "set_hyperparams"]
+
+CACHED = 4  # inner optimizers kept per injected optimizer (distinct non-schedule values)
+
+
+class InjectHyperparamsState(NamedTuple):
+    """State of an ``inject_hyperparams`` optimizer (optax's ``InjectHyperparamsState``, less
+    its count: the inner state keeps its own).
+
+    Attributes:
+      hyperparams: ``{name: value}`` for each numeric argument of the factory: a 0-d CPU
+        tensor (float64 for a float, int64 for an int) or a tuple of them (``betas``).
+        Replace values with ``set_hyperparams``; the next update uses them.
+      inner_state: the inner optimizer's state.
+    """
+
+    hyperparams: dict[str, Any]
+    inner_state: Any
+
+
+def _numeric(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int | float):
+        return True
+    if isinstance(v, Tensor):
+        return v.dim() == 0 and not v.dtype.is_complex and v.dtype != torch.bool
+    return isinstance(v, tuple | list) and len(v) > 0 and all(_numeric(x) and not isinstance(x, tuple | list)
+                                                              for x in v)
+
+
+def _to_state(v: Any) -> Any:
+    """A factory argument as the state holds it."""
+    if isinstance(v, tuple | list):
+        return tuple(_to_state(x) for x in v)
+    if isinstance(v, Tensor):
+        v = v.item()
+    if isinstance(v, int):
+        return torch.tensor(v, dtype=torch.int64)
+    return torch.tensor(float(v), dtype=torch.float64)
+
+
+def _to_python(v: Any) -> Any:
+    """The state's value as the factory argument (Python numbers: what torch's groups hold)."""
+    if isinstance(v, tuple | list):
+        return tuple(_to_python(x) for x in v)
+    if isinstance(v, Tensor):
+        return v.item()
+    return v
+
+
+def _is_schedulable(param: inspect.Parameter) -> bool:
+    # fdp.optim's factories annotate the arguments they take as schedules ``Hyper``.
+    return param.annotation in ("Hyper", "Hyper | None") or getattr(param.annotation, "__name__", None) == "Hyper"
+
+
+class _Slot:
+    """A schedule (for the factory) that returns the value the running update took from the
+    state. Per thread: simulated ranks are threads that may share an optimizer."""
+
+    def __init__(self, name: str, local: threading.local, owner: str) -> None:
+        self.name, self.local, self.owner = name, local, owner
+
+    def __call__(self, count: Any) -> float:
+        values = getattr(self.local, "values", None)
+        if values is None:
+            raise RuntimeError(f"{self.owner}: {self.name} is in the optimizer state, not the optimizer: "
+                               f"read it as state.hyperparams[{self.name!r}]")
+        return values[self.name]
+
+
+def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | Iterable[str] = ()
+                       ) -> Callable[..., Optimizer]:
+    """A factory like ``factory`` whose optimizer keeps its numeric hyper-parameters in its state.
+
+    ``inject_hyperparams(fdp.optim.adamw)(lr=1e-3, weight_decay=0.1)`` is ``adamw(lr=1e-3,
+    weight_decay=0.1)`` whose state (an ``InjectHyperparamsState``) holds ``lr``, ``betas``,
+    ``eps`` and ``weight_decay`` (the numeric arguments, defaults included) as 0-d tensors;
+    ``state = fdp.optim.set_hyperparams(state, lr=...)`` changes them for the next update,
+    with torch.optim's numbers after ``group["lr"] = ...``, bit for bit. They are saved and
+    loaded with the state (``fdp.save``/``fdp.load``).
+
+    Plain path only (``opt.update``): the fused step refuses it (its flat state has no room
+    for the values yet); a new optimizer object per step (``adamw(lr=lr_t)``) works there,
+    reusing the step's buffers.
+
+    Args:
+      factory: a function returning an ``Optimizer`` (``fdp.optim.adamw``, your own).
+      static_args: arguments never injected (kept as given), besides bools, ``None``,
+        strings, callables (schedules stay schedules: evaluated by the inner optimizer, and
+        not in the state), masks and ``donate``.
+
+    Returns:
+      A function taking ``factory``'s arguments and returning an ``Optimizer`` whose state
+      is an ``InjectHyperparamsState``.
+
+    Raises:
+      ValueError: ``static_args`` names an argument ``factory`` does not take.
+      TypeError: ``factory`` takes ``*args`` or ``**kwargs``.
+
+    Example:
+      >>> opt = fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1)
+      >>> params = {"w": torch.ones(2)}
+      >>> state = opt.init(params)
+      >>> float(state.hyperparams["lr"])
+      0.1
+      >>> state = fdp.optim.set_hyperparams(state, lr=0.5)
+      >>> opt.update({"w": torch.ones(2)}, state, params)[0]["w"]
+      tensor([0.5000, 0.5000])
+    """
+    name = f"fdp.optim.inject_hyperparams({getattr(factory, '__name__', 'factory')})"
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+    signature = inspect.signature(factory)
+    if not static <= set(signature.parameters):
+        raise ValueError(f"{name}: static_args {sorted(static - set(signature.parameters))} are not "
+                         f"arguments of the factory ({list(signature.parameters)})")
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        raise TypeError(f"{name}: a factory with *args or **kwargs cannot be injected (name its arguments)")
+
+    def make(*args: Any, **kwargs: Any) -> Optimizer:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        fixed = {k: v for k, v in bound.arguments.items() if k in static or k == "donate" or not _numeric(v)}
+        injected = {k: v for k, v in bound.arguments.items() if k not in fixed}
+        slots = [k for k in injected if _is_schedulable(signature.parameters[k])]
+        rebuilt = [k for k in injected if k not in slots]
+        local = threading.local()
+        slot_args = {k: _Slot(k, local, name) for k in slots}
+        cache: OrderedDict[tuple, Optimizer] = OrderedDict()
+        lock = threading.Lock()
+
+        def inner_for(values: dict[str, Any]) -> Optimizer:
+            key = tuple(values[k] for k in rebuilt)
+            with lock:
+                opt = cache.get(key)
+                if opt is not None:
+                    cache.move_to_end(key)
+                    return opt
+            for k in slots:  # the factory does not see these values: its checks, here
+                if not values[k] >= 0:
+                    raise ValueError(f"{name}: invalid {k} {values[k]} (must be >= 0)")
+            opt = factory(**fixed, **slot_args, **{k: values[k] for k in rebuilt})
+            with lock:
+                cache[key] = opt
+                while len(cache) > CACHED:
+                    cache.popitem(last=False)
+            return opt
+
+        initial = {k: _to_python(v) for k, v in injected.items()}
+        first = inner_for(initial)  # the factory's checks of the values given, now
+
+        def init(params: Any) -> InjectHyperparamsState:
+            return InjectHyperparamsState({k: _to_state(v) for k, v in initial.items()}, first.init(params))
+
+        def update(grads: Any, state: InjectHyperparamsState, params: Any) -> tuple[Any, InjectHyperparamsState]:
+            if not isinstance(state, InjectHyperparamsState):
+                raise TypeError(f"{name}: state must be the InjectHyperparamsState of its init, got "
+                                f"{type(state).__name__}")
+            if set(state.hyperparams) != set(injected):
+                raise ValueError(f"{name}: state.hyperparams has {sorted(state.hyperparams)}; this optimizer "
+                                 f"injects {sorted(injected)}")
+            values = {k: _to_python(v) for k, v in state.hyperparams.items()}
+            for k in slots:
+                if not values[k] >= 0:
+                    raise ValueError(f"{name}: invalid {k} {values[k]} in state.hyperparams (must be >= 0)")
+            opt = inner_for(values)
+            local.values = {k: float(values[k]) for k in slots}
+            try:
+                params, inner = opt.update(grads, state.inner_state, params)
+            finally:
+                local.values = None
+            return params, InjectHyperparamsState(dict(state.hyperparams), inner)  # (a dict of its own)
+
+        return Optimizer(init, update)
+
+    make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
+    make.__doc__ = factory.__doc__
+    return make
+
+
+def set_hyperparams(state: Any, **values: Any) -> Any:
+    """``state`` with new values for hyper-parameters an ``inject_hyperparams`` optimizer keeps
+    (a new state; the one passed in is not modified). The next update uses them.
+
+    Finds the ``InjectHyperparamsState`` in ``state`` itself, or inside a ``ChainState``,
+    ``EmaState`` or ``MultiStepsState`` (an injected optimizer at the end of a chain, under
+    ``ema`` or ``multi_steps``).
+
+    Args:
+      state: the state of an injected optimizer, or of a wrapper around one.
+      **values: new values by name (``lr=1e-4``, ``betas=(0.9, 0.95)``): Python numbers or
+        0-d tensors, stored as the state holds them (float64 for floats).
+
+    Returns:
+      The new state.
+
+    Raises:
+      TypeError: no injected optimizer's state in ``state``.
+      ValueError: a name the optimizer does not inject, a tuple of another length, or
+        several injected states (a ``partition``: set each label's state).
+
+    Example:
+      >>> opt = fdp.optim.inject_hyperparams(fdp.optim.adamw)(lr=1e-3)
+      >>> state = fdp.optim.set_hyperparams(opt.init({"w": torch.ones(2)}), lr=1e-4, betas=(0.9, 0.95))
+      >>> float(state.hyperparams["lr"]), [float(b) for b in state.hyperparams["betas"]]
+      (0.0001, [0.9, 0.95])
+    """
+    name = "fdp.optim.set_hyperparams"
+    found: list[InjectHyperparamsState] = []
+
+    def replace(s: InjectHyperparamsState) -> InjectHyperparamsState:
+        found.append(s)
+        new = dict(s.hyperparams)
+        for k, v in values.items():
+            if k not in new:
+                raise ValueError(f"{name}: {k!r} is not injected; this optimizer keeps {sorted(new)}")
+            if not _numeric(v):
+                raise ValueError(f"{name}: {k}={v!r} is not a number (or a tuple of numbers)")
+            old_len = len(new[k]) if isinstance(new[k], tuple) else None
+            new_len = len(v) if isinstance(v, tuple | list) else None
+            if old_len != new_len:
+                raise ValueError(f"{name}: {k} holds {'a number' if old_len is None else f'{old_len} numbers'}, "
+                                 f"got {v!r}")
+            new[k] = _to_state(v)
+        return InjectHyperparamsState(new, s.inner_state)
+
+    out = _replace_injected(state, replace)
+    if not found:
+        raise TypeError(f"{name}: no inject_hyperparams state in a {type(state).__name__}")
+    if len(found) > 1:
+        raise ValueError(f"{name}: {len(found)} injected optimizers' states (a partition's labels?); set each: "
+                         "PartitionState({**state.states, label: set_hyperparams(state.states[label], ...)})")
+    return out
+
+
+_WRAPPERS = ((ChainState, "optimizer"), (EmaState, "inner"), (MultiStepsState, "inner_opt_state"))
+
+
+def _replace_injected(state: Any, fn: Callable[[InjectHyperparamsState], InjectHyperparamsState]) -> Any:
+    if isinstance(state, InjectHyperparamsState):
+        return fn(state)
+    for cls, field in _WRAPPERS:
+        if isinstance(state, cls):
+            return state._replace(**{field: _replace_injected(getattr(state, field), fn)})
+    if isinstance(state, PartitionState):
+        return PartitionState({k: _replace_injected(v, fn) for k, v in state.states.items()})
+    return state

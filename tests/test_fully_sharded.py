@@ -1,0 +1,323 @@
+"""Fully sharded params (``Reducer(shard="params", units=...)``, ZeRO-3): the unsharded fused
+step's numbers (bit for bit on two ranks), DDP's and FSDP2's on the same data, 1/world of the
+params at rest, each unit gathered only while it runs; with the features users combine it with."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import Block, block_net, tokens
+from torch import nn
+
+import fdp
+
+OPTIMIZERS = {
+    "adamw-mask-schedule": lambda: fdp.optim.adamw(lr=fdp.optim.schedules.warmup_cosine(1e-2, 2, 10),
+                                                   weight_decay=0.1, mask=lambda path, p: p.dim() >= 2),
+    "clip-adamw": lambda: fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2)),
+    "sgd-nesterov": lambda: fdp.optim.sgd(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adagrad": lambda: fdp.optim.adagrad(lr=1e-2),
+    "two-lrs": lambda: fdp.optim.partition(lambda key, p: "blocks" if key.startswith("blocks") else "rest",
+                                           {"blocks": fdp.optim.adamw(lr=1e-2), "rest": fdp.optim.adamw(lr=3e-3)}),
+}
+
+
+def loss_of(apply, buffers):
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten())
+    return loss
+
+
+def train(group, shard, opt, *, steps=4, seed=0, acc=0, donate=False, mesh=None, **kw):
+    """``steps`` fused steps of ``opt`` on a BlockNet (``acc`` micro-batches accumulated before
+    each): the params (whole), the per-leaf state, and the last step's record and core."""
+    net = block_net(seed=seed)
+    apply, params, buffers = fdp.functionalize(net)
+    units = fdp.units(net, Block) if shard == "params" else None
+    reducer = fdp.Reducer(params, mesh() if mesh else group, shard=shard, units=units, **kw)
+    step = reducer.grad_and_update(loss_of(apply, buffers), opt(), donate=donate)
+    state = step.init(params)
+    p = {k: v.clone() for k, v in params.items()}
+    for i in range(steps):
+        for j in range(acc):
+            step.accumulate(p, *tokens(group.rank, 100 * i + j))
+        p, state, _ = step(p, state, *tokens(group.rank, i))
+    whole = p.full() if isinstance(p, fdp.ShardedParams) else p
+    return whole, step.state_to_tree(state, p), step.last_step, step._core
+
+
+def both(group, name, **kw):
+    return train(group, False, OPTIMIZERS[name], **kw)[:2], train(group, "params", OPTIMIZERS[name], **kw)[:2]
+
+
+def assert_trees_equal(a, b, what):
+    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
+    bad = [i for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
+    assert len(la) == len(lb) and not bad, f"{what}: leaves {bad} differ"
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_two_ranks_equal_the_unsharded_fused_step_bit_for_bit(name, donate):
+    for rank, ((p, st), (sp, sst)) in enumerate(fdp.testing.run(both, 2, args=(name,), timeout=120)):
+        assert_trees_equal(p, sp, f"rank {rank} params")
+        assert_trees_equal(st, sst, f"rank {rank} optimizer state")
+
+
+def features(group):
+    """Accumulation, skip_nonfinite, a bf16 wire, units kept from forward to backward."""
+    out = {}
+    for name, kw in [("accumulate", dict(acc=2)), ("bf16 wire", dict(reduce_dtype=torch.bfloat16)),
+                     ("skip_nonfinite", dict(skip_nonfinite=True)), ("keep", {})]:
+        extra = dict(reshard_after_forward=False) if name == "keep" else {}
+        a = train(group, False, OPTIMIZERS["clip-adamw"], **kw)[:2]
+        b = train(group, "params", OPTIMIZERS["clip-adamw"], **kw, **extra)[:2]
+        out[name] = (a, b)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["gloo", "threads"])
+def test_accumulation_bf16_wire_skip_nonfinite_and_no_reshard_equal_the_unsharded_step(backend):
+    for rank, got in enumerate(fdp.testing.run(features, 2, backend=backend, timeout=240)):
+        for name, ((p, st), (sp, sst)) in got.items():
+            assert_trees_equal(p, sp, f"{name}, rank {rank} params")
+            assert_trees_equal(st, sst, f"{name}, rank {rank} state")
+
+
+def against_ddp_and_fsdp2(group, clip):
+    """DDP + torch.optim.AdamW (+ clip_grad_norm_), FSDP2 fully_shard on each block and the root
+    + torch.optim.AdamW, and fdp's fully sharded step, from the same start on the same data."""
+    from torch.distributed.fsdp import fully_shard
+
+    def torch_run(wrap):
+        model = wrap(block_net(seed=7))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for i in range(4):
+            x, y = tokens(group.rank, i)
+            opt.zero_grad()
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+        return model
+
+    ddp = torch_run(lambda m: nn.parallel.DistributedDataParallel(m)).module
+    ddp_params = {k: v.detach().clone() for k, v in ddp.named_parameters()}
+
+    def fsdp2(m):
+        for b in m.blocks:
+            fully_shard(b)
+        return fully_shard(m)
+
+    fsdp = torch_run(fsdp2)
+    fsdp_params = {k: v.full_tensor().detach().clone() for k, v in fsdp.named_parameters()}
+    opt = fdp.optim.adamw(lr=1e-2, weight_decay=0.1)
+    if clip:
+        opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), opt)
+    net = block_net(seed=7)
+    apply, params, buffers = fdp.functionalize(net)
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
+        loss_of(apply, buffers), opt)
+    state = step.init(params)
+    for i in range(4):
+        params, state, _ = step(params, state, *tokens(group.rank, i))
+    return params.full(), ddp_params, fsdp_params
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["adamw", "clip-adamw"])
+def test_two_gloo_ranks_equal_ddp_and_fsdp2_with_torch_adamw(clip):
+    for rank, (mine, ddp, fsdp2) in enumerate(fdp.testing.run(against_ddp_and_fsdp2, 2, backend="gloo",
+                                                                 timeout=180, args=(clip,))):
+        for k in mine:
+            assert torch.equal(mine[k], ddp[k]), f"rank {rank}: {k!r} differs from DDP"
+            if clip:  # FSDP2's clip_grad_norm_ sums each rank's squares of its shards: another rounding
+                torch.testing.assert_close(mine[k], fsdp2[k], rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(mine[k], fsdp2[k]), f"rank {rank}: {k!r} differs from FSDP2"
+
+
+def more_ranks(group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {"1-D": both(group, "clip-adamw", steps=6)}
+    if group.size == 4:
+        mesh = lambda: init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # noqa: E731
+        out["2x2"] = (train(group, False, OPTIMIZERS["clip-adamw"], steps=6)[:2],
+                      train(group, "params", OPTIMIZERS["clip-adamw"], steps=6, mesh=mesh)[:2])
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(world):
+    """On more than two ranks a reduce-scatter sums a slice in another order than the
+    all-reduce's ring: the same numbers to rounding, and every rank holds the same params."""
+    results = fdp.testing.run(more_ranks, world, backend="gloo", timeout=240)
+    for kind in results[0]:
+        for rank, got in enumerate(results):
+            (p, st), (sp, sst) = got[kind]
+            for k in p:
+                torch.testing.assert_close(sp[k], p[k], rtol=1e-5, atol=1e-6, msg=f"{kind}, rank {rank}, {k!r}")
+            assert_trees_equal(sp, results[0][kind][1][0], f"{kind}: rank {rank} against rank 0")
+
+
+def test_a_world_of_one_is_the_unsharded_step():
+    ((p, st), (sp, sst)), = fdp.testing.run(both, 1, args=("adamw-mask-schedule",))
+    assert_trees_equal(p, sp, "params")
+    assert_trees_equal(st, sst, "state")
+
+
+def memory(group):
+    net = block_net(seed=1, d=32)
+    apply, params, buffers = fdp.functionalize(net)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block))
+    step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.adamw(lr=1e-2))
+    state = step.init(params)
+    params = step.shard(params)  # this rank's slices; the whole tree can go
+    net.to("meta")
+    for i in range(3):
+        params, state, _ = step(params, state, *tokens(group.rank, i))
+    core = step._core
+    held = [f.untyped_storage().nbytes() for f in core.units.fulls]
+    slices = sum(t.numel() for t in params.local)
+    state_numel = sum(t.numel() for ts in state.buffers.values() for t in ts)
+    whole = sum(s.numel for s in core.plan.slots)
+    nbytes = [(core.units.names[core.units.unit_of_bucket[b]], n) for b, n in enumerate(core.units.nbytes)]
+    return held, slices, state_numel, whole, core.units.peak_gathered, nbytes, step.last_step.timeline
+
+
+def test_each_rank_holds_its_slice_and_gathers_at_most_two_units_beside_the_root():
+    for rank, (held, slices, state_numel, whole, peak, nbytes, timeline) in enumerate(
+            fdp.testing.run(memory, 2, backend="gloo", timeout=120)):
+        assert held == [0] * len(held), f"rank {rank}: gathered params left after the step: {held}"
+        assert slices <= whole / 2 + 2 * len(nbytes), (slices, whole)  # (+ each bucket's padding)
+        assert state_numel == 2 * slices  # AdamW's two moments of this rank's slice
+        units = sorted(n for name, n in nbytes if name)
+        root = sum(n for name, n in nbytes if not name)
+        assert peak <= root + units[-1] + units[-2], (peak, nbytes)
+        assert peak < root + sum(units), "every unit was gathered at once"
+        # each block gathered twice (its forward, its backward), the root's buckets once
+        gathers = {b.index: len(b.gathers) for b in timeline.buckets}
+        assert sorted(gathers.values()) == [1, 1, 2, 2, 2], gathers  # (two root buckets: emb, ln)
+        assert timeline.exposed_gather >= 0
+
+
+def inference(group):
+    net = block_net(seed=2)
+    apply, params, buffers = fdp.functionalize(net)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block))
+    step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.sgd(lr=0.1))
+    state = step.init(params)
+    params, state, _ = step(params, state, *tokens(group.rank))
+    x, _ = tokens(0, 9)
+    with torch.no_grad():
+        out, _ = apply.eval()(params, buffers, x)
+        want, _ = apply.eval()(params.full(), buffers, x)
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        apply(params, buffers, x)
+    with pytest.raises(fdp.CheckpointError, match="fully sharded"):
+        fdp.save("/tmp/fdp-never-written.pt", {"params": params}, group)
+    held = [f.untyped_storage().nbytes() for f in step._core.units.fulls]
+    return torch.equal(out, want), held, repr(params)
+
+
+def test_inference_gathers_unit_by_unit_and_equals_the_whole_params():
+    for rank, (same, held, text) in enumerate(fdp.testing.run(inference, 2, timeout=120)):
+        assert same, f"rank {rank}"
+        assert held == [0] * len(held)
+        assert "ShardedParams(" in text and "slice" in text
+
+
+def penalty(group):
+    """A loss that reads params directly (an L2 penalty on one block's weight): the unit is
+    gathered on the read and kept for the backward."""
+    out = []
+    for shard in (False, "params"):
+        net = block_net(seed=3)
+        apply, params, buffers = fdp.functionalize(net)
+        base = loss_of(apply, buffers)
+
+        def loss(p, x, y, base=base):
+            return base(p, x, y) + 0.01 * (p["blocks.1.fc1.weight"] ** 2).sum()
+
+        units = fdp.units(net, Block) if shard else None
+        step = fdp.Reducer(params, group, shard=shard, units=units).grad_and_update(loss, fdp.optim.adam(lr=1e-2))
+        state = step.init(params)
+        for i in range(3):
+            params, state, _ = step(params, state, *tokens(group.rank, i))
+        out.append(params.full() if shard else params)
+    return out
+
+
+def test_a_loss_that_reads_a_param_directly_equals_the_unsharded_step():
+    for rank, (p, sp) in enumerate(fdp.testing.run(penalty, 2, timeout=120)):
+        assert_trees_equal(p, sp, f"rank {rank}")
+
+
+class Peeker(nn.Module):
+    """A model whose forward reads a block's weight outside that block's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block(4)
+
+    def forward(self, x):
+        return self.block(x) @ self.block.fc1.weight[:4, :4]
+
+
+def test_what_cannot_be_fully_sharded_is_refused_with_the_way_out():
+    net = block_net()
+    apply, params, buffers = fdp.functionalize(net)
+    with pytest.raises(ValueError, match="'nope' holds no trainable param"):
+        fdp.Reducer(params, shard="params", units=["nope"])
+    with pytest.raises(ValueError, match="shard='params'"):
+        fdp.Reducer(params, units=fdp.units(net, Block))
+    with pytest.raises(ValueError, match="nothing to choose"):
+        fdp.Reducer(params, shard="params", bucket_cap_mb="auto")
+    with pytest.raises(ValueError, match="shard must be"):
+        fdp.Reducer(params, shard="everything")
+    with pytest.raises(ValueError, match="no submodule of type Conv2d"):
+        fdp.units(net, nn.Conv2d)
+    reducer = fdp.Reducer(params, shard="params", units=fdp.units(net, Block))
+    muon = fdp.optim.partition(lambda k, p: "m" if p.dim() == 2 else "a",
+                               {"m": fdp.optim.muon(lr=1e-2), "a": fdp.optim.adamw(lr=1e-2)})
+    step = reducer.grad_and_update(loss_of(apply, buffers), muon)
+    with pytest.raises(TypeError, match="whole leaves"):
+        step.init(params)
+    # a tied param must lie inside one unit: the head tied to the embedding, the embedding a unit
+    reducer = fdp.Reducer(params, shard="params", units=["emb"])
+    step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.sgd(lr=0.1))
+    with pytest.raises(ValueError, match="'emb.weight' of unit 'emb' is also the module's 'head.weight'"):
+        step(params, step.init(params), *tokens(0))
+    # a param read outside its unit's forward is a meta placeholder there: an error, not a read of freed memory
+    peek = Peeker()
+    apply, params, buffers = fdp.functionalize(peek)
+    step = fdp.Reducer(params, shard="params", units=["block"]).grad_and_update(
+        lambda p, x: apply(p, buffers, x)[0].sum(), fdp.optim.sgd(lr=0.1))
+    with pytest.raises(RuntimeError, match="param .block.fc1.weight. of unit .block. was used outside its unit"):
+        step(params, step.init(params), torch.randn(2, 4))
+
+
+def resume(group, tmp, phase):
+    """Two steps, a gathered checkpoint (params.full(), state_to_tree), two more steps; or, on
+    another world size, the checkpoint loaded and the two steps after it."""
+    net = block_net(seed=5)
+    apply, params, buffers = fdp.functionalize(net)
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
+        loss_of(apply, buffers), OPTIMIZERS["clip-adamw"]())
+    state = step.init(params)
+    if phase == "save":
+        for i in range(2):
+            params, state, _ = step(params, state, *tokens(0, i))
+        fdp.save(f"{tmp}/ckpt.pt", {"params": params.full(), "opt": step.state_to_tree(state, params)}, group)
+    else:
+        like = {"params": params, "opt": step.state_to_tree(state, params)}
+        loaded = fdp.load(f"{tmp}/ckpt.pt", like=like, group=group)
+        params, state = loaded["params"], step.state_from_tree(loaded["opt"], loaded["params"])
+    for i in range(2, 4):
+        params, state, _ = step(params, state, *tokens(0, i))  # every rank the same data
+    return params.full()
+
+
+def test_a_gathered_checkpoint_resumes_bit_exactly_on_another_world_size(tmp_path):
+    straight = fdp.testing.run(resume, 2, args=(str(tmp_path), "save"), timeout=120)[0]
+    for rank, again in enumerate(fdp.testing.run(resume, 4, args=(str(tmp_path), "load"), timeout=120)):
+        assert_trees_equal(straight, again, f"resumed on 4 ranks, rank {rank}")

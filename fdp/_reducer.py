@@ -106,6 +106,13 @@ class Reducer:
         (``fdp.units(model, Block)`` lists a model's blocks); a param under none of them
         belongs to the *root*, gathered for the whole step. Each unit is one bucket (per
         dtype): the plan's buckets are the units, in reverse registration order.
+      param_dtype: with ``shard="params"``, the dtype units are gathered and computed in
+        (mixed precision, FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``): each rank keeps
+        its slices, their gradients and the optimizer state in the params' own dtype (fp32
+        masters), casts a unit's slice to ``param_dtype`` before the all-gather (half the
+        bytes for bf16), and the forward and backward run on the cast unit; gradients are
+        cast back at the fill and reduce-scattered in ``reduce_dtype`` (default: the
+        params' dtype).
       reshard_after_forward: with ``shard="params"``, free each unit after its forward and
         gather it again for its backward (default, FSDP2's); ``False`` keeps every unit
         gathered from its forward until its gradients are reduced (one gather per unit per
@@ -168,6 +175,7 @@ class Reducer:
         shard: bool | str = False,
         units: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         mesh = resolve_mesh(group)
         self.group = mesh.full
@@ -175,9 +183,12 @@ class Reducer:
             raise ValueError(f"fdp.Reducer: shard must be False, True (or 'state': the optimizer state) or "
                              f"'params' (the params too), got {shard!r}")
         self.shard = {True: "state"}.get(shard, shard)
-        if units is not None and self.shard != "params":
-            raise ValueError("fdp.Reducer: units= gathers params unit by unit, which only fully sharded params do; "
-                             "pass shard='params'")
+        if (units is not None or param_dtype is not None) and self.shard != "params":
+            what = "units=" if units is not None else "param_dtype="
+            raise ValueError(f"fdp.Reducer: {what} is for params gathered unit by unit, which only fully sharded "
+                             "params are; pass shard='params'")
+        if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
+            raise ValueError(f"fdp.Reducer: param_dtype must be a floating dtype, got {param_dtype!r}")
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
             raise ValueError("fdp.Reducer: bucket_cap_mb='auto' chooses every cap; pass no first_bucket_cap_mb/bucket_caps_mb")
         if bucket_cap_mb == "auto" and self.shard == "params":
@@ -202,7 +213,8 @@ class Reducer:
             mesh=mesh, shard=bool(self.shard), hook=self.hook, wire=self.hook.dtype or reduce_dtype,
             debug=debug_mode() if debug is None else bool(debug), hook_threshold_bytes=hook_threshold_bytes,
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
-            overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward))
+            overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward),
+            param_dtype=param_dtype)
         self._fused = FusedCores(self._config)
         with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
             self._use_plan(plan)
@@ -223,7 +235,8 @@ class Reducer:
         wire_name = "the gradients' dtype" if wire is None else str(wire).replace("torch.", "")
         frozen = f", auto plan {plan.fingerprint}" if old is not None else ""
         units = "" if config.units is None else (
-            f", units {list(config.units[1:])}, reshard_after_forward={config.reshard_after_forward}")
+            f", units {list(config.units[1:])}, reshard_after_forward={config.reshard_after_forward}, "
+            f"param_dtype={config.param_dtype}")
         verify_layout(
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",
@@ -284,7 +297,7 @@ class Reducer:
         return grad_and_value_fn
 
     def grad_and_update(self, fn: Callable, opt: Optimizer, *, has_aux: bool = False,
-                        accumulate: Any = None, donate: bool = False) -> FusedStep:
+                        accumulate: Any = None, donate: bool = False, uneven: bool = False) -> FusedStep:
         """The fused train step: gradient, all-reduce and optimizer update in one call.
 
         ``step = reducer.grad_and_update(loss_fn, opt)``; ``opt_state = step.init(params)``;
@@ -306,6 +319,9 @@ class Reducer:
           accumulate: local gradients of earlier micro-batches, added before averaging.
           donate: update the params in place (the tree passed in is consumed) instead of
             writing a second set of flat buffers.
+          uneven: some ranks may run out of data before others (DDP's ``join``): every call
+            counts the active ranks (one small all-reduce), a rank without data calls
+            ``step.idle`` (its gradients count as zeros) and the mean is over the others.
 
         Raises:
           TypeError: an optimizer the fused step cannot run per bucket (``partition``, your
@@ -321,7 +337,7 @@ class Reducer:
         if self.tuning is not None and not self.tuning.frozen:
             raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
                                "run fdp.cost.calibrate(reducer, loss_fn, *args, optimizer=opt) first (the fused plan is built once)")
-        return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate)
+        return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate, uneven)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:
         """Average a gradient tree computed any other way (e.g. a plain ``torch.func.grad``).

@@ -268,8 +268,10 @@ def test_what_cannot_be_fully_sharded_is_refused_with_the_way_out():
     apply, params, buffers = fdp.functionalize(net)
     with pytest.raises(ValueError, match="'nope' holds no trainable param"):
         fdp.Reducer(params, shard="params", units=["nope"])
-    with pytest.raises(ValueError, match="shard='params'"):
+    with pytest.raises(ValueError, match="units= is for params gathered unit by unit"):
         fdp.Reducer(params, units=fdp.units(net, Block))
+    with pytest.raises(ValueError, match="param_dtype= is for params gathered unit by unit"):
+        fdp.Reducer(params, shard=True, param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="nothing to choose"):
         fdp.Reducer(params, shard="params", bucket_cap_mb="auto")
     with pytest.raises(ValueError, match="shard must be"):
@@ -321,3 +323,83 @@ def test_a_gathered_checkpoint_resumes_bit_exactly_on_another_world_size(tmp_pat
     straight = fdp.testing.run(resume, 2, args=(str(tmp_path), "save"), timeout=120)[0]
     for rank, again in enumerate(fdp.testing.run(resume, 4, args=(str(tmp_path), "load"), timeout=120)):
         assert_trees_equal(straight, again, f"resumed on 4 ranks, rank {rank}")
+
+
+def mixed_precision(group):
+    """bf16 compute from fp32 master slices: fdp's param_dtype=bf16 and FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), from the same start."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = block_net(seed=8)
+    for b in model.blocks:
+        fully_shard(b, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for i in range(4):
+        x, y = tokens(group.rank, i)
+        opt.zero_grad()
+        F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    theirs = {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+    net = block_net(seed=8)
+    apply, params, buffers = fdp.functionalize(net)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block), param_dtype=torch.bfloat16)
+
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0].float().flatten(0, 1), y.flatten())
+
+    step = reducer.grad_and_update(loss, fdp.optim.adamw(lr=1e-2, weight_decay=0.1))
+    state = step.init(params)
+    for i in range(4):
+        params, state, _ = step(params, state, *tokens(group.rank, i))
+    with torch.no_grad():
+        out, _ = apply(params, buffers, tokens(0, 9)[0])
+    return params.full(), theirs, out.dtype, [t.dtype for t in params.local]
+
+
+def test_bf16_compute_from_fp32_master_slices_equals_fsdp2_mixed_precision():
+    for rank, (mine, theirs, out_dtype, kept) in enumerate(
+            fdp.testing.run(mixed_precision, 2, backend="gloo", timeout=180)):
+        assert out_dtype == torch.bfloat16 and set(kept) == {torch.float32}
+        for k in mine:
+            assert mine[k].dtype == torch.float32
+            assert torch.equal(mine[k], theirs[k]), f"rank {rank}: {k!r} differs from FSDP2's mixed precision"
+
+
+def uneven(group):
+    """Rank 1 runs out of data after two steps: it calls step.idle (its gradients count as
+    zeros, the mean is over rank 0), unsharded and fully sharded; against the fused step given
+    gradients with active= (the mean over the active ranks)."""
+    out = []
+    for shard in (False, "params"):
+        net = block_net(seed=9)
+        apply, params, buffers = fdp.functionalize(net)
+        units = fdp.units(net, Block) if shard else None
+        step = fdp.Reducer(params, group, shard=shard, units=units).grad_and_update(
+            loss_of(apply, buffers), OPTIMIZERS["clip-adamw"](), uneven=True)
+        state, p = step.init(params), {k: v.clone() for k, v in params.items()}
+        for i in range(4):
+            if group.rank == 1 and i >= 2:
+                p, state, _ = step.idle(p, state, *tokens(1, 1))  # a stand-in batch
+            else:
+                p, state, _ = step(p, state, *tokens(group.rank, i))
+        out.append(p.full() if shard else p)
+    net = block_net(seed=9)
+    apply, params, buffers = fdp.functionalize(net)
+    loss = loss_of(apply, buffers)
+    step = fdp.Reducer(params, group).grad_and_update(loss, OPTIMIZERS["clip-adamw"]())
+    state, p = step.init(params), {k: v.clone() for k, v in params.items()}
+    for i in range(4):
+        active = not (group.rank == 1 and i >= 2)
+        g = fdp.local_grad(loss)(p, *tokens(group.rank, i)) if active else None
+        p, state = step.update(g, state, p, active=active)
+    with pytest.raises(TypeError, match="uneven=True"):
+        step.idle(p, state, *tokens(0))
+    return out, p
+
+
+def test_uneven_inputs_a_rank_without_data_idles_and_the_mean_is_over_the_others():
+    for rank, ((plain, fully), given) in enumerate(fdp.testing.run(uneven, 2, backend="gloo", timeout=180)):
+        assert_trees_equal(plain, given, f"rank {rank}: the unsharded step with idle")
+        assert_trees_equal(fully, given, f"rank {rank}: the fully sharded step with idle")

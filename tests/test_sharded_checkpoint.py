@@ -14,7 +14,8 @@ import procs
 import pytest
 import torch
 import torch.nn.functional as F
-from models import batch, mlp
+from models import Block, batch, block_net, mlp, tokens
+from test_fully_sharded import loss_of as token_loss
 from test_fused import CAPS
 from test_muon import muon_and_adamw, two_lrs
 
@@ -319,6 +320,28 @@ def test_muon_and_adamw_saved_on_4_ranks_load_on_2_as_the_whole_state():
         saved_tree = fdp.testing.run(muon_saved_on_4_loaded_on_2, 4, args=(folder, "save"))[0]
         for rank, tree in enumerate(fdp.testing.run(muon_saved_on_4_loaded_on_2, 2, args=(folder, "load"))):
             assert problems_between(tree, saved_tree, f"rank {rank}") == []
+
+
+def fully_sharded(group, folder):
+    """The optimizer state of a fully sharded step (shard="params"): to shards, saved, loaded
+    as Shards and as whole tensors, against state_to_tree."""
+    net = block_net(seed=7)
+    apply, params, buffers = fdp.functionalize(net)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.adamw(lr=1e-2))
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
+        token_loss(apply, buffers), opt)
+    p, s = params, step.init(params)
+    for i in range(2):
+        p, s, _ = step(p, s, *tokens(group.rank, i))
+    save_sharded(folder, {"opt": step.state_to_shards(s, p)}, group)
+    got = load_sharded(folder, {"opt": step.state_to_shards(step.init(params), p)}, group)
+    found = fused_state_problems(step.state_from_shards(got["opt"], p), s, "through Shards")
+    whole = load_sharded(folder, {"opt": opt.init(params)}, group)
+    return found + problems_between(whole["opt"], step.state_to_tree(s, p), "whole")
+
+
+def test_a_fully_sharded_steps_optimizer_state_goes_through_shards_too(tmp_path):
+    assert fdp.testing.run(fully_sharded, 2, args=(str(tmp_path),)) == [[], []]
 
 
 def test_shards_of_an_unsharded_step_are_whole_leaves_and_views_of_its_state():

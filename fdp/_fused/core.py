@@ -104,9 +104,10 @@ class FusedCore:
         return ParamSets(self.plan, self.shards.padded, self.name)
 
     # ------------------------------------------------------------------ pieces a run uses
-    def reduced(self, b: int, mine: torch.Tensor) -> torch.Tensor:
+    def reduced(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
         """Bucket ``b``'s reduced (slice of the) gradient ``mine``, as the run keeps it (here:
-        ``mine`` itself, a view of the bucket's buffer)."""
+        ``mine`` itself, a view of the bucket's buffer; ``keep``: the run needs it after the
+        bucket's collective has landed, not only while it lands)."""
         return mine
 
     def grad_of(self, b: int, reduced: torch.Tensor) -> torch.Tensor:
@@ -167,11 +168,23 @@ class FusedCore:
 
     # ------------------------------------------------------------------ one step
     def run_grad(self, program: Program, layout: StateLayout, fn: Callable, has_aux: bool, params: Any,
-                 state: Any, rest: tuple, kwargs: dict, accumulate: Any, donate: bool) -> tuple[Any, FusedState, Any]:
-        """One step from the loss: backward, all-reduce, update."""
+                 state: Any, rest: tuple, kwargs: dict, accumulate: Any, donate: bool,
+                 active: bool | None = None) -> tuple[Any, FusedState, Any]:
+        """One step from the loss: backward, all-reduce, update. ``active`` (uneven inputs; every
+        rank passes it): False for a rank without data of its own, whose gradients count as
+        zeros; the mean is over the active ranks (one small all-reduce counts them)."""
         self._check_callable()
         with autograd_on():
             state = self.check_state(layout, state)
+            n = self.group.size
+            if active is not None:
+                n = count_and_check_active(active, self.group, f"{self.name}: active-rank count")
+                if n == 0:
+                    raise ValueError(f"{self.name}: no rank is active; stop the loop when fdp.any_rank(has_data) "
+                                     "is False")
+                if not active and self.accumulated:
+                    raise ValueError(f"{self.name}: step.idle after step.accumulate: a rank with micro-batches of "
+                                     "its own has data; call the step itself")
             acc, owned = None, False
             if self.accumulated:
                 if accumulate is not None:
@@ -182,7 +195,7 @@ class FusedCore:
                 acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
             run = Run(self, program, layout, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
-                      scale=self.machine.scale_for(self.group.size), active=True)
+                      scale=self.machine.scale_for(n), active=active is None or bool(active))
 
             return self._run(run, state, src, dst, lambda step: self.backward(step, src, fn, has_aux, rest, kwargs))
 

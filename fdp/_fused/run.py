@@ -85,7 +85,8 @@ class Run:
         the backward's hooks: it never raises (a failure is kept for the status)."""
         core = self.core
         try:
-            mine = core.reduced(b, core.scatter.finish(b, flat) if core.scatter is not None else flat)
+            mine = core.reduced(b, core.scatter.finish(b, flat) if core.scatter is not None else flat,
+                                keep=not self.early or self.replicas is not None)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
             mine = self._wire_zeros(b)

@@ -118,10 +118,10 @@ class FusedStep:
     """
 
     def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
-                 accumulate: Any, donate: bool) -> None:
+                 accumulate: Any, donate: bool, uneven: bool = False) -> None:
         split_chain(opt, NAME, sharded=cores.config.sharded)  # refuse an unsupported optimizer now
         self._cores, self._plan, self.opt = cores, plan, opt
-        self.fn, self.has_aux, self.donate = fn, has_aux, donate
+        self.fn, self.has_aux, self.donate, self.uneven = fn, has_aux, donate, bool(uneven)
         self._acc_tree = accumulate  # (grad_and_update's accumulate=: a gradient tree, bound here)
         self._program: Program | None = None
         self._core: FusedCore | None = None
@@ -171,10 +171,38 @@ class FusedStep:
 
     @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+        return self._grad_step(params, opt_state, rest, kwargs, True)
+
+    @eager_only
+    def idle(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+        """This step on a rank that has no data of its own (uneven inputs; the step was made with
+        ``grad_and_update(..., uneven=True)``): it runs ``fn`` on ``rest`` (any batch of the
+        right kind, e.g. this rank's last one: with fully sharded params the forward and
+        backward issue every unit's gathers), but its gradients count as zeros and the mean is
+        over the ranks that called the step itself. Every rank updates alike, so the replicas
+        stay identical. Returns what the step returns; the value is of the stand-in batch::
+
+            while fdp.any_rank(has_data):
+                if has_data:
+                    params, opt_state, loss = step(params, opt_state, *batch)
+                else:
+                    params, opt_state, _ = step.idle(params, opt_state, *last_batch)
+
+        Raises:
+          TypeError: the step was not made with ``uneven=True``.
+          ValueError: no rank is active this step.
+        """
+        if not self.uneven:
+            raise TypeError(f"{NAME}: step.idle needs the step made with grad_and_update(..., uneven=True): "
+                            "then every call counts the active ranks (one small all-reduce), so every rank "
+                            "knows the mean is over them")
+        return self._grad_step(params, opt_state, rest, kwargs, False)
+
+    def _grad_step(self, params: Any, opt_state: Any, rest: tuple, kwargs: dict, active: bool) -> tuple:
         core, program, layout = self._bind(params)
         try:
             return core.run_grad(program, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
-                                 self._acc_tree, self.donate)
+                                 self._acc_tree, self.donate, active=active if self.uneven else None)
         finally:
             self._last = self._cores.config.steps.last
 
@@ -243,7 +271,7 @@ class FusedStep:
         ``like = {..., "opt": opt.init(params)}`` loads the plain per-leaf tensors instead.
         """
         core, _, layout = self._bind(params)
-        return layout.to_shards(core.check_state(layout, opt_state), params)
+        return layout.to_shards(core.check_state(layout, opt_state), template(params))
 
     def state_from_shards(self, tree_state: Any, params: Any) -> FusedState:
         """This rank's ``FusedState`` from ``state_to_shards``'s layout (e.g. loaded by
@@ -256,7 +284,8 @@ class FusedStep:
             dtype is not the param's (names the leaf and the elements needed).
         """
         core, _, layout = self._bind(params)
-        state = layout.from_shards(tree_state, params)
+        with autograd_on():
+            state = layout.from_shards(tree_state, template(params))
         core.broken = None
         return state
 

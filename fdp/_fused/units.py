@@ -166,7 +166,7 @@ class Units:
     """The gathered params of every unit of one fused core (see the module docstring)."""
 
     def __init__(self, plan: BucketPlan, shards: Shards, scatter: Scatter | None, group: Group,
-                 names: tuple[str, ...], reshard_after_forward: bool) -> None:
+                 names: tuple[str, ...], reshard_after_forward: bool, param_dtype: torch.dtype | None = None) -> None:
         self.plan, self.shards, self.scatter, self.group = plan, shards, scatter, group
         self.names, self.reshard = names, reshard_after_forward
         self.keys = list(_tree.keys(plan.treedef))
@@ -175,14 +175,16 @@ class Units:
         self.buckets_of: list[list[int]] = [[] for _ in names]
         for b, u in enumerate(self.unit_of_bucket):
             self.buckets_of[u].append(b)
-        self.fulls = [torch.empty(n, dtype=b.dtype, device=b.device) for b, n in zip(plan.buckets, shards.padded)]
+        # gathered (and computed) in ``param_dtype``, kept in the params' own (mixed precision)
+        dtype = [param_dtype or b.dtype for b in plan.buckets]
+        self.fulls = [torch.empty(n, dtype=d, device=b.device) for b, n, d in zip(plan.buckets, shards.padded, dtype)]
         self.nbytes = [f.untyped_storage().nbytes() for f in self.fulls]
-        self.leaves = [torch.empty(0, dtype=s.dtype, device=s.device).set_(
+        self.leaves = [torch.empty(0, dtype=dtype[s.bucket], device=s.device).set_(
             self.fulls[s.bucket].untyped_storage(), s.offset, s.shape, contiguous_strides(s.shape))
             for s in plan.slots]
         self.metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in plan.slots]
         self.placeholders = [
-            Placeholder.make(s.shape, s.dtype, f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
+            Placeholder.make(s.shape, dtype[s.bucket], f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
             for i, (k, s) in enumerate(zip(self.keys, plan.slots))]
         for f in self.fulls:
             f.untyped_storage().resize_(0)

@@ -50,7 +50,8 @@ class UnitCore(FusedCore):
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
         super().__init__(config, plan, keys, whole_parts, name)
         self.gathers_params = False
-        self.units = Units(plan, self.shards, self.scatter, self.mesh.shard, config.units, config.reshard_after_forward)
+        self.units = Units(plan, self.shards, self.scatter, self.mesh.shard, config.units, config.reshard_after_forward,
+                           config.param_dtype)
 
     def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
         return BucketBuffers(self.plan, wires, reuse=True, padded=self.shards.padded, transient=TRANSIENT)
@@ -63,8 +64,13 @@ class UnitCore(FusedCore):
     def param_sets(self) -> SliceSets:
         return SliceSets(self, self.plan, self.shards, self.name)
 
-    def reduced(self, b: int, mine: torch.Tensor) -> torch.Tensor:
-        """Bucket ``b``'s reduced slice, copied out of the transient wire buffer into one of its own."""
+    def reduced(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Bucket ``b``'s reduced slice: when the run needs it after it has landed (a whole-tree
+        transform, the finite check, a replica sum), copied out of the transient wire buffer
+        into a slice-sized buffer of its own; else the wire buffer's own slice, updated from
+        before the buffer goes back."""
+        if not keep:
+            return mine
         buf = self.kept[b]
         if buf is None:
             buf = self.kept[b] = torch.empty(self.shards.numel(b), dtype=mine.dtype, device=mine.device)

@@ -37,6 +37,8 @@ class StepConfig:
         (``""``) first; the plan has one bucket per unit and dtype. None otherwise.
       reshard_after_forward: fully sharded, free a unit's gathered params after its forward
         (and gather them again for its backward) rather than keep them until then.
+      param_dtype: fully sharded, the dtype units are gathered and computed in (None: the
+        params' own).
     """
 
     mesh: Mesh
@@ -52,6 +54,7 @@ class StepConfig:
     steps: Steps
     units: tuple[str, ...] | None = None
     reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
 
     @property
     def sharded(self) -> bool:

@@ -16,8 +16,11 @@ Two phases:
 
 * **memory** (``--mem-width``/``--mem-layers``, by default a model whose params, gradients
   and AdamW state are over 1 GB): each kind in a fresh world of its own. Every rank builds
-  the whole model (as a DDP user does), a sharding kind shards it and drops the whole copy;
-  then the peak RSS is reset (``/proc/self/clear_refs``) and ``--mem-steps`` steps run.
+  the whole model (as a DDP user does), a sharding kind shards it and drops the whole copy
+  (and the heap's free pages go back to the OS: ``malloc_trim``); then the peak RSS is reset
+  (``/proc/self/clear_refs``) and ``--mem-steps`` steps run. Every allocation of 64 KiB or
+  more is its own mapping in this phase (glibc's ``M_MMAP_THRESHOLD``), so the resident
+  memory is the memory in use, not what the heap kept of earlier steps.
   Reported per kind: the peak resident memory over the steps minus the process's memory
   before the model was built (the largest of the ranks'), and its ratio to DDP's; for zero3
   also the bound ``(params + grads + state) / world + the two largest units + the root``.
@@ -32,6 +35,7 @@ Two phases:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -130,8 +134,10 @@ class Kind:
         self.params = params
         if kind == "zero3":  # the whole copy goes: this rank keeps its slices only
             self.params = self.step_fn.shard(params)
-            net.to("meta")
             del params
+        # The module's own copy of the params goes too (apply swaps in what it is given), as a
+        # user does; DDP and FSDP2 hold theirs in the module.
+        net.to("meta")
 
     def step(self, t: int, size: int) -> None:
         x, y = batch(t, self.group.rank, size)
@@ -162,12 +168,34 @@ def _warm(group: fdp.Group) -> None:
     gc.collect()
 
 
+def _trim() -> None:
+    """Give the heap's free pages back to the OS (glibc's ``malloc_trim``): what a kind frees
+    while it is built (a sharding kind's whole copy of the model) must not count as its memory."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def _map_each_tensor() -> None:
+    """Every allocation of 64 KiB or more its own mapping, returned to the OS when freed
+    (glibc's ``M_MMAP_THRESHOLD``, fixed): the resident memory is then the memory in use, not
+    what the heap kept of earlier steps (the memory phase runs with ``FDP_MALLOC=os``)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     torch.set_num_threads(cfg.threads)
+    _map_each_tensor()
     _warm(group)
+    _trim()
     base = rss()[0]
     k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
-    gc.collect()
+    _trim()
     if not reset_peak_rss():
         return {"peak_mib": None}
     for t in range(cfg.mem_steps):
@@ -217,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--width", type=int, default=256, help="the timing model's width")
     p.add_argument("--layers", type=int, default=4, help="the timing model's blocks")
-    p.add_argument("--mem-width", type=int, default=1024, help="the memory model's width")
-    p.add_argument("--mem-layers", type=int, default=6, help="the memory model's blocks (6 x 1024: 1.2 GB with AdamW)")
+    p.add_argument("--mem-width", type=int, default=512, help="the memory model's width")
+    p.add_argument("--mem-layers", type=int, default=24,
+                   help="the memory model's blocks (24 x 512: 1.2 GB of params, grads and AdamW state)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--mem-steps", type=int, default=3)
@@ -238,12 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"config": vars(cfg)}
     lines = []
     if not cfg.no_memory:
+        os.environ["FDP_MALLOC"] = "os"  # (see _map_each_tensor; the timing phase keeps fdp's default)
         mem = {}
         for kind in cfg.kinds:
             per_rank = fdp.testing.run(memory_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout,
                                        args=(cfg, kind))
             peaks = [r["peak_mib"] for r in per_rank]
             mem[kind] = {**per_rank[0], "peak_mib": None if None in peaks else max(peaks)}
+        os.environ.pop("FDP_MALLOC", None)
         results["memory"] = mem
         params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
         lines.append(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and AdamW "

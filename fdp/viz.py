@@ -32,7 +32,9 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
 
     Rows: the forward and backward, then each bucket's "last gradient ready" dot and its
     collective from launch to completion, green while the backward still runs and red after
-    it (the exposed communication, summed in the title). docs/performance.md ("Reading the
+    it (the exposed communication, summed in the title). With fully sharded params, each
+    bucket's (unit's) all-gathers above it: light while the compute ran, dark while the step
+    waited for them. docs/performance.md ("Reading the
     timeline") walks through real ones.
 
     Args:
@@ -69,6 +71,15 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
     labelled = set()
     for b, name in zip(timeline.buckets, rows[1:]):
         row = y[name]
+        for issued, waited, done in b.gathers:  # fully sharded params: the unit's all-gathers
+            if waited > issued:
+                ax.barh(row + 0.3, (waited - issued) * ms, left=issued * ms, height=0.18, color="#b39ddb",
+                        label=None if "gather" in labelled else "params all-gather (behind compute)")
+                labelled.add("gather")
+            if done > waited:
+                ax.barh(row + 0.3, (done - waited) * ms, left=waited * ms, height=0.18, color="#4a148c",
+                        label=None if "gather wait" in labelled else "params all-gather (waited for)")
+                labelled.add("gather wait")
         if b.ready is not None:
             ax.plot(b.ready * ms, row, "o", color="#1565c0", markersize=5,
                     label=None if "ready" in labelled else "last gradient ready")
@@ -90,8 +101,10 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
     ax.set_xlabel("ms since the step started")
     ax.set_xlim(left=0, right=max(timeline.end, timeline.comm_done) * ms * 1.02)
     ax.grid(axis="x", alpha=0.3)
+    gathers = "" if not any(b.gathers for b in timeline.buckets) else (
+        f", all-gather waits {timeline.exposed_gather * ms:.1f} ms")
     ax.set_title(title or (f"step {timeline.step} ({timeline.kind}): exposed communication "
-                           f"{timeline.exposed_comm * ms:.1f} ms of {timeline.end * ms:.1f} ms"))
+                           f"{timeline.exposed_comm * ms:.1f} ms{gathers} of {timeline.end * ms:.1f} ms"))
     if ax.get_legend_handles_labels()[0]:  # nothing drawn (e.g. a world of one): no legend
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.5 / (nb + 1) - 0.12), ncol=5, fontsize=8,
                   frameon=False)

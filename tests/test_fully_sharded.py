@@ -9,6 +9,7 @@ from models import Block, block_net, tokens
 from torch import nn
 
 import fdp
+import fdp.viz
 
 OPTIMIZERS = {
     "adamw-mask-schedule": lambda: fdp.optim.adamw(lr=fdp.optim.schedules.warmup_cosine(1e-2, 2, 10),
@@ -184,7 +185,7 @@ def memory(group):
     return held, slices, state_numel, whole, core.units.peak_gathered, nbytes, step.last_step.timeline
 
 
-def test_each_rank_holds_its_slice_and_gathers_at_most_two_units_beside_the_root():
+def test_each_rank_holds_its_slice_and_gathers_at_most_two_units_beside_the_root(tmp_path):
     for rank, (held, slices, state_numel, whole, peak, nbytes, timeline) in enumerate(
             fdp.testing.run(memory, 2, backend="gloo", timeout=120)):
         assert held == [0] * len(held), f"rank {rank}: gathered params left after the step: {held}"
@@ -198,6 +199,9 @@ def test_each_rank_holds_its_slice_and_gathers_at_most_two_units_beside_the_root
         gathers = {b.index: len(b.gathers) for b in timeline.buckets}
         assert sorted(gathers.values()) == [1, 1, 2, 2, 2], gathers  # (two root buckets: emb, ln)
         assert timeline.exposed_gather >= 0
+    fig = fdp.viz.plot_timeline(timeline, tmp_path / "zero3.png")
+    assert (tmp_path / "zero3.png").read_bytes().startswith(b"\x89PNG")
+    assert "all-gather waits" in fig.axes[0].get_title()
 
 
 def inference(group):

@@ -9,8 +9,10 @@ from . import cost as cost
 from . import hooks as hooks
 from . import optim as optim
 from . import testing as testing
-from ._checkpoint import load as load
-from ._checkpoint import save as save
+from ._checkpoint.sharded import load_sharded as load_sharded
+from ._checkpoint.sharded import save_sharded as save_sharded
+from ._checkpoint.single import load as load
+from ._checkpoint.single import save as save
 from ._comm.agree import any_rank as any_rank
 from ._comm.group import Group as Group
 from ._comm.group import init as init
@@ -35,6 +37,7 @@ from ._replicas import assert_same_shapes as assert_same_shapes
 from ._rng import RngState as RngState
 from ._rng import rng_state as rng_state
 from ._rng import set_rng_state as set_rng_state
+from ._shard import Shard as Shard
 from ._step.autodiff import local_grad as local_grad
 from ._step.autodiff import local_grad_and_value as local_grad_and_value
 from ._step.record import BucketTimes as BucketTimes
@@ -60,6 +63,7 @@ __all__ = [
     "ReplicaCheck",
     "ReplicaMismatchError",
     "RngState",
+    "Shard",
     "ShardedParams",
     "StepRecord",
     "Timeline",
@@ -72,6 +76,7 @@ __all__ = [
     "hooks",
     "init",
     "load",
+    "load_sharded",
     "local_grad",
     "local_grad_and_value",
     "optim",
@@ -79,6 +84,7 @@ __all__ = [
     "psum",
     "rng_state",
     "save",
+    "save_sharded",
     "set_rng_state",
     "sync_buffers",
     "testing",

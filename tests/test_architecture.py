@@ -101,7 +101,7 @@ def test_there_is_no_import_cycle_between_modules():
 # The layers, lowest first: a module imports only modules of its own layer or below, and
 # within a layer only its own folder. Names are module prefixes.
 LAYERS = [
-    ("fdp._tree", "fdp._errors", "fdp._log", "fdp.kernels"),       # pytrees, errors, the copy kernels
+    ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp.kernels"),  # pytrees, errors, Shard, the copy kernels
     ("fdp._comm",),                                                # groups, collectives, agreement, lifetime
     ("fdp._plan", "fdp.optim"),                                    # layouts in flat buckets; optimizers
     ("fdp.hooks", "fdp._sync", "fdp._replicas", "fdp._psum", "fdp._rng", "fdp._checkpoint",
@@ -224,3 +224,12 @@ def test_the_top_level_layout_is_the_projects():
         assert (ROOT / required).exists(), required
     assert not (ROOT / "kernels" / "__init__.py").read_text().startswith("import fdp")
     assert '"fdp.kernels" = "kernels"' in (ROOT / "pyproject.toml").read_text()
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists its packages one by one: a folder missing there is missing from the
+    wheel (fdp/_comm, _plan, _step, _fused and cost once were)."""
+    tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fdp").rglob("__init__.py")}
+    assert folders - listed == set(), f"package folders pyproject.toml does not install: {sorted(folders - listed)}"

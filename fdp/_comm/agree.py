@@ -3,9 +3,9 @@
 Before two ranks exchange data they must agree on its layout; fdp checks that with one
 all-gather of a digest (``verify_layout``), and names the first differing leaf and ranks
 only when the digests differ. The same file holds the other agreements: a flag counted over
-the ranks (``count_ranks``, ``any_rank``), the active ranks of an uneven step
-(``count_and_check_active``), and debug mode's fingerprint of each collective before it is
-issued (``check_collective``).
+the ranks (``count_ranks``, ``any_rank``) or named by rank (``which_ranks``), the active
+ranks of an uneven step (``count_and_check_active``), and debug mode's fingerprint of each
+collective before it is issued (``check_collective``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,15 @@ def count_ranks(flag: bool, group: Group, what: str = "fdp.count_ranks") -> int:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=group.device)
     all_reduce(t, group, what)
     return int(t.item())
+
+
+def which_ranks(flag: bool, group: Group, what: str) -> list[int]:
+    """The ranks that passed a true ``flag``, in order (the same list on every rank): who
+    failed, for an error that names them. One small all-gather."""
+    if group.process_group is None:
+        return [0] if flag else []
+    rows = all_gather(torch.tensor([1 if flag else 0], dtype=torch.int64, device=group.device), group, what)
+    return [r for r, v in enumerate(rows.view(-1).tolist()) if v]
 
 
 def count_and_check_active(active: bool | None, group: Group, what: str) -> int:

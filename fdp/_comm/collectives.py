@@ -206,16 +206,17 @@ def all_gather_start(t: torch.Tensor, group: Group, what: str) -> tuple[Any, tor
 def all_gather_object(obj: Any, group: Group, what: str) -> list[Any]:
     """Gather a picklable object from every rank (two tensor collectives, with timeouts).
 
-    Only fdp's own metadata goes through here (never data loaded from disk).
+    Only fdp's own metadata goes through here (never data loaded from disk). The bytes travel
+    on the group's device (NCCL carries no CPU tensors).
     """
     if group.process_group is None:
         return [obj]
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64), group, what)
+    sizes = all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=group.device), group, what).cpu()
     longest = int(sizes.max())
     buf = torch.zeros(longest, dtype=torch.uint8)
     buf[: payload.numel()] = payload
-    gathered = all_gather(buf, group, what)
+    gathered = all_gather(buf.to(group.device), group, what).cpu()
     return [
         pickle.loads(gathered[r, : int(sizes[r, 0])].numpy().tobytes()) for r in range(group.size)
     ]

@@ -14,6 +14,10 @@ keeps AdamW's moments only for AdamW's leaves. A program with one part keeps the
 layout (``at == lo``, the padding included): the state of every element-wise optimizer is
 then exactly the bucket's (or slice's) shape. In a sharded step, a whole leaf's state lives on
 the rank that owns it (``fdp._fused.shard.Owners``), which updates it whole.
+
+``Spans.placed`` says, per leaf, which of its elements this rank's state holds and where: one
+run (the part of the leaf inside the slice, or the whole of an owned leaf), what
+``step.state_to_shards`` hands a sharded checkpoint as an ``fdp.Shard``.
 """
 
 from __future__ import annotations
@@ -41,18 +45,34 @@ class Span(NamedTuple):
     leaf: int = -1  # (owned spans: the leaf's index)
 
 
+class Placed(NamedTuple):
+    """Where one leaf's elements ``start:stop`` (of its flattening) are in this rank's state:
+    at ``at`` in its part's state buffers of bucket ``bucket``. A leaf's elements on one rank
+    are one run (the part of the leaf inside the slice, or the whole of an owned leaf)."""
+
+    leaf: int
+    part: int
+    bucket: int
+    start: int
+    stop: int
+    at: int
+
+
 class Spans:
     """One rank's spans of every bucket (see the module docstring).
 
     Attributes:
       by_key: per bucket, ``[(key, [Span, ...]), ...]`` in key order.
       sizes: per bucket, per part, its state buffers' length.
+      placed: per leaf index, where its elements are in this rank's state (``Placed``), or
+        None when this rank holds none of them.
     """
 
     def __init__(self, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: set[int], shards: Shards,
                  parts: int, owner: dict[int, int] | None = None) -> None:
         self.by_key: list[list[tuple[Key, list[Span]]]] = []
         self.sizes: list[list[int]] = []
+        self.placed: list[Placed | None] = [None] * len(plan.slots)
         one_part = parts == 1 and owner is None
         for b in plan.buckets:
             lo_r, hi_r = shards.lo[b.index], min(shards.hi[b.index], b.numel)
@@ -63,6 +83,8 @@ class Spans:
                     if owner[i] == shards.rank:
                         part = keys[i][0]
                         spans.setdefault(keys[i], []).append(Span(off, off + n, count[part], tuple(shape), True, i))
+                        if n:
+                            self.placed[i] = Placed(i, part, b.index, 0, n, count[part])
                         count[part] += n
                     continue
                 lo, hi = max(off, lo_r), min(off + n, hi_r)
@@ -72,6 +94,7 @@ class Spans:
                 part = key[0]
                 at = lo - lo_r if one_part else count[part]
                 count[part] += hi - lo
+                self.placed[i] = Placed(i, part, b.index, lo - off, hi - off, at)
                 mine = spans.setdefault(key, [])
                 if part in whole_parts:
                     mine.append(Span(lo - lo_r, hi - lo_r, at, tuple(shape)))

@@ -6,6 +6,10 @@ field, the label's elements only: ``fdp/_fused/spans.py``). ``StateLayout`` make
 checks and converts it: ``to_tree`` gives the per-leaf layout of ``opt.init(params)`` (a
 collective when sharded: the slices are gathered), which loads into the plain path, another
 bucket plan, another world size or the unsharded step; ``from_tree`` takes it back.
+``to_shards`` gives the same layout with each leaf an ``fdp.Shard`` of this rank's elements
+(views, no communication: what ``fdp.save_sharded`` writes), and ``from_shards`` takes it
+back from Shards of any origin that hold this rank's elements (``fdp.load_sharded``'s, of a
+checkpoint saved on another world size).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from .. import _tree
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
+from .._shard import Shard
 from ..optim import ChainState, PartitionState
 from .program import Program
 from .shard import Shards
@@ -29,8 +34,9 @@ __all__ = ["FusedState", "StateLayout"]
 
 
 class FusedState(NamedTuple):
-    """The fused step's optimizer state, flat per bucket (save its per-leaf form with
-    ``step.state_to_tree``; unsharded, ``fdp.save`` takes it as it is).
+    """The fused step's optimizer state, flat per bucket (save its per-leaf form:
+    ``step.state_to_shards`` with ``fdp.save_sharded``, or ``step.state_to_tree`` with
+    ``fdp.save``; unsharded, ``fdp.save`` takes it as it is too).
 
     The state knows its layout: ``layout`` says which bucket plan (leaf paths, order, shapes,
     dtypes, caps and param groups) its flat tensors follow and, sharded, which slice of each
@@ -67,8 +73,9 @@ class FusedState(NamedTuple):
         rank, ranks = (int(v) for v in self.layout[1:3])
         return (f"it is rank {rank}'s slices of a state sharded over {ranks} ranks "
                 "(Reducer(shard=True)), and rank 0's slices alone are not the state; save "
-                "step.state_to_tree(opt_state, params) instead (gathered, per leaf: it loads into "
-                "any world size, and step.state_from_tree slices it again)")
+                "step.state_to_shards(opt_state, params) with fdp.save_sharded (every rank its own "
+                "slices, per leaf), or step.state_to_tree(opt_state, params) with fdp.save (gathered, "
+                "per leaf); either loads into any world size")
 
     def __getattr__(self, name: str) -> Any:
         # torch.distributed.checkpoint asks every value it saves, at any depth of the state
@@ -88,7 +95,8 @@ class FusedState(NamedTuple):
             f"slices of a fused optimizer state sharded over {ranks} ranks (Reducer(shard=True)), which DCP "
             "would store as one object from one rank and load on every rank. Put "
             "step.state_to_tree(opt_state, params) there instead (gathered, per leaf: it loads into any world "
-            "size; after dcp.load, opt_state = step.state_from_tree(loaded, params)), or save with fdp.save")
+            "size; after dcp.load, opt_state = step.state_from_tree(loaded, params)), or save with fdp.save, or "
+            "with no gather: fdp.save_sharded of step.state_to_shards(opt_state, params)")
 
     def __fdp_check_load__(self, like: Any) -> str | None:
         """Why a loaded state cannot stand where ``like`` stood (None: it can)."""
@@ -139,6 +147,9 @@ class StateLayout:
         self.keys = [[f if not program.partitioned else f"{part.label}:{f}" for f in part.kernel.fields]
                      for part in self.parts]
         self.layout = layout_tensor(plan, shards, program.keys if program.partitioned else None)
+        # Whether the state buffers are compact (spans.py): a partition's, or a sharded state
+        # with whole leaves owned by one rank each (Muon); else each is the bucket's (slice's) layout.
+        self.compact = len(self.parts) > 1 or (shards.sharded and any(p.kernel.whole_leaves for p in self.parts))
 
     # ------------------------------------------------------------------ make and check
     def init(self, params: Any) -> FusedState:
@@ -200,8 +211,15 @@ class StateLayout:
         template = self.inner(self.opt.init(params))
         # Per field of each part, every leaf's values in the plan's leaf order (the part's
         # leaves only), from the whole buckets (gathered when sharded).
-        values = [{f: _tree.leaves(self.plan.views([self._whole(b, k, t) for b, t in enumerate(state.buffers[key])]))
+        values = [{f: [t.clone() for t in _tree.leaves(self.plan.views(
+                       [self._whole(b, k, t) for b, t in enumerate(state.buffers[key])]))]
                    for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
+        return self._per_leaf(template, values, state, params, "state_to_tree")
+
+    def _per_leaf(self, template: Any, values: list[dict[str, list]], state: FusedState, params: Any,
+                  what: str) -> Any:
+        """``opt.init(params)``'s layout (``template``'s types) holding ``values``: per part, per
+        field, each leaf's value in the plan's leaf order (the part's leaves only)."""
         # In params' own structure: a dict given in another key order than the plan's gets
         # its state in its own order, as opt.init(params) lays it out.
         want = _tree.structure(params)
@@ -209,11 +227,10 @@ class StateLayout:
         def in_params_order(leaves: list) -> list:
             if want == self.plan.treedef:
                 return leaves
-            return _tree.in_order_of(want, self.plan.treedef, leaves, f"{self.name}: state_to_tree params")
+            return _tree.in_order_of(want, self.plan.treedef, leaves, f"{self.name}: {what} params")
 
         if not self.program.partitioned:
-            fields = {f: _tree.unflatten(want, list(map(torch.Tensor.clone, in_params_order(v))))
-                      for f, v in values[0].items()}
+            fields = {f: _tree.unflatten(want, in_params_order(v)) for f, v in values[0].items()}
             tree = template._replace(step=state.step.clone(), **fields)
         else:
             tree = self._partition_tree(template, values, state.step, params, in_params_order)
@@ -233,16 +250,105 @@ class StateLayout:
                 states[label] = sub
                 continue
             per_field = {f: in_params_order(v) for f, v in values[k].items()}
-            fields = {f: {keys[i]: v[i].clone() for i in range(len(labels)) if labels[i] == label}
+            fields = {f: {keys[i]: v[i] for i in range(len(labels)) if labels[i] == label}
                       for f, v in per_field.items()}
             states[label] = sub._replace(step=count.to(sub.step.dtype).clone(), **fields)
         return PartitionState(states)
+
+    # ------------------------------------------------------------------ per-leaf parts (no communication)
+    def to_shards(self, state: FusedState, params: Any) -> Any:
+        """``to_tree``'s layout with an ``fdp.Shard`` of this rank's elements for each leaf of
+        the state's fields (views of ``state``'s buffers, no copy); the count and the
+        transforms' states as they are (replicated). No communication."""
+        state = self.check(state)
+        # The layout's types from an init on meta tensors: no memory, the structure of opt.init(params).
+        template = self.inner(self.opt.init(_tree.tree_map(_on_meta, params)))
+        slots, placed, keys = self.plan.slots, self.mine.placed, self.program.keys
+
+        def shard(i: int, key: str) -> Shard:
+            slot, at = slots[i], placed[i]
+            if at is None:  # (none of this leaf's elements are in this rank's state)
+                return Shard(tuple(slot.shape), slot.dtype, (), state.buffers[key][slot.bucket][:0])
+            data = state.buffers[key][at.bucket][at.at:at.at + (at.stop - at.start)]
+            return Shard(tuple(slot.shape), slot.dtype, ((at.start, at.stop),), data)
+
+        values = [{f: [shard(i, key) if keys[i][0] == k else None for i in range(len(slots))]
+                   for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
+        return self._per_leaf(template, values, state, params, "state_to_shards")
+
+    def from_shards(self, tree_state: Any, params: Any) -> FusedState:
+        """This rank's ``FusedState`` from ``to_shards``'s layout (e.g. loaded by
+        ``fdp.load_sharded``): each leaf's Shard (or whole tensor) must hold this rank's
+        elements of it; they are copied into fresh flat buffers."""
+        what = f"{self.name}: state_from_shards"
+        transforms = ()
+        if self.opt.parts:
+            if not isinstance(tree_state, ChainState):
+                raise TypeError(f"{what}: expected the ChainState of step.state_to_shards, got "
+                                f"{type(tree_state).__name__}")
+            transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
+        buffers = {key: [torch.zeros(self.mine.sizes[b.index][k], dtype=b.dtype, device=b.device)
+                         for b in self.plan.buckets]
+                   for k, part in enumerate(self.parts) for key in self.keys[k]}
+        if not self.program.partitioned:
+            count = tree_state.step.clone()
+            for f, key in zip(self.parts[0].kernel.fields, self.keys[0]):
+                leaves, treedef = _tree.flatten(getattr(tree_state, f))
+                if treedef != self.plan.treedef:
+                    leaves = _tree.in_order_of(self.plan.treedef, treedef, leaves, f"{what}: .{f}")
+                for i, leaf in enumerate(leaves):
+                    self._put(buffers[key], i, leaf, f"{what}: .{f}")
+            return FusedState(count, buffers, transforms, self.layout)
+        if not isinstance(tree_state, PartitionState):
+            raise TypeError(f"{what}: expected the PartitionState of step.state_to_shards, got "
+                            f"{type(tree_state).__name__}")
+        partition = self.program.optimizer.partition
+        labels, keys = partition.labels(params), partition.keys(params)
+        # each plan leaf's index in params' own order
+        order = list(range(len(labels)))
+        want = _tree.structure(params)
+        if want != self.plan.treedef:
+            order = _tree.in_order_of(self.plan.treedef, want, order, f"{what}: params")
+        counts = {label: s.step for label, s in tree_state.states.items() if hasattr(s, "step")}
+        if len({int(c) for c in counts.values()}) > 1:
+            raise ValueError(f"{what}: the partition's labels have different step counts {counts}; the "
+                             "fused step updates every label at each step, so their counts must agree")
+        count = next(iter(counts.values())).clone() if counts else self._count(params)
+        for k, part in enumerate(self.parts):
+            for f, key in zip(part.kernel.fields, self.keys[k]):
+                sub = getattr(tree_state.states[part.label], f)
+                for i, j in enumerate(order):
+                    if labels[j] == part.label:
+                        self._put(buffers[key], i, sub[keys[j]], f"{what}: .states[{part.label!r}].{f}")
+        return FusedState(count, buffers, transforms, self.layout)
+
+    def _put(self, flats: list[torch.Tensor], i: int, leaf: Any, what: str) -> None:
+        """Plan leaf ``i``'s elements on this rank from ``leaf`` (a Shard, or the whole tensor)
+        into its place in ``flats`` (per bucket, one field's state buffers)."""
+        slot, at = self.plan.slots[i], self.mine.placed[i]
+        if isinstance(leaf, torch.Tensor):
+            leaf = Shard.whole(leaf)
+        if not isinstance(leaf, Shard):
+            raise TypeError(f"{what}{slot.path} is a {type(leaf).__name__}; expected an fdp.Shard or a tensor")
+        if leaf.shape != tuple(slot.shape) or leaf.dtype != slot.dtype:
+            raise ValueError(f"{what}{slot.path} has shape {leaf.shape} and dtype {leaf.dtype}; the param has "
+                             f"shape {tuple(slot.shape)} and dtype {slot.dtype}")
+        if at is None:
+            return
+        for lo, hi, data in leaf.pieces():
+            if lo <= at.start and at.stop <= hi:
+                flats[at.bucket][at.at:at.at + (at.stop - at.start)].copy_(data[at.start - lo:at.stop - lo])
+                return
+        where = "slice" if self.shards.sharded else "state"
+        raise ValueError(f"{what}{slot.path} holds elements {[list(r) for r in leaf.ranges]} of the leaf, but this "
+                         f"rank's {where} ({self.shards.rank} of {self.shards.size}) needs its elements "
+                         f"{at.start}:{at.stop} (load it with step.state_to_shards(step.init(params), params) as like)")
 
     def _whole(self, b: int, k: int, mine: torch.Tensor) -> torch.Tensor:
         """Bucket ``b``'s whole state of part ``k`` in the bucket's layout, from this rank's
         (compact) part: an all-gather when sharded; other parts' elements are zeros."""
         s, bucket = self.shards, self.plan.buckets[b]
-        one_part = len(self.parts) == 1
+        one_part = not self.compact
         if not s.sharded and one_part:
             return mine
         if s.sharded:
@@ -306,7 +412,7 @@ class StateLayout:
     def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
         s = self.shards
-        if len(self.parts) == 1:
+        if not self.compact:
             if not s.sharded:
                 return whole.clone()
             n = s.padded[b]
@@ -320,3 +426,7 @@ class StateLayout:
         for at, piece in pieces:
             out[at:at + piece.numel()] = piece
         return out
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")

@@ -90,7 +90,9 @@ class FusedStep:
     another view of the same memory) is packed in (one copy). The optimizer state is flat per
     bucket and updated in place; ``state_to_tree`` / ``state_from_tree`` convert it to and
     from the per-leaf layout of ``opt.init(params)`` (checkpoints that load into the plain
-    path, another plan or world).
+    path, another plan or world), and ``state_to_shards`` / ``state_from_shards`` to and from
+    the same layout holding this rank's parts (``fdp.Shard``s: sharded checkpoints written
+    without a gather by ``fdp.save_sharded``).
 
     The numbers equal ``reducer.grad`` + ``opt.update`` bit for bit, on any world size, with
     every transform fdp.optim has: the buckets are the Reducer's own (DDP's), so every
@@ -248,6 +250,42 @@ class FusedStep:
         core, _, layout = self._bind(params)
         with autograd_on():
             state = layout.from_tree(tree_state, template(params))
+        core.broken = None
+        return state
+
+    def state_to_shards(self, opt_state: FusedState, params: Any) -> Any:
+        """The per-leaf optimizer state, as ``state_to_tree`` lays it out, with each tensor of
+        the state's fields an ``fdp.Shard`` of this rank's elements of that leaf; no
+        communication. Sharded, a leaf's elements on a rank are those of its slice (one
+        range), or the whole leaf on its owner (Muon), or none; unsharded, the whole leaf. The
+        count and the transforms' states are tensors (replicated). The Shards' data are views
+        of ``opt_state``'s buffers (no copy): save them before the next step changes them.
+
+        A sharded checkpoint without a gather, and its resumption on any world size::
+
+            fdp.save_sharded(d, {"params": params, "opt": step.state_to_shards(opt_state, params), "step": n})
+            like = {"params": params, "opt": step.state_to_shards(step.init(params), params), "step": 0}
+            state = fdp.load_sharded(d, like)
+            opt_state = step.state_from_shards(state["opt"], params)
+
+        ``like = {..., "opt": opt.init(params)}`` loads the plain per-leaf tensors instead.
+        """
+        core, _, layout = self._bind(params)
+        return layout.to_shards(core.check_state(layout, opt_state), template(params))
+
+    def state_from_shards(self, tree_state: Any, params: Any) -> FusedState:
+        """This rank's ``FusedState`` from ``state_to_shards``'s layout (e.g. loaded by
+        ``fdp.load_sharded`` with ``step.state_to_shards(step.init(params), params)`` as
+        ``like``). Each leaf's Shard must hold this rank's elements of it (a whole tensor
+        does too); they are copied into fresh buffers. No communication.
+
+        Raises:
+          ValueError: a Shard lacks some of this rank's elements, or a leaf's shape or
+            dtype is not the param's (names the leaf and the elements needed).
+        """
+        core, _, layout = self._bind(params)
+        with autograd_on():
+            state = layout.from_shards(tree_state, template(params))
         core.broken = None
         return state
 

@@ -7,50 +7,43 @@ states, user metadata. ``save`` writes it as one file holding a flat mapping
 object is ever pickled, so ``load`` reads it with ``torch.load(weights_only=True)`` and
 rebuilds the tree from the structure of ``like``, the freshly initialised train state.
 
-Why one file, written by rank 0, rather than ``torch.distributed.checkpoint`` (DCP): in data
-parallelism the train state is replicated, so one writer holds all of it (per-rank RNG states
-are gathered into it first) and there is nothing to shard. A single file can be replaced
-atomically with one ``os.replace``: a reader, or a job restarted after a crash, sees the old
-checkpoint or the new one, never a mix. DCP is built for sharded state (every rank writes its
-shards and a metadata file into a directory, which is not replaced in one atomic step), and
-its default load planner reads non-tensor values with ``torch.load(weights_only=False)``
-(torch 2.13, ``default_planner.py``), which would unpickle arbitrary objects. For sharded
-(FSDP/TP) state, DCP is the right tool; fdp's state is not sharded.
+Why one file, written by rank 0: in data parallelism the train state is replicated, so one
+writer holds all of it (per-rank RNG states are gathered into it first). A single file can be
+replaced atomically with one ``os.replace``: a reader, or a job restarted after a crash, sees
+the old checkpoint or the new one, never a mix. A state sharded over the ranks (the fused
+step's with ``Reducer(shard=True)``) is either gathered first (``step.state_to_tree``) or
+written without a gather by ``fdp.save_sharded`` (``sharded.py``, which says why not
+``torch.distributed.checkpoint``).
 
 Format version 2 adds a CRC32 of every leaf (a tensor's bytes, a plain value's repr), checked
 at load: ``torch.load`` does not check the zip records' own CRCs, so a flipped bit in a
-tensor record loaded silently (issue 15, item 5). CRC32 is the zip format's own check; like
-every CRC of degree n it detects each burst error of up to n bits (Peterson and Brown,
-"Cyclic codes for error detection", Proc. IRE, 1961). Version 2 also records which leaves are per-rank state
-(``fdp.rng_state`` trees), so that only those tie a checkpoint to its world size. Version 1
-files still load, without the content check (they hold no checksums).
+tensor record loaded silently (issue 15, item 5). Version 2 also records which leaves are
+per-rank state (``fdp.rng_state`` trees), so that only those tie a checkpoint to its world
+size. Version 1 files still load, without the content check (they hold no checksums).
 """
 
 from __future__ import annotations
 
 import ast
-import errno
 import os
 import re
-import uuid
-import zlib
 from typing import Any
 
 import torch
 
-from . import _tree
-from ._comm.agree import count_ranks
-from ._comm.group import Group, resolve
-from ._errors import CheckpointError
+from .. import _tree
+from .._comm.agree import count_ranks
+from .._comm.group import Group, resolve
+from .._errors import CheckpointError
+from .._shard import Shard
+from .files import write_atomically
+from .leaves import PLAIN, check_loaded, crc32, per_rank_paths, refuse_unsaveable
 
 __all__ = ["load", "save"]
 
 FORMAT = "fdp.checkpoint"
 VERSION = 2
 READS = (1, 2)  # version 1: no checksums, no per-rank record
-# Plain values a checkpoint may hold besides tensors: all load under weights_only=True.
-# (None is not a leaf: optree treats it as an empty subtree, so it round-trips as structure.)
-_PLAIN = (bool, int, float, str)
 
 PathLike = str | os.PathLike
 
@@ -90,11 +83,12 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
     """
     group = resolve(group)
     path = os.fspath(path)
-    _refuse_shards(tree)  # on every rank, before any collective: each holds slices
+    refuse_unsaveable(tree, "fdp.save")  # on every rank, before any collective: each holds slices
     error: Exception | None = None
     if group.rank == 0:
         try:
-            _write_atomically(path, _payload(tree, group.size))
+            payload = _payload(tree, group.size)
+            write_atomically(path, lambda f: torch.save(payload, f), lambda: _nbytes(payload))
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
     # The barrier: rank 0 reports whether the file is in place; nobody returns before it is.
@@ -181,12 +175,7 @@ def load(
             raise CheckpointError(f"fdp.load: {path} has a leaf {p}, which the train state lacks")
     out = [_match(path, p, values[p], want) for p, want in zip(paths, leaves)]
     loaded = _tree.unflatten(treedef, out)
-    # States that know their layout (a fused optimizer state) say whether they fit ``like``'s.
-    for (p, got), (_, want) in zip(_tree.nodes_with(loaded, "__fdp_check_load__"),
-                                   _tree.nodes_with(like, "__fdp_check_load__")):
-        problem = got.__fdp_check_load__(want)
-        if problem:
-            raise CheckpointError(f"fdp.load: {path}: {p}: {problem}")
+    check_loaded(loaded, like, f"fdp.load: {path}")
     return loaded
 
 
@@ -216,20 +205,6 @@ def _nested(path: str, values: dict[str, Any]) -> Any:
     return root
 
 
-def _refuse_shards(tree: Any) -> None:
-    """States that know they are one rank's part (``FusedState`` of a sharded step) say so."""
-    for p, node in _tree.nodes_with(tree, "__fdp_unsaveable__"):
-        reason = node.__fdp_unsaveable__()
-        if reason:
-            raise CheckpointError(f"fdp.save: {p} cannot be saved as it is: {reason}")
-
-
-def _per_rank(tree: Any) -> list[str]:
-    """Paths of the leaves under an ``RngState``: one row per rank, tied to the world size."""
-    return [p + q for p, node in _tree.nodes_with(tree, "__fdp_per_rank__") for q in _tree.paths(_tree.structure(node))
-            if q != "<root>"]
-
-
 def _payload(tree: Any, world_size: int) -> dict[str, Any]:
     paths, leaves, _ = _tree.flatten_with_paths(tree)
     if len(set(paths)) != len(paths):
@@ -238,8 +213,13 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
     for p, leaf in zip(paths, leaves):
         if isinstance(leaf, torch.Tensor):
             out[p] = _compact_cpu(leaf)
-        elif type(leaf) in _PLAIN:
+        elif type(leaf) in PLAIN:
             out[p] = leaf
+        elif isinstance(leaf, Shard):
+            raise CheckpointError(
+                f"fdp.save: leaf {p} is an fdp.Shard (one rank's part of a tensor), and fdp.save "
+                "writes rank 0's tree alone; save a tree of Shards with fdp.save_sharded"
+            )
         else:
             raise CheckpointError(
                 f"fdp.save: leaf {p} is a {type(leaf).__name__}; a checkpoint holds tensors "
@@ -247,17 +227,12 @@ def _payload(tree: Any, world_size: int) -> dict[str, Any]:
             )
     return {"format": FORMAT, "version": VERSION, "world_size": world_size,
             "torch": str(torch.__version__), "leaves": out,
-            "crc32": {p: _crc32(v) for p, v in out.items()},
-            "per_rank": _per_rank(tree)}
+            "crc32": {p: crc32(v) for p, v in out.items()},
+            "per_rank": per_rank_paths(tree)}
 
 
-def _crc32(value: Any) -> int:
-    """CRC32 of a tensor's bytes (row-major), or of a plain value's type and repr."""
-    if isinstance(value, torch.Tensor):
-        data = value.detach().reshape(-1)
-        data = data.view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
-        return zlib.crc32(memoryview(data.contiguous().numpy()))
-    return zlib.crc32(f"{type(value).__name__}:{value!r}".encode())
+def _nbytes(payload: dict[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in payload["leaves"].values() if isinstance(v, torch.Tensor))
 
 
 def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -268,109 +243,6 @@ def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
         return t.clone(memory_format=torch.contiguous_format)
     return t
-
-
-class _Sink:
-    """The file torch.save writes to, remembering the first OSError of a write.
-
-    torch.save's zip writer turns a failed write into "enforce fail at inline_container.cc
-    ... unexpected pos" (torch 2.13), which hides a full disk; the OSError kept here names it.
-    """
-
-    def __init__(self, f: Any):
-        self.f, self.error = f, None
-
-    def write(self, data: Any) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as e:
-            self.error = self.error or e
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-# What torch.save's writer cannot say: the file system refused the bytes.
-_SPACE = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-          errno.EFBIG: "the file-size limit is reached (ulimit -f, or the file system's)"}
-
-
-def _write_atomically(path: str, payload: dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    name = os.path.basename(path)
-    _remove_orphans(folder, name)
-    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
-    sink = None
-    try:
-        # os.open honours the umask (tempfile.mkstemp would force mode 0600).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with os.fdopen(fd, "wb") as f:
-            sink = _Sink(f)
-            torch.save(payload, sink)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        cause = _os_error(e, sink)
-        if cause is not None and cause.errno in _SPACE:
-            need = sum(v.numel() * v.element_size() for v in payload["leaves"].values()
-                       if isinstance(v, torch.Tensor))
-            raise OSError(cause.errno, f"{_SPACE[cause.errno]}: {os.strerror(cause.errno)} while writing "
-                          f"{tmp}; the checkpoint needs about {_mib(need)} and {_free(folder)} "
-                          "(the previous checkpoint, if any, is untouched)") from e
-        raise
-    _fsync_folder(folder)
-
-
-def _os_error(e: BaseException, sink: _Sink | None) -> OSError | None:
-    """The OSError behind a failed write: torch.save's context chain or the sink's record."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return sink.error if sink is not None else None
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _free(folder: str) -> str:
-    try:
-        st = os.statvfs(folder)
-    except (OSError, AttributeError):  # no statvfs on Windows
-        return "the free space is unknown"
-    return f"{_mib(st.f_bavail * st.f_frsize)} is free there"
-
-
-def _remove_orphans(folder: str, name: str) -> None:
-    """Remove temporary files of earlier writes of ``name`` whose writer was killed."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}\.tmp")
-    for entry in os.listdir(folder):
-        if pattern.fullmatch(entry):
-            try:
-                os.unlink(os.path.join(folder, entry))
-            except FileNotFoundError:  # another cleaner got there first
-                pass
-
-
-def _fsync_folder(folder: str) -> None:
-    if os.name == "nt":  # pragma: no cover - folders cannot be opened for fsync on Windows
-        return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some network/FUSE filesystems do not support it
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -399,7 +271,7 @@ def _read(path: str) -> dict[str, Any]:
         if not isinstance(sums, dict) or sums.keys() != leaves.keys() or not isinstance(per_rank, list):
             raise CheckpointError(f"fdp.load: {path} is damaged (its checksums do not list its leaves)")
         for p, value in leaves.items():
-            got = _crc32(value)
+            got = crc32(value)
             if got != sums[p]:
                 raise CheckpointError(
                     f"fdp.load: {path}: leaf {p} is corrupt: its bytes have CRC32 {got:08x}, but "

@@ -19,12 +19,24 @@ import torch
 from .. import _tree
 from .._comm.collectives import wait
 from .._plan.bucket import BucketPlan
+from .._shard import Shard
 from .params import ParamSets
 from .shard import Shards
 from .units import UnitsView
 
 if TYPE_CHECKING:  # (the core makes the sets: a type-only import, no cycle)
     from .units_core import UnitCore
+
+
+def elements(leaf: torch.Tensor | Shard, a: int, z: int, what: str) -> torch.Tensor:
+    """Elements ``a:z`` of a leaf's flattening, from a whole tensor or a Shard that holds them."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.reshape(-1)[a:z]
+    for start, stop, data in leaf.pieces():
+        if start <= a and z <= stop:
+            return data[a - start:z - start]
+    raise ValueError(f"{what} is a Shard of ranges {list(leaf.ranges)}; this rank needs its elements {a}:{z} "
+                     "(load it with this step's params.shards() as like)")
 
 
 class SliceSet:
@@ -76,9 +88,33 @@ class ShardedParams:
         return {k: torch.Size(s.shape) for k, s in zip(self._core.units.keys, self._core.plan.slots)}
 
     def template(self) -> Any:
-        """The params tree with meta tensors of the leaves' shapes and dtypes (no memory): what
-        masks and ``opt.init`` need to know of the params."""
-        return _tree.unflatten(self._core.plan.treedef, self._core.units.metas)
+        """The params tree as tensors of the leaves' shapes, dtypes and device that hold one
+        element each (a zero expanded to the shape): what masks and ``opt.init`` need to know
+        of the params."""
+        return _tree.unflatten(self._core.plan.treedef, [
+            torch.zeros((), dtype=s.dtype, device=s.device).expand(s.shape) for s in self._core.plan.slots])
+
+    def shards(self) -> Any:
+        """The params tree with each leaf an ``fdp.Shard`` of this rank's elements of it (views
+        of the slices: no copy, no communication): what ``fdp.save_sharded`` writes without a
+        gather, and, loaded by ``fdp.load_sharded`` (``like=params.shards()`` on any world
+        size), what ``step.shard`` takes back::
+
+            fdp.save_sharded(d, {"params": params.shards(), "opt": step.state_to_shards(opt_state, params)})
+            got = fdp.load_sharded(d, {"params": params.shards(), "opt": step.state_to_shards(opt_state, params)})
+            params, opt_state = step.shard(got["params"]), step.state_from_shards(got["opt"], params)
+        """
+        plan, s = self._core.plan, self._core.shards
+        out = []
+        for slot in plan.slots:
+            b = slot.bucket
+            a, z = max(slot.offset, s.lo[b]), min(slot.offset + slot.numel, s.hi[b])
+            if a < z:
+                out.append(Shard(slot.shape, slot.dtype, ((a - slot.offset, z - slot.offset),),
+                                 self._flats[b][a - s.lo[b]:z - s.lo[b]]))
+            else:
+                out.append(Shard(slot.shape, slot.dtype, (), self._flats[b][:0]))
+        return _tree.unflatten(plan.treedef, out)
 
     __fdp_template__ = template
 
@@ -117,8 +153,9 @@ class ShardedParams:
         return plan.views(flats)
 
     def __fdp_unsaveable__(self) -> str:
-        return ("they are this rank's slices of fully sharded params (Reducer(shard='params')); save them "
-                "with fdp.save_sharded, or save params.full() (gathered: every rank holds the whole model)")
+        return ("they are this rank's slices of fully sharded params (Reducer(shard='params')); save "
+                "params.shards() with fdp.save_sharded (no gather), or params.full() with fdp.save (gathered: "
+                "every rank holds the whole model)")
 
     def __repr__(self) -> str:
         s = self._core.shards
@@ -155,7 +192,7 @@ class SliceSets(ParamSets):
                                  "(units, params or sharding); convert them with params.full()")
             target = self.free(avoid=self.cur)
             torch._foreach_copy_(target.flats, params._set.flats)
-        else:
+        else:  # whole tensors, or Shards holding (at least) this rank's elements of each leaf
             leaves = self.plan.leaves_of(params, f"{self.name} params")
             target = self.free(avoid=self.cur)
             s = self.shards
@@ -164,7 +201,8 @@ class SliceSets(ParamSets):
                 for i, off, n in zip(b.leaves, b.offsets, b.numels):
                     a, z = max(off, lo), min(off + n, hi)
                     if a < z:
-                        flat[a - lo:z - lo].copy_(leaves[i].reshape(-1)[a - off:z - off])
+                        flat[a - lo:z - lo].copy_(elements(leaves[i], a - off, z - off,
+                                                           f"{self.name}: params{self.plan.slots[i].path}"))
         self.cur = target
         return target, True
 

@@ -157,7 +157,9 @@ class FusedStep:
         """Fully sharded params (``Reducer(shard="params")``): this rank's slices of a whole
         params tree, as the ``fdp.ShardedParams`` the step takes and returns (a copy of this
         rank's elements; no communication). Drop the whole tree afterwards (and the module's
-        copy: ``model.to("meta")``): from then on the rank holds only its slices.
+        copy: ``model.to("meta")``): from then on the rank holds only its slices. The leaves
+        may also be ``fdp.Shard`` s holding at least this rank's elements (``fdp.load_sharded``
+        with ``params.shards()`` as ``like``: a sharded checkpoint, on any world size).
 
         Raises:
           TypeError: the Reducer does not shard its params.

@@ -182,7 +182,6 @@ class Units:
         self.leaves = [torch.empty(0, dtype=dtype[s.bucket], device=s.device).set_(
             self.fulls[s.bucket].untyped_storage(), s.offset, s.shape, contiguous_strides(s.shape))
             for s in plan.slots]
-        self.metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in plan.slots]
         self.placeholders = [
             Placeholder.make(s.shape, dtype[s.bucket], f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
             for i, (k, s) in enumerate(zip(self.keys, plan.slots))]

@@ -390,8 +390,12 @@ def test_calibrate_with_the_fused_steps_optimizer_prices_its_update():
     loss = lambda p: p["w"].square().sum() + p["b"].sum()  # noqa: E731
     opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
     reducer = fdp.Reducer(params, bucket_cap_mb="auto")
-    with pytest.raises(TypeError, match="torch.optim kernel"):  # one the fused step cannot run
-        fdp.cost.calibrate(reducer, loss, params, optimizer=fdp.optim.partition(lambda path, p: "all", {"all": fdp.optim.sgd(0.1)}))
+    with pytest.raises(TypeError, match="LeafKernel"):  # one the fused step cannot run
+        fdp.cost.calibrate(reducer, loss, params, optimizer=fdp.optim.adafactor(lr=1e-3))
+    # a partition runs in the fused step: priced at its costliest label's kernel (AdamW's)
+    part = fdp.optim.partition(lambda path, p: "w" if p.dim() else "b",
+                               {"w": fdp.optim.adamw(1e-3), "b": fdp.optim.sgd(0.1)})
+    assert fdp.cost._autocaps.update_cost(part, reducer.plan)[1] > 0
     fdp.cost.calibrate(reducer, loss, params, optimizer=opt)
     prof = reducer.tuning.profile
     assert reducer.tuning.optimizer is opt and prof.update_per_byte > 0 and prof.update_fixed >= 0

@@ -149,8 +149,13 @@ def update_cost(opt: Any, plan: BucketPlan, sizes: tuple[int, ...] = (256 * 1024
                 repeats: int = 3) -> tuple[float, float]:
     """``(fixed seconds, seconds per byte)`` of ``opt``'s fused per-bucket update on this rank:
     its kernel timed on flat buffers of ``sizes`` bytes in the plan's dtype and device, in the
-    fused step's chunks (the fastest of ``repeats``), fitted to a line."""
-    kernel = split_chain(opt, "fdp.cost.calibrate", sharded=False)[1].leaf_kernel
+    fused step's chunks (the fastest of ``repeats``), fitted to a line. A ``partition`` is
+    priced at its costliest label's kernel."""
+    optimizer = split_chain(opt, "fdp.cost.calibrate", sharded=False)[1]
+    if optimizer.partition is None:
+        kernel = optimizer.leaf_kernel
+    else:  # a partition: priced at its costliest label's kernel (the one with most state fields)
+        kernel = max((o.leaf_kernel for o in optimizer.partition.optimizers.values()), key=lambda k: len(k.fields))
     dtype, device = (plan.buckets[0].dtype, plan.buckets[0].device) if plan.buckets else (
         torch.float32, torch.device("cpu"))
     count = torch.ones((), dtype=torch.float32)  # (not the first step, which SGD takes apart)

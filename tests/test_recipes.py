@@ -32,6 +32,8 @@ def bn_net() -> nn.Module:
 def accumulation_vs_ddp(group, steps=3, lr=0.1):
     """concepts.md's 2-micro-batch accumulation, against DDP with no_sync on the first."""
     snippet = doc_block("concepts.md", "accumulate=acc")
+    # (micro_loss, the loss over k = 2, is defined in the block before, beside the fused step)
+    micro_loss = doc_block("concepts.md", "def micro_loss").split("\n\n")[0]
     ddp = nn.parallel.DistributedDataParallel(bn_net(), bucket_cap_mb=0.002)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     apply, params, buffers = fdp.functionalize(bn_net())
@@ -51,6 +53,7 @@ def accumulation_vs_ddp(group, steps=3, lr=0.1):
 
         ns = {"torch": torch, "fdp": fdp, "loss_fn": loss_fn, "reducer": reducer,
               "params": params, "buffers": buffers, "x": x, "y": y}
+        exec(micro_loss, ns)
         exec(snippet, ns)  # ends with its sync_buffers: buffers are rank 0's
         buffers = ns["buffers"]
         params = {k: p.clone().add_(ns["grads"][k], alpha=-lr) for k, p in params.items()}

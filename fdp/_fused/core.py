@@ -26,7 +26,7 @@ from .._comm.agree import count_and_check_active, verify_layout
 from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
 from .._step import functorch
-from .._step.autodiff import autograd_on, local_grads
+from .._step.autodiff import autograd_on, local_grads, local_grads_into
 from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._step.record import StepRecord
@@ -154,6 +154,10 @@ class FusedCore:
         self._check_callable()
         with autograd_on():
             leaves = self.plan.leaves_of(params, f"{self.name}.accumulate params")
+            if self.accumulated and self.config.engine == "autograd":  # added in place by autograd itself
+                value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, self.plan.treedef, self.acc)
+                self.accumulated += 1
+                return value
             grads, value = local_grads(self.config.engine, fn, 0, has_aux, (params, *rest), kwargs, leaves,
                                        self.plan.treedef, None, None)
             if self.acc is None:

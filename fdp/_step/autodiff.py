@@ -126,6 +126,27 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)], value
 
 
+def local_grads_into(fn: Callable, has_aux: bool, args: tuple, kwargs: dict, leaves: list[torch.Tensor],
+                     treedef: _tree.TreeDef, into: list[torch.Tensor]) -> Any:
+    """``fn``'s gradients (the differentiated argument is ``args[0]``) *added* into ``into`` (one
+    tensor per leaf, its shape and dtype), in place, by autograd's own accumulation (as
+    ``.grad`` accumulates over DDP's ``no_sync`` micro-batches: no gradient tensor allocated,
+    no separate pass); a leaf the loss does not use adds nothing. Returns the value (the
+    loss, or ``(loss, aux)``), detached. Autograd engine only."""
+    if any(map(torch.Tensor.is_inference, leaves)):
+        leaves = [t.clone() if t.is_inference() else t for t in leaves]
+    inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
+    for leaf, acc in zip(inputs, into):
+        leaf.grad = acc
+    args = replace(args, 0, _tree.unflatten(treedef, inputs))
+    with torch.enable_grad():
+        out = fn(*args, **kwargs)
+        loss = loss_of(out, has_aux)
+        if loss.requires_grad and inputs:
+            torch.autograd.backward(loss, inputs=inputs)
+    return (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
+
+
 def _instrument(fn: Callable, argnums: Any, has_aux: bool, treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
                 on_backward_start: Callable[[torch.Tensor], None] | None) -> Callable:

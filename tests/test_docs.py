@@ -86,13 +86,19 @@ def skip_compile_doc_where_dynamo_cannot_trace_fdp(path: Path) -> None:
     of tests/test_compile.py; docs/compile.md's table) it cannot run. (torch 2.4's dynamo
     also fails earlier there, tokenizing the Markdown file as Python source.)"""
     if path.name == "compile.md":
-        from test_compile import _TRACES_FDP, _WHY_NOT
+        from compiling import skip_unless_dynamo_traces_fdp
 
-        if not _TRACES_FDP:
-            pytest.skip(f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
+        skip_unless_dynamo_traces_fdp()  # (and the compilers imported here, before the forks)
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+def doc_params(paths: list[Path], *compile_marks: pytest.MarkDecorator) -> list:
+    """One param per file; docs/compile.md's blocks compile a step: marked ``compile`` (and
+    ``compile_marks``)."""
+    return [pytest.param(p, id=p.name, marks=[pytest.mark.compile, *compile_marks] if p.name == "compile.md" else [])
+            for p in paths]
+
+
+@pytest.mark.parametrize("path", doc_params(MARKDOWN))
 def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
     """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
     assert path.exists(), f"{path} is missing"
@@ -146,7 +152,7 @@ ON_TWO_RANKS = [p for p in MARKDOWN if p.name != "api.md"]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("path", ON_TWO_RANKS, ids=[p.name for p in ON_TWO_RANKS])
+@pytest.mark.parametrize("path", doc_params(ON_TWO_RANKS, pytest.mark.slow))  # (a dynamo trace on both ranks)
 def test_python_blocks_run_on_two_gloo_ranks(path, tmp_path):
     """The same blocks, on 2 gloo ranks: what a user gets from the docs under torchrun."""
     skip_compile_doc_where_dynamo_cannot_trace_fdp(path)

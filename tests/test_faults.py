@@ -1,7 +1,6 @@
 """Faults: dead ranks, restarts that resume bit-exactly, non-finite gradients."""
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -31,15 +30,16 @@ def dies_mid_step(group, die_at):
 
 
 def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         fdp.testing.run(dies_mid_step, 2, backend="gloo", timeout=20, args=(4,))
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "[rank 1]" in str(info.value) and "exited with code 3" in str(info.value)
-    # rank 0 did not hang: it raised a CollectiveError naming the step and the bucket
+    # rank 0 did not hang: it raised a CollectiveError naming the step and the bucket, because
+    # gloo saw rank 1's connection close (not at the collective's timeout, which it names too)
     assert "rank 0 also raised CollectiveError" in notes, notes
     assert "(step 4)" in notes and "bucket 0 of" in notes, notes
-    assert time.monotonic() - t0 < 15
+    assert "Connection closed by peer" in notes or "Connection reset by peer" in notes, notes
+    assert "Timed out" not in notes, notes
 
 
 @pytest.mark.timeout(240)
@@ -103,18 +103,20 @@ def test_without_the_option_the_check_costs_nothing_and_verdict_stays_true():
 
 
 CATCHES_A_TIMEOUT = """
-import dataclasses, sys, time
+import dataclasses, sys
 from datetime import timedelta
-import torch, fdp
+import torch, torch.distributed as dist, fdp
 group = fdp.init(timeout=2)
 fdp.broadcast({"x": torch.ones(2)}, group=group)  # a healthy collective first
-if group.rank == 1:
-    time.sleep(1)  # skips the collective below, then finishes normally
+store = dist.distributed_c10d._get_default_store()  # torchrun's rendezvous store (TCP, not gloo)
+if group.rank == 1:  # skips the collective below until rank 0 has given up on it, then finishes normally
+    store.wait(["caught"], timedelta(seconds=60))
     sys.exit(0)
 try:  # waits 0.5 s; gloo's own operation runs on until its 2 s timeout
     fdp.broadcast({"x": torch.ones(3)}, group=dataclasses.replace(group, timeout=timedelta(seconds=0.5)))
 except fdp.CollectiveError:
     print("caught", flush=True)
+    store.set("caught", "1")
 sys.exit(3)
 """
 

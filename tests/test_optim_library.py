@@ -402,9 +402,14 @@ def test_donate_refuses_a_tensor_that_appears_twice_and_names_both_paths():
 
 
 def test_empty_leaves_are_not_aliases():
+    # two empty tensors may share an address (nullptr): donate's alias check must not refuse them
     params = {"a": torch.ones(0), "b": torch.ones(0), "c": torch.ones(2)}
+    c = params["c"]
     opt = fdp.optim.sgd(0.1, donate=True)
-    opt.update(fdp._tree.tree_map(torch.ones_like, params), opt.init(params), params)
+    new, _ = opt.update(fdp._tree.tree_map(torch.ones_like, params), opt.init(params), params)
+    assert [tuple(new[k].shape) for k in "abc"] == [(0,), (0,), (2,)]
+    assert torch.equal(new["c"], torch.full((2,), 0.9)), new["c"]
+    assert new["c"].data_ptr() == c.data_ptr(), "donate=True updates in place"
 
 
 def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_path):

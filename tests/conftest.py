@@ -1,16 +1,27 @@
-"""Test setup: the Triton interpreter runs kernels on CPU tensors; it must be switched on
-before fdp.kernels is imported (the variable is read when @triton.jit decorates)."""
+"""Test setup, before anything imports torch or fdp: the Triton interpreter runs kernels on
+CPU tensors (switched on before fdp.kernels is imported: the variable is read when @triton.jit
+decorates); one thread per process; nothing passes or fails on time, nothing is written into
+the checkout. Markers (pyproject.toml): slow, multiprocess, compile, perf."""
 
 import os
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor compiles in the process that asks (a forked rank), not in a pool of worker
 # processes that would each import torch first (its default: one per core).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Hypothesis keeps its caches out of the checkout (its default is ./.hypothesis).
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY", os.path.join(tempfile.gettempdir(), "fdp-tests-hypothesis"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Hypothesis: no pass/fail on time (no deadline; a slow draw on a busy machine is not a
+# failure) and no example database.
+settings.register_profile("fdp", deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("fdp")
 
 torch.set_num_threads(1)
 

@@ -356,6 +356,7 @@ def test_a_loaded_rng_state_stays_per_rank_when_saved_again(tmp_path):
 # ------------------------------------------------------------------ file-system faults
 
 
+@pytest.mark.multiprocess
 def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_save(tmp_path):
     import subprocess
     import sys
@@ -396,6 +397,7 @@ def _fill(folder, how, prefix=()):
                           timeout=120, cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
 
 
+@pytest.mark.multiprocess
 def test_a_file_size_limit_is_named_not_reported_as_an_unexpected_pos(tmp_path):
     res = _fill(tmp_path, "fsize")
     assert "the file-size limit is reached" in res.stdout and "needs about 3.8 MiB" in res.stdout, (
@@ -403,6 +405,7 @@ def test_a_file_size_limit_is_named_not_reported_as_an_unexpected_pos(tmp_path):
     assert "unexpected pos" not in res.stdout and res.stdout.strip().endswith("[]"), res.stdout
 
 
+@pytest.mark.multiprocess
 def test_a_full_disk_is_named_with_the_space_needed_and_left(tmp_path):
     import shutil
     import subprocess

@@ -42,6 +42,8 @@ def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
     assert "Timed out" not in notes, notes
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_checkpoint_bit_exactly(tmp_path):
     """Rank 1 dies at step 5; torchrun (--max-restarts=1) restarts both ranks, which resume
@@ -121,6 +123,8 @@ sys.exit(3)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_rank_that_caught_a_timeout_exits_with_the_status_it_chose():
     """Before the fix, gloo's worker thread could free the timed-out collective during

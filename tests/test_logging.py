@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 from procs import clean_env
+
+pytestmark = pytest.mark.multiprocess  # a fresh python each: what fdp prints from its import on
 
 SCRIPT = "import torch, fdp; fdp.Reducer({'w': torch.zeros(300000), 'b': torch.zeros(10)})"
 

@@ -65,9 +65,10 @@ def skip_collective_on_rank_1(group):
 # it, the first would wait for rank 0 and the second for rank 1 until pytest-timeout fails them.
 def test_skipped_collective_times_out_on_threads():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
-        fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=2)
+        fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=1)
 
 
+@pytest.mark.slow  # (3 s, the timeout)
 def test_skipped_collective_times_out_on_gloo():
     with pytest.raises((fdp.CollectiveError, TimeoutError), match=r"rank 0|\[0\]"):
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="gloo", timeout=3)

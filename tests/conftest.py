@@ -29,13 +29,17 @@ torch.set_num_threads(1)
 def pytest_collection_modifyitems(config, items):
     """The perf tests run only when the -m expression names them (``make perf``: -m perf):
     they pass or fail on measured speed, which a busy machine cannot give (CI runs beside
-    other work). Every other selection (plain pytest, -m "not slow", -k ...) leaves them out."""
-    if "perf" in (config.getoption("markexpr") or ""):
-        return
-    perf = [item for item in items if item.get_closest_marker("perf")]
-    if perf:
-        config.hook.pytest_deselected(items=perf)
-        items[:] = [item for item in items if not item.get_closest_marker("perf")]
+    other work). Every other selection (plain pytest, -m "not slow", -k ...) leaves them out.
+    """
+    if "perf" not in (config.getoption("markexpr") or ""):
+        perf = [item for item in items if item.get_closest_marker("perf")]
+        if perf:
+            config.hook.pytest_deselected(items=perf)
+            items[:] = [item for item in items if not item.get_closest_marker("perf")]
+    # The compile tests run last (a stable sort: in their order among themselves). They import
+    # torch._dynamo and Inductor into this process (tests/compiling.py), which then is a third
+    # bigger, and every fork of it afterwards (each gloo rank, each forked doc test) costs more.
+    items.sort(key=lambda item: item.get_closest_marker("compile") is not None)
 
 
 @pytest.fixture(autouse=True)

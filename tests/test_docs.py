@@ -224,16 +224,34 @@ def _doctest_failures(qualname: str, obj: object) -> str:
     return "".join(report)
 
 
+def _every_doctest(folder: str) -> dict[str, str]:
+    """Each documented name's doctest report, run one after another in this process, each from
+    the seed the tests start from (tests/conftest.py) and in a folder of its own."""
+    reports = {}
+    for i, (qualname, obj) in enumerate(DOCUMENTED):
+        os.makedirs(os.path.join(folder, str(i)))
+        os.chdir(os.path.join(folder, str(i)))
+        torch.manual_seed(0)
+        reports[qualname] = _doctest_failures(qualname, obj)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def doctest_reports(tmp_path_factory) -> dict[str, str]:
+    """Every name's doctests, run in one forked child (a fork per name costs more than the
+    examples): in a world of one, from a temporary folder."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in TORCHRUN_ENV:
+            mp.delenv(var, raising=False)
+        return in_fork(_every_doctest, str(tmp_path_factory.mktemp("doctests")))
+
+
 @pytest.mark.parametrize("qualname", [q for q, _ in DOCUMENTED])
-def test_docstring_examples_run(qualname, tmp_path, monkeypatch):
+def test_docstring_examples_run(qualname, doctest_reports):
     """The name's ``>>>`` examples are doctests: they run in a world of one and print what they
     show (``fdp``, ``torch``, ``nn`` and ``F`` imported; files land in a temporary folder). In a
     forked child, like the Markdown blocks (see ``in_fork``)."""
-    obj = dict(DOCUMENTED)[qualname]
-    for var in TORCHRUN_ENV:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(tmp_path)
-    report = in_fork(_doctest_failures, qualname, obj)
+    report = doctest_reports[qualname]
     if report:
         pytest.fail(f"the docstring examples of {qualname} fail:\n{report}", pytrace=False)
 

@@ -42,6 +42,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("compile") is not None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _dynamo_imported():
+    """torch._dynamo, imported once here before any test forks ranks. torch.func.grad's first
+    call and DDP's constructor import it (about a second of CPU); a forked gloo rank inherits
+    this process's modules, so without this every rank of every DDP or torch.func test that
+    ran before anything imported it here would import it afresh (tests/test_hooks.py alone:
+    about 30 s instead of 3)."""
+    import torch._dynamo  # noqa: F401
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ by the ``perf`` tests at the end (``make perf``), never by ``make test``.
 
 import json
 import math
+import re
 
 import pytest
 
@@ -130,6 +131,30 @@ def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_
     assert r["contention_ms_per_mib"] >= 0 and r["gbit_s"] > 0
     out = capsys.readouterr().out
     assert "ms lost per MiB beside it" in out and "median |error|" in out
+
+
+def test_micro_benchmark_prints_each_per_leaf_cost_through_the_bench_command(capsys):
+    from fdp.bench import __main__ as bench
+
+    code = bench.main(["micro", "--leaves", "20", "--reps", "3"])  # python -m fdp.bench micro ...
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = {line.split()[0]: re.findall(r" (\d+\.\d+)", line) for line in lines}  # (us: theirs, fdp's)
+    assert set(rows) == {"hook", "flatten", "views", "view(-1)", "apply"}, lines
+    for row, (theirs, ours) in rows.items():
+        assert positive(theirs) and (positive(ours) or row == "view(-1)"), (row, theirs, ours)  # (no fdp way)
+
+
+def test_replicas_benchmark_prints_the_cost_of_each_check(capsys):
+    from fdp.bench import replicas as replicas_bench
+
+    code = replicas_bench.main(["--steps", "3", "--warmup", "1", "--width", "32", "--batch-size", "8",
+                                "--no-targets"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert text.startswith("train_mlp step (world 2, width 32, 16 leaves checked): "), text
+    costs = re.findall(r"every step(?:, waited next step)?: ([0-9.]+) ms, ([+-][0-9.]+)%", text)
+    assert len(costs) == 2 and all(positive(ms) and math.isfinite(float(pct)) for ms, pct in costs), text
 
 
 # ----------------------------------------------------------------------------- perf (make perf)

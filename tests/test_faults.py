@@ -108,6 +108,8 @@ CATCHES_A_TIMEOUT = """
 import dataclasses, sys
 from datetime import timedelta
 import torch, torch.distributed as dist, fdp
+print("imported", flush=True)
+sys.stdin.readline()  # the test lets both ranks meet at once: the rendezvous has only 2 s
 group = fdp.init(timeout=2)
 fdp.broadcast({"x": torch.ones(2)}, group=group)  # a healthy collective first
 store = dist.distributed_c10d._get_default_store()  # torchrun's rendezvous store (TCP, not gloo)
@@ -129,21 +131,41 @@ sys.exit(3)
 def test_a_rank_that_caught_a_timeout_exits_with_the_status_it_chose():
     """Before the fix, gloo's worker thread could free the timed-out collective during
     interpreter teardown and kill the rank with SIGABRT ("terminate called without an active
-    exception"), in about half of the runs: two runs make a pass by luck unlikely."""
+    exception"), in about half of the runs: two runs (two worlds at once: most of a run is
+    waiting for gloo's timeout) make a pass by luck unlikely."""
     import socket
     import subprocess
     import sys
 
-    for attempt in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-                 for r in range(2)]
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-        codes = [p.returncode for p in procs]
-        assert codes == [3, 0], f"attempt {attempt}: exit codes {codes}\n{outs[0][-2000:]}"
-        assert "caught" in outs[0] and "terminate called" not in outs[0], outs[0][-2000:]
+    sockets = [socket.socket() for _ in range(2)]  # two free ports (both held while choosing)
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    worlds = [[subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+               for r in range(2)] for port in ports]
+    procs = [p for world in worlds for p in world]
+    try:
+        before = {}
+        for p in procs:  # every rank has imported torch and fdp ...
+            lines = [p.stdout.readline()]
+            while lines[-1] not in ("imported\n", ""):
+                lines.append(p.stdout.readline())
+            before[p] = "".join(lines)
+        for p in procs:  # ... then all go to the rendezvous at once
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [[before[p] + p.communicate(timeout=60)[0] for p in world] for world in worlds]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for attempt, (world, (out0, _)) in enumerate(zip(worlds, outs)):
+        codes = [p.returncode for p in world]
+        assert codes == [3, 0], f"attempt {attempt}: exit codes {codes}\n{out0[-2000:]}"
+        assert "caught" in out0 and "terminate called" not in out0, out0[-2000:]

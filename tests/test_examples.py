@@ -23,7 +23,7 @@ from procs import clean_env, run, torchrun
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 RUNNER = Path(__file__).resolve().parent / "run_examples.py"
-TIMEOUT_S = 300  # all the runs of one world together; they take seconds
+TIMEOUT_S = 480  # all the runs of one world together; they take seconds (the tests allow 600)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # Tiny sizes: enough steps to exercise the loop, few enough to take seconds.
@@ -156,6 +156,7 @@ def test_docstring_gives_the_torchrun_command(name):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_train_mlp_on_two_ranks_beats_its_accuracy_bar_and_plots_a_png(worlds):
     out = output(worlds, "train_mlp")
     assert "world 2:" in out
@@ -172,6 +173,7 @@ def test_train_mlp_on_two_ranks_beats_its_accuracy_bar_and_plots_a_png(worlds):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_uneven_inputs_ranks_take_the_same_number_of_steps(worlds):
     out = output(worlds, "uneven")
     # Rank 0 has 3 batches per epoch, rank 1 has 6: both take 2 x 6 steps, rank 0 idles in 6.
@@ -183,6 +185,7 @@ def test_uneven_inputs_ranks_take_the_same_number_of_steps(worlds):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_grad_accumulation_equals_the_big_batch_on_two_ranks(worlds):
     out = output(worlds, "accumulation")
     assert "world 2:" in out and "accumulated == big-batch gradients" in out, out
@@ -193,6 +196,7 @@ def test_grad_accumulation_equals_the_big_batch_on_two_ranks(worlds):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_resnet_bf16_trains_on_two_ranks(worlds):
     out = output(worlds, "resnet")
     assert "world 2:" in out and "bf16" in out, out
@@ -201,6 +205,7 @@ def test_resnet_bf16_trains_on_two_ranks(worlds):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_dp_sgd_runs_in_a_world_of_one(worlds):
     out = output(worlds, "dp_sgd")
     assert "world 1:" in out and "DP-SGD" in out, out
@@ -209,6 +214,7 @@ def test_dp_sgd_runs_in_a_world_of_one(worlds):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.timeout(600)  # (the first one selected runs the worlds)
 def test_char_gpt_resumes_bit_for_bit_on_two_ranks_and_runs_in_a_world_of_one(worlds):
     import torch
 

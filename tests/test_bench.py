@@ -56,6 +56,16 @@ def test_model_benchmark_prints_every_kind_with_ratio_exposed_and_memory(tmp_pat
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_model_benchmark_runs_a_subset_of_kinds_without_the_memory_runs(capsys):
+    code = models_bench.main(["--models", "tiny50", "--kinds", "local,ddp,fused", "--steps", "1", "--warmup", "0",
+                              "--no-memory"])
+    assert code == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny50")]
+    assert [row[1] for row in rows] == ["local", "ddp", "fused"], rows
+    for row in rows:  # step ms, ratio to DDP, ..., and no peak-memory column (not measured)
+        assert positive(row[2]) and positive(row[3]) and len(row) == (7 if row[1] == "local" else 8), row
+
+
 KERNEL_ROWS = ("flatten", "flatten+scale", "flatten+scale+bf16", "unflatten (fresh)", "unflatten (out=)")
 FLOOR_ROWS = ("floor: cat of 1-D views", "floor: leaf views")  # same-run floors, no target
 

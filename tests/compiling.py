@@ -4,9 +4,9 @@ forked process, when a test first asks), and the compiler imports made once in t
 Every test that compiles does it in a forked rank (``fdp.testing.run(..., backend="gloo")``):
 compiling in the pytest process would start autograd's worker threads on CUDA builds of
 torch, and every later fork-based gloo test would then fail. Each forked child would also
-import torch._dynamo and torch._inductor afresh (2-3 s of CPU each, both ranks at once on a
-2-core machine); imported here first, before the forks, the children inherit them. The
-imports start no thread, so forking after them is safe.
+import the compilers afresh (torch._dynamo, AOTAutograd, Inductor: 2-3 s of CPU each, both
+ranks at once on a 2-core machine); imported here first, before the forks, the children
+inherit them. The imports start no thread, so forking after them is safe.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import fdp.testing
 
 
 @functools.cache
-def import_compilers() -> None:
-    """Import torch._dynamo and Inductor's compiler into this process (once). Even the
-    ``aot_eager`` backend loads much of Inductor (its decompositions): docs/compile.md's step
-    on two ranks took 5.9 s when only dynamo and AOTAutograd were imported here, 3.2 s so."""
+def import_compilers(inductor: bool = False) -> None:
+    """Import torch._dynamo and AOTAutograd (what the ``eager`` and ``aot_eager`` backends
+    load) into this process, once; with ``inductor``, Inductor's compiler too (0.8 s more, and
+    a bigger process to fork afterwards: only for the tests that compile with it)."""
     import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+
+    if inductor:
+        import torch._inductor.compile_fx  # noqa: F401
 
 
 def in_child(fn):

@@ -9,7 +9,7 @@ reductions), so parameters are compared within a float tolerance, stated below.
 import pytest
 import torch
 import torch.nn.functional as F
-from compiling import dynamo_traces_fdp, in_child, skip_unless_dynamo_traces_fdp
+from compiling import dynamo_traces_fdp, import_compilers, in_child, skip_unless_dynamo_traces_fdp
 from models import batch, cnn, mlp
 
 import fdp
@@ -81,6 +81,7 @@ def compiled_vs_eager(group, model_name, backend):
 @pytest.mark.parametrize("model_name,backend", [("mlp", "aot_eager"), ("cnn", "inductor")])
 def test_compiled_train_step_is_one_graph_and_matches_eager(model_name, backend):
     skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=backend == "inductor")  # here, before the ranks fork
     res = fdp.testing.run(compiled_vs_eager, 2, backend="gloo", timeout=500, args=(model_name, backend))
     for rank, ((cp, cb), (ep, eb)) in enumerate(res):
         for k in ep:

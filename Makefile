@@ -1,12 +1,14 @@
 # Two entry points (see README): `make demo` and `make test`.
 # Both create ./.venv on first use with the pinned CPU torch wheel (constraints.txt).
+# While working: `make quick` (the suite without the slow tests: under a minute). On a quiet
+# machine: `make perf` (the tests that pass or fail on measured speed; `make test` leaves them out).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fdp-installed
 NPROC  ?= 2
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test quick perf lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +21,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+quick: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+perf: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m perf
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fdp kernels tests examples

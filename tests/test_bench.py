@@ -1,62 +1,108 @@
 """The benchmarks run (at a tiny size) and print the columns the docs and notes quote.
 
-These check the harness, not the speed: speed claims come from full runs on a quiet machine
-(`python -m fdp.bench`, recorded in docs/performance.md), never from timed tests.
+These check the harness, not the speed: every run exits 0 (``--no-targets`` where a
+benchmark judges its ratios against targets), prints every row, and each measured time and
+ratio is finite and positive. Speed claims come from full runs on a quiet machine
+(`python -m fdp.bench`, recorded in docs/performance.md); the targets themselves are checked
+by the ``perf`` tests at the end (``make perf``), never by ``make test``.
 """
 
 import json
+import math
+import re
+
+import pytest
+import torch
 
 from fdp.bench import kernels as kernels_bench
 from fdp.bench import models as models_bench
+from fdp.bench import optim as optim_bench
 
 
+def positive(text: str) -> bool:
+    value = float(text)
+    return math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
 def test_model_benchmark_prints_every_kind_with_ratio_exposed_and_memory(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
-    code = models_bench.main(["--models", "tiny1000", "--steps", "2", "--warmup", "1",
+    code = models_bench.main(["--models", "tiny50", "--steps", "2", "--warmup", "1",
                               "--json", str(out_json), "--plot", str(tmp_path / "bench.png")])
     text = capsys.readouterr().out
     assert code == 0
     header = text.splitlines()[0].split()
     assert header == ["model", "step", "ms", "vs", "ddp", "exposed", "ms", "comm", "cpu", "faults", "peak", "MiB",
                       "opt", "MiB"]
-    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny1000")}
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny50")}
     assert set(rows) == set(models_bench.KINDS)
+    for kind, row in rows.items():  # local has no exposed time
+        assert len(row) == (8 if kind == "local" else 9), f"{kind}: a column is missing: {row}"
     assert float(rows["ddp"][3]) == 1.0  # the ratio column is relative to DDP
-    for kind, row in rows.items():
-        assert float(row[2]) > 0
-        assert float(row[-2]) > 0, f"{kind}: no peak memory"
-        assert float(row[-3]) >= 0, f"{kind}: no page-fault count"
-        assert float(row[-4]) >= 0 or kind == "local", f"{kind}: no comm cpu"  # (clock rounding: local ~ 0)
+    r = json.loads(out_json.read_text())["models"]["tiny50"]
+    assert (r["leaves"], r["buckets"]) == (100, 1)
+    for kind in models_bench.KINDS:
+        assert positive(r[kind]) and positive(r[kind] / r["ddp"]), f"{kind}: step ms {r[kind]}"
+        assert positive(r["memory"][kind]), f"{kind}: no peak memory: {r['memory']}"
+        assert r["faults"][kind] >= 0, f"{kind}: no page-fault count"
+        assert math.isfinite(r["other_cpu"][kind]), f"{kind}: no comm cpu"
+        assert rows[kind][2] == f"{r[kind]:.2f}", f"{kind}: the table shows {rows[kind]}, the JSON {r[kind]}"
+    assert all(r["other_cpu"][kind] >= 0 for kind in models_bench.KINDS if kind != "local")  # (local ~ 0)
     # SGD with momentum keeps one buffer per param; sharded over 2 ranks, half of it per rank
-    assert float(rows["fused"][-1]) == float(rows["ddp"][-1]) > 0
-    assert abs(float(rows["sharded"][-1]) * 2 - float(rows["fused"][-1])) <= 0.02  # printed to 0.01 MiB
-    results = json.loads(out_json.read_text())
-    assert set(models_bench.KINDS) <= set(results["models"]["tiny1000"])
+    state = r["state_mib"]
+    params_mib = 50 * (64 * 64 + 64) * 4 / 2**20
+    assert state["ddp"] == params_mib, state
+    assert 0 <= state["fused"] - params_mib < 1e-4, state  # the flat buffer and a step count
+    assert state["sharded"] * 2 == pytest.approx(state["fused"], rel=0.02)  # (padded to the world)
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_kernel_benchmark_prints_ratios_to_a_copy(capsys):
-    code = kernels_bench.main(["--reps", "20", "--warmup", "1", "--cases", "100-leaves", "--threads", "1"])
+def test_model_benchmark_runs_a_subset_of_kinds_without_the_memory_runs(capsys):
+    code = models_bench.main(["--models", "tiny50", "--kinds", "local,ddp,fused", "--steps", "1", "--warmup", "0",
+                              "--no-memory"])
+    assert code == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny50")]
+    assert [row[1] for row in rows] == ["local", "ddp", "fused"], rows
+    for row in rows:  # step ms, ratio to DDP, ..., and no peak-memory column (not measured)
+        assert positive(row[2]) and positive(row[3]) and len(row) == (7 if row[1] == "local" else 8), row
+
+
+KERNEL_ROWS = ("flatten", "flatten+scale", "flatten+scale+bf16", "unflatten (fresh)", "unflatten (out=)")
+FLOOR_ROWS = ("floor: cat of 1-D views", "floor: leaf views")  # same-run floors, no target
+
+
+def test_kernel_benchmark_prints_ratios_to_a_copy(tmp_path, capsys):
+    out_json = tmp_path / "kernels.json"
+    code = kernels_bench.main(["--reps", "20", "--warmup", "1", "--cases", "100-leaves", "--threads", "1",
+                               "--no-targets", "--json", str(out_json)])
     text = capsys.readouterr().out
-    assert code in (0, 1)  # 1 = a target missed; the harness itself worked
-    for row in ("flatten", "flatten+scale", "flatten+scale+bf16", "unflatten (fresh)", "unflatten (out=)"):
+    assert code == 0
+    for row in KERNEL_ROWS:
         assert f" {row} " in text
     assert "x copy" in text
-    for row in ("floor: cat of 1-D views", "floor: leaf views"):  # same-run floors, no target
+    for row in FLOOR_ROWS:
         assert f" {row} " in text and "(floor, no target)" in text
+    rows = json.loads(out_json.read_text())["cases"]
+    assert [r["row"] for r in rows] == [*KERNEL_ROWS, *FLOOR_ROWS]
+    for r in rows:
+        assert r["case"] == "100-leaves"
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0 and r["ms"] > 0 and r["copy_ms"] > 0, r
+        assert r["ratio"] == pytest.approx(r["ms"] / r["copy_ms"]), r
+        assert (r["target"] is None) == (r["row"] in FLOOR_ROWS), r
 
 
 def test_optim_benchmark_prints_each_kind_with_its_ratio_and_checks_the_numbers(capsys):
-    from fdp.bench import optim as optim_bench
-
-    code = optim_bench.main(["--steps", "3", "--warmup", "1", "--trees", "10-leaves"])
+    code = optim_bench.main(["--steps", "3", "--warmup", "1", "--trees", "10-leaves", "--no-targets"])
     text = capsys.readouterr().out
-    assert code in (0, 1)  # 1 = the target missed; the harness itself worked
+    assert code == 0
     shown = {*optim_bench.SHOWN, "fused-kernels"}
     rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("10-leaves ")
             and line.split()[1] in shown}
     assert set(rows) == shown, text
     assert float(rows["torch.optim"][3]) == 1.0
+    for kind in optim_bench.SHOWN:  # fused-kernels is a difference of two medians: any sign
+        assert positive(rows[kind][2]) and positive(rows[kind][3]), rows[kind]
+    assert math.isfinite(float(rows["fused-kernels"][3])), rows["fused-kernels"]
     assert "fdp-donate == torch.optim bit for bit: True" in text, text
 
 
@@ -84,10 +130,10 @@ def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_
     from fdp.bench import validate as validate_bench
 
     out_json = tmp_path / "v.json"
-    code = validate_bench.main(["--models", "tiny1000", "--worlds", "2", "--steps", "1", "--warmup", "0",
+    code = validate_bench.main(["--models", "tiny50", "--worlds", "2", "--steps", "1", "--warmup", "0",
                                 "--json", str(out_json)])
     assert code == 0
-    r = json.loads(out_json.read_text())["results"]["2"]["tiny1000"]
+    r = json.loads(out_json.read_text())["results"]["2"]["tiny50"]
     # every cap of the sweep, "auto" and the calibration plan; the deferred steps only feed the profile
     assert list(r["rows"]) == ["0.25", "1", "4", "25", "100", "auto", "calibration"]
     for row in r["rows"].values():
@@ -99,16 +145,17 @@ def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_
 
 
 def test_model_benchmark_runs_muon_with_adamw_beside_torch_optim_muon(capsys):
-    code = models_bench.main(["--models", "tiny1000", "--steps", "2", "--warmup", "1", "--optim", "muon",
-                              "--kinds", "local,ddp,fused,sharded"])
+    code = models_bench.main(["--models", "tiny50", "--steps", "2", "--warmup", "1", "--optim", "muon",
+                              "--kinds", "local,ddp,fused,sharded", "--no-memory"])
     text = capsys.readouterr().out
     assert code == 0
-    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny1000")}
+    rows = {line.split()[1]: line.split() for line in text.splitlines() if line.startswith("tiny50")}
     assert {"ddp", "fused", "sharded"} <= set(rows), text
     # Muon keeps one momentum buffer per matrix, AdamW two per other param: the same state as torch's
     assert float(rows["fused"][-1]) == float(rows["ddp"][-1]) > 0, text
 
 
+@pytest.mark.slow
 def test_sharded_benchmark_prints_memory_and_time_of_every_kind(capsys):
     from fdp.bench import sharded
 
@@ -128,3 +175,43 @@ def test_sharded_benchmark_prints_memory_and_time_of_every_kind(capsys):
     for row in timed:
         a, b = row[-1].split("/")
         assert a == b, row
+def test_micro_benchmark_prints_each_per_leaf_cost_through_the_bench_command(capsys):
+    from fdp.bench import __main__ as bench
+
+    code = bench.main(["micro", "--leaves", "20", "--reps", "3"])  # python -m fdp.bench micro ...
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    rows = {line.split()[0]: re.findall(r" (\d+\.\d+)", line) for line in lines}  # (us: theirs, fdp's)
+    assert set(rows) == {"hook", "flatten", "views", "view(-1)", "apply"}, lines
+    for row, (theirs, ours) in rows.items():
+        assert positive(theirs) and (positive(ours) or row == "view(-1)"), (row, theirs, ours)  # (no fdp way)
+
+
+def test_replicas_benchmark_prints_the_cost_of_each_check(capsys):
+    from fdp.bench import replicas as replicas_bench
+
+    code = replicas_bench.main(["--steps", "3", "--warmup", "1", "--width", "32", "--batch-size", "8",
+                                "--no-targets"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert text.startswith("train_mlp step (world 2, width 32, 16 leaves checked): "), text
+    costs = re.findall(r"every step(?:, waited next step)?: ([0-9.]+) ms, ([+-][0-9.]+)%", text)
+    assert len(costs) == 2 and all(positive(ms) and math.isfinite(float(pct)) for ms, pct in costs), text
+
+
+# ----------------------------------------------------------------------------- perf (make perf)
+@pytest.mark.perf
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the targets are the Triton kernels' on CUDA; on CPU they are below what torch's own "
+                           "multi-tensor copy reaches for 2,000 leaves (docs/performance.md, flatten and unflatten kernels)")
+def test_kernel_benchmark_meets_its_targets_on_cuda(capsys):
+    """The fdp.kernels targets (ratios to a plain copy, Triton bandwidth) on the GPU: run it quiet."""
+    code = kernels_bench.main(["--device", "cuda"])
+    assert code == 0, capsys.readouterr().out
+
+
+@pytest.mark.perf
+def test_optim_benchmark_meets_its_target(capsys):
+    """fdp-inplace within 1.05x of torch.optim's step: run it quiet."""
+    code = optim_bench.main(["--steps", "150", "--warmup", "20"])
+    assert code == 0, capsys.readouterr().out

@@ -356,30 +356,69 @@ def test_a_loaded_rng_state_stays_per_rank_when_saved_again(tmp_path):
 # ------------------------------------------------------------------ file-system faults
 
 
-def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_save(tmp_path):
-    import subprocess
-    import sys
+def forked(fn, *args) -> tuple[int, object]:
+    """``fn(*args)`` in a forked child (process-wide settings stay there): (exit code, result)."""
+    import multiprocessing
 
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child():
+        send.send(fn(*args))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    send.close()
+    try:
+        result = recv.recv() if recv.poll(120) else None
+    except EOFError:  # it died without a result
+        result = None
+    proc.join(120)
+    return proc.exitcode, result
+
+
+def _save_killed_before_the_rename(path):
+    # A writer killed (SIGKILL) after writing its temporary file, before the rename.
+    import signal
+
+    os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+    fdp.save(path, {"w": torch.ones(1000)})
+
+
+def test_temporary_files_of_a_killed_writer_are_removed_by_the_next_save(tmp_path):
     path = tmp_path / "c.pt"
     (tmp_path / ".other.pt.0123456789ab.tmp").write_bytes(b"not ours")
-    # A writer killed (SIGKILL) after writing its temporary file, before the rename.
-    child = ("import os, signal, sys, torch, fdp\n"
-             "os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)\n"
-             "fdp.save(sys.argv[1], {'w': torch.ones(1000)})\n")
-    res = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
-    assert res.returncode == -9, res.stderr[-2000:]
+    code, _ = forked(_save_killed_before_the_rename, str(path))
+    assert code == -9, code
     orphans = [n for n in os.listdir(tmp_path) if n.startswith(".c.pt.")]
     assert len(orphans) == 1, os.listdir(tmp_path)
     save(path, {"w": torch.zeros(2)})
     assert sorted(os.listdir(tmp_path)) == [".other.pt.0123456789ab.tmp", "c.pt"]
 
 
-FILL = """
-import os, resource, signal, sys, torch, fdp
-if sys.argv[2] == "fsize":
+def _save_past_a_file_size_limit(folder):
+    import resource
+    import signal
+
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+    try:
+        fdp.save(os.path.join(folder, "c.pt"), {"w": torch.zeros(1_000_000)})
+        error = None
+    except fdp.CheckpointError as e:
+        error = str(e)
+    return error, sorted(os.listdir(folder))
+
+
+def test_a_file_size_limit_is_named_not_reported_as_an_unexpected_pos(tmp_path):
+    code, (error, left) = forked(_save_past_a_file_size_limit, str(tmp_path))
+    assert code == 0 and error is not None, (code, error)
+    assert "the file-size limit is reached" in error and "needs about 3.8 MiB" in error, error
+    assert "unexpected pos" not in error and left == [], (error, left)
+
+
+FILL = """
+import os, sys, torch, fdp
 try:
     fdp.save(os.path.join(sys.argv[1], "c.pt"), {"w": torch.zeros(1_000_000)})
 except fdp.CheckpointError as e:
@@ -388,24 +427,11 @@ print(sorted(os.listdir(sys.argv[1])))
 """
 
 
-def _fill(folder, how, prefix=()):
-    import subprocess
-    import sys
-
-    return subprocess.run([*prefix, sys.executable, "-c", FILL, str(folder), how], capture_output=True, text=True,
-                          timeout=120, cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
-
-
-def test_a_file_size_limit_is_named_not_reported_as_an_unexpected_pos(tmp_path):
-    res = _fill(tmp_path, "fsize")
-    assert "the file-size limit is reached" in res.stdout and "needs about 3.8 MiB" in res.stdout, (
-        res.stdout, res.stderr[-2000:])
-    assert "unexpected pos" not in res.stdout and res.stdout.strip().endswith("[]"), res.stdout
-
-
+@pytest.mark.multiprocess  # (a tiny tmpfs mounted in a new mount namespace, for a fresh python)
 def test_a_full_disk_is_named_with_the_space_needed_and_left(tmp_path):
     import shutil
     import subprocess
+    import sys
 
     if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "true"]).returncode != 0:
         pytest.skip("needs `unshare -rm` (user namespaces) to mount a tiny tmpfs")
@@ -413,7 +439,8 @@ def test_a_full_disk_is_named_with_the_space_needed_and_left(tmp_path):
     mount = tmp_path / "tiny"
     mount.mkdir()
     script.write_text('mount -t tmpfs -o size=256k tmpfs "$1" && shift && exec "$@"\n')
-    res = _fill(mount, "disk", prefix=("unshare", "-rm", "sh", str(script), str(mount)))
+    res = subprocess.run(["unshare", "-rm", "sh", str(script), str(mount), sys.executable, "-c", FILL, str(mount)],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(fdp.__file__)))
     assert "the disk is full: No space left on device" in res.stdout, (res.stdout, res.stderr[-2000:])
     assert "needs about 3.8 MiB" in res.stdout and "is free there" in res.stdout, res.stdout
     assert res.stdout.strip().endswith("[]"), "the temporary file was left behind"

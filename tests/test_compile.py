@@ -9,43 +9,12 @@ reductions), so parameters are compared within a float tolerance, stated below.
 import pytest
 import torch
 import torch.nn.functional as F
+from compiling import dynamo_traces_fdp, import_compilers, in_child, skip_unless_dynamo_traces_fdp
 from models import batch, cnn, mlp
 
 import fdp
 
-
-def _dynamo_traces_fdp():
-    """Whether this torch's dynamo traces what fdp calls under compile without a graph break,
-    and if not, why: ``torch.func.functional_call`` with a module (torch 2.4 puts it in the
-    graph as an opaque call: "Unsupported: ... NNModuleVariable") and optree's own flatten in
-    fdp's namespace (torch 2.5-2.9 break the graph on "optree C/C++ function ... flatten",
-    their polyfills covering only torch's own namespace; 2.10-2.12 trace it, but trip on
-    optree 0.20's ``sys.version_info`` comparison). docs/compile.md has the measured table."""
-    import optree
-
-    lin = torch.nn.Linear(2, 2)
-
-    def probe(x):
-        leaves, _ = optree.tree_flatten({"b": x, "a": x * 2}, namespace=fdp._tree.NAMESPACE)
-        return torch.func.functional_call(lin, {"weight": leaves[1], "bias": leaves[0][0]}, (x,))
-
-    try:
-        torch.compile(probe, fullgraph=True, backend="eager")(torch.ones(2, 2))
-        return True, ""
-    except Exception as e:
-        return False, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    finally:
-        torch._dynamo.reset()
-
-
-def _in_child(fn):
-    """``fn()`` in a forked process: compiling in this one would start autograd's worker
-    threads, and on CUDA builds of torch every later fork-based gloo test would then fail
-    ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
-    return fdp.testing.run(lambda group: fn(), 1, backend="gloo", timeout=300)[0]
-
-
-_TRACES_FDP, _WHY_NOT = _in_child(_dynamo_traces_fdp)
+pytestmark = pytest.mark.compile
 
 
 def _dynamo_keeps_user_exception_messages():
@@ -69,7 +38,9 @@ def _dynamo_keeps_user_exception_messages():
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def train(group, model_name, compiled, steps=5):
+def train(group, model_name, backend, steps=5):
+    """Five SGD steps on this rank: eager (``backend=None``) or the whole step compiled with
+    ``backend``."""
     make = {"mlp": lambda: mlp(width=32, seed=3), "cnn": lambda: cnn(seed=3)}[model_name]
     shape = (8,) if model_name == "mlp" else (3, 6, 6)
     apply, params, buffers = fdp.functionalize(make())
@@ -89,24 +60,29 @@ def train(group, model_name, compiled, steps=5):
         params, opt_state = opt.update(grads, opt_state, params)
         return params, buffers, opt_state
 
-    step = torch.compile(train_step, fullgraph=True) if compiled else train_step
+    step = torch.compile(train_step, fullgraph=True, backend=backend) if backend else train_step
     for i in range(steps):
         x, y = batch(group.rank, i, n=4, shape=shape)
         params, buffers, opt_state = step(params, buffers, opt_state, x, y)
     return params, buffers
 
 
-def compiled_vs_eager(group, model_name):
+def compiled_vs_eager(group, model_name, backend):
     torch._dynamo.reset()
-    return train(group, model_name, compiled=True), train(group, model_name, compiled=False)
+    return train(group, model_name, backend), train(group, model_name, None)
 
 
+# The CNN (BatchNorm buffers: sync_buffers in the graph) goes through Inductor, which lowers
+# the functional collectives; the MLP (no buffers: sync_buffers of an empty tree) through
+# aot_eager, the same dynamo trace and AOT graph without Inductor's code generation. The
+# dynamo trace of fdp's calls is most of either (about 5 s per rank on a 2-core machine).
+@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp's "
-                    f"functional_call and optree calls ({_WHY_NOT}); see docs/compile.md")
-@pytest.mark.parametrize("model_name", ["mlp", "cnn"])
-def test_compiled_train_step_is_one_graph_and_matches_eager(model_name):
-    res = fdp.testing.run(compiled_vs_eager, 2, backend="gloo", timeout=500, args=(model_name,))
+@pytest.mark.parametrize("model_name,backend", [("mlp", "aot_eager"), ("cnn", "inductor")])
+def test_compiled_train_step_is_one_graph_and_matches_eager(model_name, backend):
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=backend == "inductor")  # here, before the ranks fork
+    res = fdp.testing.run(compiled_vs_eager, 2, backend="gloo", timeout=500, args=(model_name, backend))
     for rank, ((cp, cb), (ep, eb)) in enumerate(res):
         for k in ep:
             torch.testing.assert_close(cp[k], ep[k], rtol=RTOL, atol=ATOL, msg=f"rank {rank}, param {k!r}")
@@ -121,7 +97,8 @@ def test_compile_support_is_not_skipped_on_the_pinned_torch():
     # a failing probe is a regression to see, not a reason to skip.
     major, minor = (int(v) for v in torch.__version__.split(".")[:2])
     if (major, minor) >= (2, 13):
-        assert _TRACES_FDP, _WHY_NOT
+        traces, why_not = dynamo_traces_fdp()
+        assert traces, why_not
 
 
 def _untraceable_option_errors():
@@ -149,12 +126,12 @@ def _untraceable_option_errors():
 
 
 def test_untraceable_options_fail_loudly_under_compile():
-    keeps, (hook_error, schedule_error) = _in_child(_untraceable_option_errors)
+    keeps, (hook_error, schedule_error) = in_child(_untraceable_option_errors)
     assert hook_error is not None and schedule_error is not None, "an untraceable option compiled"
     # fdp's own message shows where dynamo keeps exception texts and reaches fdp's check (on
     # torch 2.4 it replaces the text; where it cannot trace fdp's trees it stops earlier, at
     # optree); the compile fails either way.
-    if keeps and _TRACES_FDP:
+    if keeps and dynamo_traces_fdp()[0]:
         assert "not traceable" in hook_error, hook_error
         assert "dampening" in schedule_error, schedule_error
 
@@ -178,9 +155,10 @@ def _doc_step_on_rank(group):
     return compiled[:2], eager[:2]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
 def test_compile_md_step_runs_on_two_gloo_ranks_with_the_default_group():
+    skip_unless_dynamo_traces_fdp()
     # fdp.sync_buffers(buffers) with group=None inside the compiled step used to read the
     # process group's timeout from its backend at trace time, which dynamo cannot do
     # (UnsafeScriptObjectError on an OpaqueObject): the doc's example crashed on 2 ranks.
@@ -216,9 +194,9 @@ def _constants_compiled_vs_eager():
     return compiled, torch.func.grad(loss)(params, x)
 
 
-@pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
 def test_constants_are_passed_to_the_module_under_compile():
-    compiled, eager = _in_child(_constants_compiled_vs_eager)
+    skip_unless_dynamo_traces_fdp()
+    compiled, eager = in_child(_constants_compiled_vs_eager)
     assert set(compiled) == {"head.weight", "head.bias"}
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL, msg=k)
@@ -239,9 +217,9 @@ def _grad_under_compile_error():
 
 
 def test_reducer_grad_under_compile_says_what_to_use_instead():
-    keeps, error = _in_child(_grad_under_compile_error)
+    keeps, error = in_child(_grad_under_compile_error)
     assert error is not None, "reducer.grad compiled"
-    if keeps and _TRACES_FDP:
+    if keeps and dynamo_traces_fdp()[0]:
         assert "cannot be traced by torch.compile" in error and "reducer.all_reduce" in error, error
         assert "vmap/grad/jvp" not in error, error
 
@@ -256,7 +234,7 @@ def _fused_under_compile_error():
 def test_the_fused_step_refuses_torch_compile_and_names_the_alternative():
     """fullgraph=True: dynamo's error gives fdp's reason in its first lines (the step is
     ``torch.compiler.disable``d with it), not buried under an "Observed exception"."""
-    keeps, error = _in_child(_fused_under_compile_error)
+    keeps, error = in_child(_fused_under_compile_error)
     assert error is not None, "the fused step compiled"
     head = "\n".join(error.splitlines()[:3])
     assert "cannot be traced by torch.compile" in head and "opt.update" in head, error
@@ -284,5 +262,5 @@ def _fused_inside_a_compiled_function():
 
 
 def test_a_compiled_function_runs_the_fused_step_eagerly_with_its_numbers():
-    (eager_w, eager_v), (comp_w, comp_v) = _in_child(_fused_inside_a_compiled_function)
+    (eager_w, eager_v), (comp_w, comp_v) = in_child(_fused_inside_a_compiled_function)
     assert torch.equal(comp_w, eager_w) and torch.equal(comp_v, eager_v)

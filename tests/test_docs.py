@@ -95,13 +95,19 @@ def skip_compile_doc_where_dynamo_cannot_trace_fdp(path: Path) -> None:
     of tests/test_compile.py; docs/compile.md's table) it cannot run. (torch 2.4's dynamo
     also fails earlier there, tokenizing the Markdown file as Python source.)"""
     if path.name == "compile.md":
-        from test_compile import _TRACES_FDP, _WHY_NOT
+        from compiling import skip_unless_dynamo_traces_fdp
 
-        if not _TRACES_FDP:
-            pytest.skip(f"dynamo in torch {torch.__version__} cannot trace fdp ({_WHY_NOT})")
+        skip_unless_dynamo_traces_fdp()  # (and the compilers imported here, before the forks)
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+def doc_params(paths: list[Path], *compile_marks: pytest.MarkDecorator) -> list:
+    """One param per file; docs/compile.md's blocks compile a step: marked ``compile`` (and
+    ``compile_marks``)."""
+    return [pytest.param(p, id=p.name, marks=[pytest.mark.compile, *compile_marks] if p.name == "compile.md" else [])
+            for p in paths]
+
+
+@pytest.mark.parametrize("path", doc_params(MARKDOWN))
 def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
     """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
     assert path.exists(), f"{path} is missing"
@@ -208,7 +214,7 @@ def _blocks_on_rank(path: Path, folder: str) -> int:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("path", MARKDOWN, ids=[p.name for p in MARKDOWN])
+@pytest.mark.parametrize("path", doc_params(MARKDOWN, pytest.mark.slow))  # (compile.md: a dynamo trace on both ranks)
 def test_python_blocks_run_on_two_ranks_as_under_torchrun(path, tmp_path):
     """The same blocks (and the ```python ranks=2 ones), on 2 ranks launched as torchrun
     launches them: what a user gets from the docs under ``torchrun --nproc-per-node 2``."""
@@ -282,16 +288,34 @@ def _doctest_failures(qualname: str, obj: object) -> str:
     return "".join(report)
 
 
+def _every_doctest(folder: str) -> dict[str, str]:
+    """Each documented name's doctest report, run one after another in this process, each from
+    the seed the tests start from (tests/conftest.py) and in a folder of its own."""
+    reports = {}
+    for i, (qualname, obj) in enumerate(DOCUMENTED):
+        os.makedirs(os.path.join(folder, str(i)))
+        os.chdir(os.path.join(folder, str(i)))
+        torch.manual_seed(0)
+        reports[qualname] = _doctest_failures(qualname, obj)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def doctest_reports(tmp_path_factory) -> dict[str, str]:
+    """Every name's doctests, run in one forked child (a fork per name costs more than the
+    examples): in a world of one, from a temporary folder."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var in TORCHRUN_ENV:
+            mp.delenv(var, raising=False)
+        return in_fork(_every_doctest, str(tmp_path_factory.mktemp("doctests")))
+
+
 @pytest.mark.parametrize("qualname", [q for q, _ in DOCUMENTED])
-def test_docstring_examples_run(qualname, tmp_path, monkeypatch):
+def test_docstring_examples_run(qualname, doctest_reports):
     """The name's ``>>>`` examples are doctests: they run in a world of one and print what they
     show (``fdp``, ``torch``, ``nn`` and ``F`` imported; files land in a temporary folder). In a
     forked child, like the Markdown blocks (see ``in_fork``)."""
-    obj = dict(DOCUMENTED)[qualname]
-    for var in TORCHRUN_ENV:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(tmp_path)
-    report = in_fork(_doctest_failures, qualname, obj)
+    report = doctest_reports[qualname]
     if report:
         pytest.fail(f"the docstring examples of {qualname} fail:\n{report}", pytrace=False)
 

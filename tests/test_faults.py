@@ -1,7 +1,6 @@
 """Faults: dead ranks, restarts that resume bit-exactly, non-finite gradients."""
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -31,17 +30,20 @@ def dies_mid_step(group, die_at):
 
 
 def test_a_dead_rank_makes_the_others_raise_naming_step_and_bucket():
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         fdp.testing.run(dies_mid_step, 2, backend="gloo", timeout=20, args=(4,))
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "[rank 1]" in str(info.value) and "exited with code 3" in str(info.value)
-    # rank 0 did not hang: it raised a CollectiveError naming the step and the bucket
+    # rank 0 did not hang: it raised a CollectiveError naming the step and the bucket, because
+    # gloo saw rank 1's connection close (not at the collective's timeout, which it names too)
     assert "rank 0 also raised CollectiveError" in notes, notes
     assert "(step 4)" in notes and "bucket 0 of" in notes, notes
-    assert time.monotonic() - t0 < 15
+    assert any(f in notes for f in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")), notes
+    assert "Timed out" not in notes, notes
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_torchrun_restart_resumes_from_checkpoint_bit_exactly(tmp_path):
     """Rank 1 dies at step 5; torchrun (--max-restarts=1) restarts both ranks, which resume
@@ -103,41 +105,67 @@ def test_without_the_option_the_check_costs_nothing_and_verdict_stays_true():
 
 
 CATCHES_A_TIMEOUT = """
-import dataclasses, sys, time
+import dataclasses, sys
 from datetime import timedelta
-import torch, fdp
+import torch, torch.distributed as dist, fdp
+print("imported", flush=True)
+sys.stdin.readline()  # the test lets both ranks meet at once: the rendezvous has only 2 s
 group = fdp.init(timeout=2)
 fdp.broadcast({"x": torch.ones(2)}, group=group)  # a healthy collective first
-if group.rank == 1:
-    time.sleep(1)  # skips the collective below, then finishes normally
+store = dist.distributed_c10d._get_default_store()  # torchrun's rendezvous store (TCP, not gloo)
+if group.rank == 1:  # skips the collective below until rank 0 has given up on it, then finishes normally
+    store.wait(["caught"], timedelta(seconds=60))
     sys.exit(0)
 try:  # waits 0.5 s; gloo's own operation runs on until its 2 s timeout
     fdp.broadcast({"x": torch.ones(3)}, group=dataclasses.replace(group, timeout=timedelta(seconds=0.5)))
 except fdp.CollectiveError:
     print("caught", flush=True)
+    store.set("caught", "1")
 sys.exit(3)
 """
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_rank_that_caught_a_timeout_exits_with_the_status_it_chose():
     """Before the fix, gloo's worker thread could free the timed-out collective during
     interpreter teardown and kill the rank with SIGABRT ("terminate called without an active
-    exception"), in about half of the runs: two runs make a pass by luck unlikely."""
+    exception"), in about half of the runs: two runs (two worlds at once: most of a run is
+    waiting for gloo's timeout) make a pass by luck unlikely."""
     import socket
     import subprocess
     import sys
 
-    for attempt in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                                                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
-                 for r in range(2)]
-        outs = [p.communicate(timeout=60)[0] for p in procs]
-        codes = [p.returncode for p in procs]
-        assert codes == [3, 0], f"attempt {attempt}: exit codes {codes}\n{outs[0][-2000:]}"
-        assert "caught" in outs[0] and "terminate called" not in outs[0], outs[0][-2000:]
+    sockets = [socket.socket() for _ in range(2)]  # two free ports (both held while choosing)
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    worlds = [[subprocess.Popen([sys.executable, "-c", CATCHES_A_TIMEOUT], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=clean_env(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
+                                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+               for r in range(2)] for port in ports]
+    procs = [p for world in worlds for p in world]
+    try:
+        before = {}
+        for p in procs:  # every rank has imported torch and fdp ...
+            lines = [p.stdout.readline()]
+            while lines[-1] not in ("imported\n", ""):
+                lines.append(p.stdout.readline())
+            before[p] = "".join(lines)
+        for p in procs:  # ... then all go to the rendezvous at once
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [[before[p] + p.communicate(timeout=60)[0] for p in world] for world in worlds]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for attempt, (world, (out0, _)) in enumerate(zip(worlds, outs)):
+        codes = [p.returncode for p in world]
+        assert codes == [3, 0], f"attempt {attempt}: exit codes {codes}\n{out0[-2000:]}"
+        assert "caught" in out0 and "terminate called" not in out0, out0[-2000:]

@@ -3,6 +3,7 @@
 import re
 import textwrap
 
+import pytest
 import torch
 import torch.distributed as dist
 from procs import clean_env, run, torchrun
@@ -37,6 +38,8 @@ def test_group_from_process_group_and_mesh():
                    (2, 4, "cpu", 1, 2, 0, 2), (3, 4, "cpu", 1, 2, 1, 2)]
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_init_under_torchrun(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(textwrap.dedent("""

@@ -56,6 +56,8 @@ def faults_per_step(env_malloc: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
 def test_steady_state_steps_take_no_page_faults():
     kept = faults_per_step("keep")

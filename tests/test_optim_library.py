@@ -12,6 +12,7 @@ import types
 import hypothesis.strategies as st
 import pytest
 import torch
+from compiling import skip_unless_dynamo_traces_fdp
 from hypothesis import given, settings
 from lines import fdp_lines
 
@@ -355,19 +356,10 @@ def test_weight_decay_schedule_equals_setting_the_group_each_step():
         assert_equal(params, want, f"weight-decay schedule step {t + 1}")
 
 
-def _needs_dynamo_tracing_fdp(test):
-    """Skip ``test`` where dynamo cannot trace what fdp calls (optree's flatten: torch < 2.13
-    with optree 0.20, see docs/compile.md), by the probe of tests/test_compile.py, which runs
-    it once in a forked process and fails on the pinned torch if it does not trace."""
-    from test_compile import _TRACES_FDP, _WHY_NOT
-
-    return pytest.mark.skipif(not _TRACES_FDP, reason=f"dynamo in torch {torch.__version__} "
-                              f"cannot trace fdp ({_WHY_NOT})")(test)
-
-
-@_needs_dynamo_tracing_fdp
+@pytest.mark.compile
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adam", "rmsprop", "adagrad"])
 def test_schedules_compile_into_one_graph_without_recompiles(opt_name):
+    skip_unless_dynamo_traces_fdp()  # (optree's flatten: torch < 2.13 with optree 0.20, docs/compile.md)
     make = {"sgd": lambda lr: fdp.optim.sgd(lr, momentum=0.9), "adamw": fdp.optim.adamw,
             "adam": fdp.optim.adam, "rmsprop": fdp.optim.rmsprop, "adagrad": fdp.optim.adagrad}[opt_name]
     torch._dynamo.reset()
@@ -410,9 +402,14 @@ def test_donate_refuses_a_tensor_that_appears_twice_and_names_both_paths():
 
 
 def test_empty_leaves_are_not_aliases():
+    # two empty tensors may share an address (nullptr): donate's alias check must not refuse them
     params = {"a": torch.ones(0), "b": torch.ones(0), "c": torch.ones(2)}
+    c = params["c"]
     opt = fdp.optim.sgd(0.1, donate=True)
-    opt.update(fdp._tree.tree_map(torch.ones_like, params), opt.init(params), params)
+    new, _ = opt.update(fdp._tree.tree_map(torch.ones_like, params), opt.init(params), params)
+    assert [tuple(new[k].shape) for k in "abc"] == [(0,), (0,), (2,)]
+    assert torch.equal(new["c"], torch.full((2,), 0.9)), new["c"]
+    assert new["c"].data_ptr() == c.data_ptr(), "donate=True updates in place"
 
 
 def test_chain_state_round_trips_through_save_and_the_step_survives_resume(tmp_path):
@@ -523,8 +520,9 @@ def test_only_kernel_optimizers_have_a_leaf_kernel():
     assert fdp.optim.adafactor(0.1).leaf_kernel is None  # not element-wise
 
 
-@_needs_dynamo_tracing_fdp
+@pytest.mark.compile
 def test_the_full_chain_compiles_into_one_graph_and_matches_eager():
+    skip_unless_dynamo_traces_fdp()
     torch._dynamo.reset()
     graphs = []
 

@@ -67,7 +67,7 @@ def test_fifty_adamw_steps_on_two_gloo_ranks_equal_the_unsharded_step_bit_for_bi
         assert_trees_equal(st, sst, f"rank {rank} state")
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])  # (4 gloo ranks on 2 cores)
 def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(world):
     # More than two addends: the sharded sum (this rank's slice, then the received ones in
     # rank order) and gloo's ring all-reduce add in different orders, so the last bits of a

@@ -7,7 +7,6 @@ on ``del``, and capability-declared hooks.
 """
 
 import gc
-import time
 import weakref
 
 import pytest
@@ -75,13 +74,12 @@ def mixed_wires(group, kind):
 
 @pytest.mark.parametrize("kind", ["hooks", "reduce_dtype", "widths"])
 def test_ranks_with_different_wire_dtypes_get_a_named_error_at_construction(kind):
-    t0 = time.monotonic()
+    # (found by the construction's check, not at a timeout: that would be a CollectiveError)
     with pytest.raises(fdp.ReplicaMismatchError) as info:
         fdp.testing.run(mixed_wires, 2, backend="gloo", args=(kind,), timeout=30)
     msg = str(info.value)
     assert "rank 0 uses" in msg and "rank 1 uses" in msg, msg
     assert ("float16" in msg and "bfloat16" in msg) or "fp16_compress" in msg, msg
-    assert time.monotonic() - t0 < 20, "found only at a timeout"
 
 
 # ---------------------------------------------------------------------------- failed steps
@@ -152,10 +150,9 @@ def active_on_some_ranks(group):
 
 
 def test_active_passed_on_some_ranks_only_is_a_named_error_not_a_timeout():
-    t0 = time.monotonic()
+    # a timeout would be a CollectiveError (or fdp.testing's TimeoutError), not this
     with pytest.raises(fdp.ReplicaMismatchError, match="passed active="):
         fdp.testing.run(active_on_some_ranks, 2, backend="gloo", timeout=30)
-    assert time.monotonic() - t0 < 20
 
 
 # ---------------------------------------------------------------------------- smaller cases

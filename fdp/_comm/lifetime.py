@@ -12,8 +12,7 @@ Each workaround names the torch versions it was seen on and the upstream issue.
    std::terminate``). fdp makes the main thread the last holder of such tensors:
    ``RECENT`` keeps the small tensors of recent collectives, ``keep_until_exit`` the work of
    a collective whose wait failed, the step machine owns its status tensor
-   (``fdp._step.machine.StatusSlot``), and the exit hook sleeps ``EXIT_GRACE_S`` after its
-   barrier.
+   (``fdp._step.machine.StatusSlot``), and the exit hook holds its barrier's work for good.
 2. **Ranks that exit at different times** (pytorch #109478: a process group is not
    destroyed at exit). A rank that finishes first closes its gloo connections while a
    peer's threads still use them, and the peer can abort the same way. ``fdp.init``
@@ -56,7 +55,6 @@ import ctypes.util
 import os
 import sys
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -147,41 +145,46 @@ def install_exit_hook() -> None:
     atexit.register(_shutdown)
 
 
-EXIT_GRACE_S = 0.2  # see _shutdown
-
-
 def _shutdown() -> None:
     """The exit hook (see ``install_exit_hook``).
 
-    After the barrier the main thread sleeps ``EXIT_GRACE_S`` before it lets the interpreter
-    finalize. gloo's worker thread releases a finished work (and its tensors) a moment after
-    the waiting thread has woken, and on an oversubscribed machine it can be descheduled in
-    between. If it releases the last reference to a tensor whose Python object finalization
-    has already freed, it must take the GIL, cannot, and the process aborts ("terminate
-    called without an active exception") after a successful run. Core dumps of such aborts
-    (4-rank torchrun runs that saved a sharded checkpoint just before exiting, about 1 in 13)
-    showed ``ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllgatherWork ->
-    TensorImpl::decref_pyobject -> take_gil -> pthread_exit -> std::terminate`` (the exit
-    barrier's work keeps the works that were in flight when it was issued; torch 2.13) and,
-    with a one-element all-reduce tried as the barrier, the same from
-    ``~AsyncAllreduceWork``; the main thread was in ``Py_FinalizeEx`` each time. The sleep
-    gives up the GIL, which such a release may need.
+    The exit barrier's work handle is held for good (its reference count raised, never
+    lowered). gloo's barrier keeps weak references to the works in flight when it was issued,
+    and such a work, once its last strong reference is gone, is destroyed (its tensors
+    released) only with the barrier: so none of them is ever destroyed, and no gloo worker
+    thread releases a tensor during the interpreter's teardown. Before, a worker dropped its
+    reference to a finished work a moment after the waiting thread had woken; descheduled in
+    between on an oversubscribed machine, its drop could be the last, the work's tensors then
+    released their Python objects from that thread while the interpreter was finalizing, it
+    could not take the GIL, and the process aborted ("terminate called without an active
+    exception") after a successful run. Core dumps of such aborts (4-rank torchrun runs that
+    saved a sharded checkpoint just before exiting) showed ``ProcessGroupGloo::runLoop ->
+    ~AsyncBarrierWork -> ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil ->
+    pthread_exit -> std::terminate`` (torch 2.13), the main thread in ``Py_FinalizeEx``. A
+    0.2 s sleep after the barrier made it rare, not impossible: such runs on 2 cores at load
+    8 aborted 5 times in 36 without the sleep, 0 times in 60 with the handle held and no sleep
+    (docs/performance.md, "Clean exits under load").
     """
     if not dist.is_initialized():
         return
-    gloo = str(dist.get_backend()).lower() == "gloo"
     if not (_failed or _collective_failed):
         try:
-            dist.barrier()
+            work = dist.barrier(async_op=True)
+            _hold_forever(work)
+            work.wait()
         except Exception:  # noqa: BLE001 - exiting anyway; a dead peer must not block the exit
             pass
-    if gloo:
-        time.sleep(EXIT_GRACE_S)
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - as above
         pass
 
+
+def _hold_forever(obj: Any) -> None:
+    """Raise ``obj``'s reference count for good: the interpreter's teardown never frees it."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 # ---------------------------------------------------------------------------- 3. malloc

@@ -315,9 +315,9 @@ def main(argv: list[str] | None = None) -> int:
       argv: command-line arguments (default ``sys.argv[1:]``).
 
     Returns:
-      0 if every row met its target or its target is below torch's floor in this run (shown
-      as N/A: on CPU, e.g. 2,000 small leaves), 1 otherwise, 2 if the device or impl
-      cannot run here.
+      0 if every row met its target (or ``--no-targets``), or its target is below torch's floor
+      in this run (shown as N/A: on CPU, e.g. 2,000 small leaves), 1 otherwise, 2 if the device
+      or impl cannot run here.
     """
     p = argparse.ArgumentParser(prog="python -m fdp.bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -328,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which layouts to run")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--no-targets", action="store_true",
+                   help="report the ratios but exit 0 whatever they are (a run on a busy machine)")
     args = p.parse_args(argv)
     if args.reps < 20:
         p.error("--reps must be at least 20")
@@ -367,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "FDP_KERNELS", "TRITON_INTERPRET")}},
                       f, indent=2)
     failed = [r for r in rows + bandwidth if not r["ok"]]
-    return 1 if failed else 0
+    return 1 if failed and not args.no_targets else 0
 
 
 if __name__ == "__main__":

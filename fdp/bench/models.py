@@ -348,6 +348,9 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         group = fdp.init()
         return [fn(group, cfg, *extra)]
+    # DDP's constructor imports torch._dynamo: imported here once, every forked world has it
+    # (instead of importing it afresh, about a second per world; it starts no thread).
+    import torch._dynamo  # noqa: F401
     return fdp.testing.run(fn, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg, *extra))
 
 

@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-targets", action="store_true",
+                   help="report the ratios but exit 0 whatever they are (a run on a busy machine)")
     cfg = p.parse_args(argv)
     torch.set_num_threads(cfg.threads)
     print(f"{'tree':<12} {'kind':<12} {'ms':>8} {'vs torch':>9}")
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<12} {kind:<12} {res[kind]:8.3f} {ratio:9.3f}{target}")
         print(f"{name:<12} params of fdp-inplace and fdp-donate == torch.optim bit for bit: {bool(res['bitwise_equal'])}; "
               f"fused: max difference {res['fused_max_rel']:.1e} of the largest param (per-bucket norm)")
-    return 1 if missed else 0
+    return 1 if missed and not cfg.no_targets else 0
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--no-targets", action="store_true",
+                   help="report the costs but exit 0 whatever they are (a run on a busy machine)")
     cfg = p.parse_args(argv)
     r = fdp.testing.run(_measure, cfg.world_size, backend="gloo", timeout=600, args=(cfg,))[0]
     base = r["plain"]
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = (r[kind] - base) / base
         ok &= extra <= 0.05
         print(f"  {label}: {r[kind]:.2f} ms, {extra:+.1%} (target <= 5%): {'PASS' if extra <= 0.05 else 'FAIL'}")
-    return 0 if ok else 1
+    return 0 if ok or cfg.no_targets else 1
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compiling import skip_unless_dynamo_traces_fdp
 from models import batch, mlp
 from test_fused import CAPS, loss_of
-from test_optim_library import _needs_dynamo_tracing_fdp
 
 import fdp
 
@@ -509,9 +509,10 @@ def test_adafactor_names_a_state_leaf_of_the_wrong_layout():
 # ---------------------------------------------------------------------- torch.compile
 
 
-@_needs_dynamo_tracing_fdp
+@pytest.mark.compile
 @pytest.mark.parametrize("name", ["radam", "adamax", "adadelta", "lion"])
 def test_schedules_compile_into_one_graph_without_recompiles(name):
+    skip_unless_dynamo_traces_fdp()
     make = {"radam": fdp.optim.radam, "adamax": fdp.optim.adamax, "adadelta": fdp.optim.adadelta,
             "lion": fdp.optim.lion}[name]
     torch._dynamo.reset()
@@ -536,8 +537,9 @@ def test_schedules_compile_into_one_graph_without_recompiles(name):
         torch.testing.assert_close(cp[k], ep[k], rtol=1e-5, atol=1e-6, msg=f"{name}: params[{k!r}]")
 
 
-@_needs_dynamo_tracing_fdp
+@pytest.mark.compile
 def test_nadam_says_why_it_does_not_compile():
+    skip_unless_dynamo_traces_fdp()
     torch._dynamo.reset()
     opt = fdp.optim.nadam()
     params = {"w": torch.ones(4)}

@@ -28,13 +28,13 @@ tensors, which is how the tests compare the two paths on a machine without a GPU
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from . import _torch
 
-__all__ = ["flatten", "unflatten", "views", "select", "triton_available"]
+__all__ = ["flatten", "flattener", "unflatten", "views", "select", "triton_available"]
 
 _IMPLS = ("torch", "triton")
 
@@ -124,11 +124,20 @@ def unflatten(
     return outs
 
 
-def views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views into consecutive segments of the 1-D ``flat``, shaped like ``like`` (no copy).
+# ``views(flat, like)``: views into consecutive segments of the 1-D ``flat``, shaped like
+# ``like`` (no copy; ``like`` may be storage-less ``device="meta"`` tensors: only their shapes
+# are read). One C++ call makes every view (torch's ``unflatten_dense_tensors``), which is why
+# fdp's bucket plans use it rather than slicing in Python. (The torch path's own function:
+# there is one implementation, and a step calls it per bucket.)
+views = _torch.unflatten_views
 
-    ``like`` may be storage-less (``device="meta"``) tensors: only their shapes are read.
-    One C++ call makes every view (torch's ``unflatten_dense_tensors``), which is why fdp's
-    bucket plans use it rather than slicing in Python.
-    """
-    return _torch.unflatten_views(flat, like)
+
+def flattener(device: torch.device, impl: str | None = None) -> Callable[..., torch.Tensor]:
+    """``flatten`` for tensors on ``device``, its implementation chosen now (as ``select``):
+    ``f(srcs, out, scale)``. A step machine takes one when it is built and calls it per
+    bucket, without choosing again."""
+    if select(device, impl) == "triton":
+        from . import _triton
+
+        return _triton.flatten
+    return _torch.flatten

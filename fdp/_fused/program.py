@@ -41,6 +41,7 @@ class Program:
       prefix: how many leading transforms run on each bucket as it lands.
       last_tree: the index of the last whole-tree transform (-1: none).
       measure: the global scale whose statistics are measured as buckets land, or None.
+      whole_parts: the parts whose kernel takes whole leaves (Muon's).
       whole_tree: whether some transform needs every bucket before any update.
       suffix: the indices of the transforms each bucket's update applies, after the
         whole-tree ones.
@@ -70,6 +71,8 @@ class Program:
                 for i, g in zip(idx, groups):
                     per_leaf[i] = (k, int(g))
             self.keys = tuple(per_leaf)
+        # the parts whose kernel takes whole leaves (Muon): part of the layout's key
+        self.whole_parts = frozenset(k for k, part in enumerate(self.parts) if part.kernel.whole_leaves)
         t = self.transforms
         self.prefix = next((i for i, x in enumerate(t) if x.reach == "tree"), len(t))
         self.last_tree = max((i for i, x in enumerate(t) if x.reach == "tree"), default=-1)

@@ -64,17 +64,25 @@ class FusedCores:
         self._cores: OrderedDict[tuple, FusedCore] = OrderedDict()
 
     def get(self, plan: BucketPlan, program: Program) -> FusedCore:
-        whole = frozenset(k for k, part in enumerate(program.parts) if part.kernel.whole_leaves)
-        key = (plan.fingerprint, program.keys, whole)
+        key = (plan.fingerprint, program.keys, program.whole_parts)
         core = self._cores.get(key)
         if core is None:
             kind = FusedCore if self.config.units is None else UnitCore
-            core = self._cores[key] = kind(self.config, plan, program.keys, whole, NAME)
+            core = self._cores[key] = kind(self.config, plan, program.keys, program.whole_parts, NAME)
             while len(self._cores) > self.MAX:
                 self._cores.popitem(last=False)
         else:
             self._cores.move_to_end(key)
         return core
+
+    def current(self, program: Program, core: FusedCore) -> bool:
+        """Whether ``core`` is still the cached core of ``program``'s layout (it is then the most
+        recently used again)."""
+        key = (core.plan.fingerprint, program.keys, program.whole_parts)
+        if self._cores.get(key) is not core:
+            return False
+        self._cores.move_to_end(key)
+        return True
 
     def __len__(self) -> int:
         return len(self._cores)
@@ -129,6 +137,9 @@ class FusedStep:
         self._last: StepRecord | None = None
 
     def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+        core, program = self._core, self._program
+        if core is not None and self._cores.current(program, core):  # (every call after the first)
+            return core, program, self._layout
         # What a core keeps across calls is made as ordinary tensors, also when the first
         # call is inside torch.inference_mode() (the step updates them in place outside it).
         with autograd_on():

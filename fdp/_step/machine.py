@@ -191,6 +191,8 @@ class StepMachine:
                      else (None, None) for b in plan.buckets]
         self.nones = [[None] * len(b.leaves) for b in plan.buckets]
         self.release = [s.numel * itemsize(s.dtype) >= RELEASE_BYTES for s in plan.slots]
+        # the copy kernel for the plan's device, chosen once (fdp.kernels: Triton on CUDA)
+        self.flatten = kernels.flattener(plan.buckets[0].device if plan.buckets else torch.device("cpu"))
         self.hooked_buckets = hooked_count([(b.nbytes, len(b.leaves)) for b in plan.buckets], hook_threshold_bytes)
         self.unhooked = [i for b in plan.buckets[self.hooked_buckets:] for i in b.leaves]
         # The step status all-reduce (see the module docstring); nothing to pair without buckets.
@@ -298,7 +300,7 @@ class Step:
                  "take", "span", "nones",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
-                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere")
+                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere", "flatten")
 
     def __init__(self, machine: StepMachine, spec: StepSpec) -> None:
         plan = machine.plan
@@ -307,6 +309,7 @@ class Step:
         self.hook, self.buffers, self.debug = machine.hook, machine.buffers, machine.debug
         self.bucket_of, self.release = machine.bucket_of, machine.release
         self.take, self.span, self.nones = machine.take, machine.span, machine.nones
+        self.flatten = machine.flatten
         self.status = machine.status
         self.status_t: StatusSlot | None = machine.status_slot
         self.status_work: Any = None
@@ -401,7 +404,7 @@ class Step:
                     srcs = torch._foreach_add(acc, srcs)
             if flat.numel() != bucket.numel:  # a sharded step's padded buffer: the padding stays zero
                 flat = flat[:bucket.numel]
-            kernels.flatten(srcs, flat, scale=self.scale)
+            self.flatten(srcs, flat, self.scale)
 
     def _launch(self, b: int) -> None:
         bucket = self.plan.buckets[b]
@@ -524,7 +527,7 @@ class Step:
             self._start_status()
         n, size = self.n, self.group.size
         wait(self.status_work, self.group, f"step {n} status")
-        failed, steps, squares = (int(v) for v in self.status_t.buf.tolist())
+        failed, steps, squares = map(int, self.status_t.buf.tolist())
         if failed and raise_failed:
             raise CollectiveError(
                 f"fdp: step {n} failed on {failed} other rank(s) of {size} after they had launched some "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -291,3 +292,33 @@ def adafactor_group(params: list[Tensor], grads: list[Tensor], row_vars: list[Te
     _call("adafactor", params, grads, row_vars, col_vars, variances, _steps(step, len(params)),
           maximize=maximize, d=d, lr=lr, beta2_decay=beta2_decay, weight_decay=weight_decay,
           eps1=eps1, eps2=eps2)
+
+
+# ---------------------------------------------------------------------------- the Spec form
+# ``Spec.kernel(p, g, state_lists, count, step, lr, weight_decay)`` for the optimizers of
+# ``_optimizers.py``, their fixed options bound with ``functools.partial`` there: a step calls
+# these directly (one frame here, none in the factory's module).
+
+def sgd_kernel(p: list[Tensor], g: list[Tensor], state: list, count: Tensor, step: int, lr: Scalar,
+               wd: Scalar, *, momentum: float, dampening: float, nesterov: bool, maximize: bool) -> None:
+    sgd_group(p, g, state[0], first=step == 0, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+              weight_decay=wd, maximize=maximize)
+
+
+def adam_kernel(p: list[Tensor], g: list[Tensor], state: list, count: Tensor, step: int, lr: Scalar, wd: Scalar, *,
+                group: Any, beta1: float, beta2: float, eps: float, amsgrad: bool, maximize: bool) -> None:
+    m, v, vmax = state
+    group(p, g, m, v, vmax, count, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, amsgrad=amsgrad,
+          maximize=maximize)
+
+
+def adagrad_kernel(p: list[Tensor], g: list[Tensor], state: list, count: Tensor, step: int, lr: Scalar,
+                   wd: Scalar, *, lr_decay: float, eps: float, maximize: bool) -> None:
+    adagrad_group(p, g, state[0], count, lr=lr, lr_decay=lr_decay, weight_decay=wd, eps=eps, maximize=maximize)
+
+
+def rmsprop_kernel(p: list[Tensor], g: list[Tensor], state: list, count: Tensor, step: int, lr: Scalar,
+                   wd: Scalar, *, alpha: float, eps: float, momentum: float, centered: bool, maximize: bool) -> None:
+    square_avg, grad_avg, buf = state
+    rmsprop_group(p, g, square_avg, grad_avg, buf, count, lr=lr, alpha=alpha, eps=eps, weight_decay=wd,
+                  momentum=momentum, centered=centered, maximize=maximize)

@@ -19,6 +19,7 @@ twice. Grads are never modified. Updates run under ``no_grad``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -111,10 +112,8 @@ def sgd(lr: Hyper, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{name}: nesterov momentum needs momentum > 0 and dampening == 0")
 
-    def kernel(p, g, state, count, step, lr_now, wd_now):
-        _kernels.sgd_group(p, g, state[0], first=step == 0, lr=lr_now, momentum=momentum,
-                           dampening=dampening, nesterov=nesterov, weight_decay=wd_now,
-                           maximize=maximize)
+    kernel = functools.partial(_kernels.sgd_kernel, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                               maximize=maximize)
 
     spec = Spec(name, SGDState, {"momentum_buffer": momentum != 0}, 0.0, True, kernel,
                 torch_class=torch.optim.SGD,
@@ -135,10 +134,8 @@ def _adam_like(name: str, state_cls: type, torch_class: type, group: Callable[..
     _check_adam(name, lr, betas, eps, weight_decay)
     beta1, beta2 = betas
 
-    def kernel(p, g, state, count, step, lr_now, wd_now):
-        m, v, vmax = state
-        group(p, g, m, v, vmax, count, lr=lr_now, beta1=beta1, beta2=beta2, eps=eps,
-              weight_decay=wd_now, amsgrad=amsgrad, maximize=maximize)
+    kernel = functools.partial(_kernels.adam_kernel, group=group, beta1=beta1, beta2=beta2, eps=eps, amsgrad=amsgrad,
+                               maximize=maximize)
 
     needed = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": amsgrad}
     fixed = {"betas": tuple(betas), "eps": eps, "amsgrad": amsgrad, "maximize": maximize}
@@ -234,9 +231,7 @@ def adagrad(lr: Hyper = 1e-2, lr_decay: float = 0.0, weight_decay: Hyper = 0.0,
     check_hyper(name, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps,
                  initial_accumulator_value=initial_accumulator_value)
 
-    def kernel(p, g, state, count, step, lr_now, wd_now):
-        _kernels.adagrad_group(p, g, state[0], count, lr=lr_now, lr_decay=lr_decay,
-                               weight_decay=wd_now, eps=eps, maximize=maximize)
+    kernel = functools.partial(_kernels.adagrad_kernel, lr_decay=lr_decay, eps=eps, maximize=maximize)
 
     spec = Spec(name, AdagradState, {"sum": True}, initial_accumulator_value, False, kernel,
                 torch_class=torch.optim.Adagrad,
@@ -271,11 +266,8 @@ def rmsprop(lr: Hyper = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_dec
     name = "fdp.optim.rmsprop"
     check_hyper(name, lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
 
-    def kernel(p, g, state, count, step, lr_now, wd_now):
-        square_avg, grad_avg, buf = state
-        _kernels.rmsprop_group(p, g, square_avg, grad_avg, buf, count, lr=lr_now, alpha=alpha,
-                               eps=eps, weight_decay=wd_now, momentum=momentum,
-                               centered=centered, maximize=maximize)
+    kernel = functools.partial(_kernels.rmsprop_kernel, alpha=alpha, eps=eps, momentum=momentum, centered=centered,
+                               maximize=maximize)
 
     needed = {"square_avg": True, "grad_avg": centered, "momentum_buffer": momentum > 0}
     fixed = {"alpha": alpha, "eps": eps, "momentum": momentum, "centered": centered, "maximize": maximize}

@@ -270,3 +270,21 @@ def test_the_reducers_counters_and_record_include_its_fused_steps():
     params, state, _ = step(params, state, torch.full((4,), float("inf")))  # skipped on every rank
     assert reducer.steps == 3 and not reducer.last_step.finite and reducer.nonfinite_steps == 1
     assert torch.equal(params["w"], before) and int(state.step) == 1
+
+
+def test_a_skipped_fused_step_reports_its_nonfinite_norm_and_changes_nothing_else():
+    """With skip_nonfinite and clipping, a skipped step's ClipState.norm is that step's norm (inf:
+    why it was skipped), not the previous step's; params, moments and the count stay."""
+    params = {"w": torch.ones(4)}
+    reducer = fdp.Reducer(params, skip_nonfinite=True)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(lr=0.1))
+    step = reducer.grad_and_update(lambda p, s: (p["w"] * s).sum(), opt)
+    state = step.init(params)
+    params, state, _ = step(params, state, torch.ones(4))
+    assert float(state.transforms[0].norm) == 2.0
+    before = (params["w"].clone(), [t.clone() for t in state.buffers["exp_avg"]], int(state.step))
+    params, state, _ = step(params, state, torch.tensor([1.0, float("inf"), 1.0, 1.0]))
+    assert not step.last_step.finite and reducer.nonfinite_steps == 1
+    assert float(state.transforms[0].norm) == float("inf")
+    assert torch.equal(params["w"], before[0]) and int(state.step) == before[2]
+    assert all(torch.equal(a, b) for a, b in zip(state.buffers["exp_avg"], before[1]))

@@ -281,7 +281,9 @@ class FusedCore:
         if updated:
             state.step.add_(1)
             self.params.cur = dst
-        transforms = state.transforms if run.skipped == "nonfinite" else tuple(run.tstates)
+        transforms = tuple(run.tstates)
+        if run.skipped == "nonfinite":  # nothing ran but the statistics the first global scale saw
+            transforms = tuple(run.tstates[i] if i == run.shown else t for i, t in enumerate(state.transforms))
         out = state._replace(transforms=transforms)
         steps = self.config.steps
         steps.nonfinite += not updated

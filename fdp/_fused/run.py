@@ -65,6 +65,7 @@ class Run:
         self.coef: torch.Tensor | None = None     # the last global scale's factor, applied in update
         self.error: BaseException | None = None   # this rank's first failure
         self.skipped: str | None = None           # why nothing was updated: "nonfinite" or "scale"
+        self.shown: int | None = None             # the global scale a rejected step was shown (its new state is kept)
         self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
         self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
@@ -302,6 +303,8 @@ class Run:
                 continue
             if self.error is None:
                 self.tstates[i] = new
+                if rejected:  # its statistics of this step are kept (a clip's norm: inf), nothing else
+                    self.shown = i
             if factor is None:
                 self.skipped = "scale"
                 return False

@@ -124,7 +124,9 @@ def norm_of_norms(norms: list[Tensor], norm_type: float = 2.0) -> Tensor:
 
 
 class ClipState(NamedTuple):
-    """State of ``clip_by_global_norm``: the last norm seen (before clipping), for logging."""
+    """State of ``clip_by_global_norm``: the last norm seen (before clipping), for logging. In the
+    fused step with ``skip_nonfinite``, a skipped step's norm too (inf or nan: why it was
+    skipped), while nothing else changes."""
 
     norm: Tensor
 

@@ -215,3 +215,10 @@ def test_optim_benchmark_meets_its_target(capsys):
     """fdp-inplace within 1.05x of torch.optim's step: run it quiet."""
     code = optim_bench.main(["--steps", "150", "--warmup", "20"])
     assert code == 0, capsys.readouterr().out
+
+
+def test_optim_benchmark_runs_muon_beside_torch_optim_muon_bit_for_bit(capsys):
+    code = optim_bench.main(["--steps", "2", "--warmup", "1", "--trees", "10-leaves", "--optim", "muon"])
+    text = capsys.readouterr().out
+    assert code == 0 and "(muon)" in text
+    assert "fdp-donate == torch.optim bit for bit: True" in text, text

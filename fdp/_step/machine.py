@@ -33,6 +33,7 @@ it the summation order that makes fdp's results equal DDP's bit for bit.
 
 from __future__ import annotations
 
+import functools
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,9 @@ RELEASE_BYTES = 64 * 1024
 # a trailing bucket whose leaves average less than this (thousands of biases, say) gains less
 # from an early launch than its hooks cost; such buckets launch when the backward returns.
 HOOK_MEAN_BYTES = 16 * 1024
+
+
+_is_none = functools.partial(operator.is_, None)  # (a C-level test per element, no Python frame)
 
 
 def _taker(indices: Sequence[int]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -392,7 +396,9 @@ class Step:
             else:
                 for i in bucket.leaves:
                     stash[i] = None
-            if None in srcs:  # unused leaves: their hooks never fired, their gradients are zero
+            # (not ``None in srcs``: that compares every tensor with None through Tensor.__eq__, in
+            # Python: 10 ms for 2,000 leaves)
+            if any(map(_is_none, srcs)):  # unused leaves: their hooks never fired, their gradients are zero
                 srcs = [torch.zeros(self.plan.slots[i].shape, dtype=bucket.dtype, device=bucket.device)
                         if g is None else g for i, g in zip(bucket.leaves, srcs)]
             if self.acc is not None:

@@ -2,7 +2,8 @@
 the state, optax's way) against torch.optim with ``group["lr"]`` (``betas``, ``momentum``,
 ``weight_decay``, ...) set before every ``step()``, over 100 steps in fp32 and fp64, with
 ``torch.equal``; and the way people do it by hand, a new optimizer object every step, in the
-fused step: memory flat over 1,000 steps, torch.optim's numbers."""
+fused step: memory flat over 1,000 steps, torch.optim's numbers. (``inject_hyperparams`` in the
+fused step: ``tests/test_optim_inject_fused.py``.)"""
 
 from __future__ import annotations
 
@@ -190,11 +191,16 @@ def test_bad_values_and_names_are_refused():
         fdp.optim.set_hyperparams(two.init(params)._replace(states={"a": state, "b": state}), lr=0.1)
 
 
-def test_the_fused_step_refuses_an_injected_optimizer():
-    params = {"w": torch.ones(3, 2)}
-    with pytest.raises(TypeError, match="use reducer.grad and opt.update"):
-        fdp.Reducer(params).grad_and_update(lambda p: p["w"].sum(),
-                                            fdp.optim.inject_hyperparams(fdp.optim.adamw)(lr=1e-3))
+def test_the_fused_step_refuses_an_injected_optimizer_where_it_cannot_run_it():
+    # (it runs one at the end of a chain: tests/test_optim_inject_fused.py)
+    params = {"w": torch.ones(3, 2), "b": torch.ones(2)}
+    injected = fdp.optim.inject_hyperparams(fdp.optim.adamw)(lr=1e-3)
+    reducer = fdp.Reducer(params)
+    with pytest.raises(TypeError, match="inside a partition label does not run in the fused step"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.partition(
+            {"w": "a", "b": "b"}, {"a": injected, "b": fdp.optim.sgd(0.1)}))
+    with pytest.raises(TypeError, match="a wrapper around inject_hyperparams"):
+        reducer.grad_and_update(lambda p: p["w"].sum(), fdp.optim.ema(injected, 0.9))
 
 
 # ------------------------------- a new optimizer object every step, in the fused step

@@ -10,6 +10,11 @@ each bucket lands too.
 The optimizer is one ``LeafKernel``, or, for ``partition``, one per label (a *part*). Each
 leaf gets a key ``(part, group)``: its part, and its hyper-parameter group in that part's
 kernel (the mask's); a bucket's update is one kernel call per key over its leaves' runs.
+
+An ``inject_hyperparams`` optimizer keeps its values in the state (``FusedState.hyperparams``):
+the layout is that of the optimizer bound to the values it was made with, and each step
+runs the kernel of the optimizer bound to the state's values (``kernels``), once per step,
+which must keep that layout (the same state fields).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, NamedTuple
 
 from .. import _tree
 from ..optim import GradientTransform, LeafKernel, Optimizer
-from ..optim._flat import split_chain
+from ..optim._flat import bound, split_chain
 
 
 class Part(NamedTuple):
@@ -48,8 +53,11 @@ class Program:
     """
 
     def __init__(self, opt: Optimizer, params: Any, name: str, *, sharded: bool) -> None:
-        self.opt = opt
-        self.transforms, self.optimizer = split_chain(opt, name, sharded=sharded)
+        self.opt, self.name = opt, name
+        self.transforms, outer = split_chain(opt, name, sharded=sharded)
+        # an inject_hyperparams optimizer: its values are the state's, the layout its first values'
+        self.injected: Optimizer | None = outer if outer.bind is not None else None
+        self.optimizer = bound(outer)
         partition = self.optimizer.partition
         if partition is None:
             self.parts = [Part(None, self.optimizer, self.optimizer.leaf_kernel, _count_dtype(self.optimizer, params))]
@@ -79,6 +87,49 @@ class Program:
         self.measure: GradientTransform | None = t[self.prefix] if self.prefix < len(t) else None
         self.whole_tree = self.last_tree >= 0
         self.suffix: list[int] = list(range(self.last_tree + 1, len(t))) if self.whole_tree else []
+        # the values an injected optimizer was made with, as its state holds them (from an init on empty leaves)
+        self.initial: dict | None = None if self.injected is None else self.injected.init(
+            _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)).hyperparams
+        self._kernels = [part.kernel for part in self.parts]
+        self._last: tuple[Optimizer, list[LeafKernel]] = (self.optimizer, self._kernels)
+
+    def kernels(self, hyperparams: dict | None) -> list[LeafKernel]:
+        """Each part's kernel for a step whose state holds ``hyperparams`` (``FusedState.hyperparams``):
+        the parts' own, or an injected optimizer's bound to the state's values (read on the host:
+        once per step, not per bucket).
+
+        Raises:
+          ValueError: values the optimizer does not inject, an invalid value, or one that
+            changes the state's fields.
+        """
+        if self.injected is None:
+            if hyperparams is not None:
+                raise ValueError(f"{self.name}: opt_state holds hyper-parameters {sorted(hyperparams)} (a state of an "
+                                 "inject_hyperparams optimizer), but this step's optimizer keeps its own; pass the "
+                                 "state of this step's optimizer")
+            return self._kernels
+        if hyperparams is None:
+            raise ValueError(f"{self.name}: this step's optimizer is an inject_hyperparams one, but opt_state holds "
+                             "no hyper-parameters (made by another step?): start from step.init(params) or "
+                             "step.state_from_tree(tree_state, params)")
+        opt = self.injected.bind(hyperparams)
+        last = self._last  # (one read: simulated ranks may share a step)
+        if opt is last[0]:
+            return last[1]
+        kernel, first = opt.leaf_kernel, self.parts[0].kernel
+        if kernel is None or (kernel.fields, kernel.init_value, kernel.whole_leaves) != (
+                first.fields, first.init_value, first.whole_leaves):
+            changed = {k: v for k, v in hyperparams.items() if not _same(v, self.initial[k])}
+            shown = {k: _shown(v) for k, v in changed.items()}
+            raise ValueError(
+                f"{self.name}: the hyper-parameters {shown} change the optimizer state's layout (its fields "
+                f"{first.fields} would be {None if kernel is None else kernel.fields}), which the fused step's "
+                "state cannot change between steps; build the optimizer with values that keep it (e.g. sgd's "
+                "momentum > 0 from the start), or start a new state (step.init)")
+        kernels = [kernel]
+        self._last = (opt, kernels)
+        return kernels
+
 
     @property
     def partitioned(self) -> bool:
@@ -90,3 +141,14 @@ def _count_dtype(opt: Optimizer, params: Any) -> Any:
     state = opt.init(_tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params))
     step = getattr(state, "step", None)
     return step.dtype if step is not None else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) and all(
+            _same(x, y) for x, y in zip(a, b))
+    return float(a) == float(b)
+
+
+def _shown(v: Any) -> Any:
+    return tuple(_shown(x) for x in v) if isinstance(v, tuple) else v.item() if hasattr(v, "item") else v

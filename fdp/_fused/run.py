@@ -52,6 +52,9 @@ class Run:
         nb = len(core.plan.buckets)
         self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
         self.layout = layout
+        # Each part's kernel for this step: an injected optimizer's bound to the state's values
+        # (read here, once per step, before anything starts; the kernels then run in the hooks).
+        self.kernels = program.kernels(state.hyperparams)
         # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
         self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
                        for part in program.parts]
@@ -138,7 +141,7 @@ class Run:
     # ------------------------------------------------------------------ update
     def update(self, b: int) -> None:
         """Bucket ``b``'s (slice of the) params, with its optimizer state, by the kernel."""
-        core, step, state, parts = self.core, self.step, self.state, self.program.parts
+        core, step, state, kernels = self.core, self.step, self.state, self.kernels
         t0 = time.perf_counter()
         g = self.grads[b]
         if self.coef is not None:
@@ -154,7 +157,7 @@ class Run:
         self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
         if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
             (part, group), _ = core.spans.by_key[b][0]
-            parts[part].kernel.step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
+            kernels[part].step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
         else:
             # Per key, over its spans: in chunks (each chunk's passes stay in cache, and the
             # kernel's temporaries are chunk-sized: fdp.optim._flat.CHUNK's comment), or each
@@ -166,7 +169,7 @@ class Run:
                     gs = [self.wholes[s.leaf] for s in spans]
                 else:
                     ps, gs = pieces(p, spans, False), pieces(g, spans, False)
-                parts[part].kernel.step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
+                kernels[part].step(group, ps, gs, [pieces(s, spans, True) for s in states], self.counts[part])
         times = step.times[b]
         times.update_start, times.update_end = t0 - step.t0, time.perf_counter() - step.t0
 

@@ -25,7 +25,7 @@ from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
 from .._shard import Shard
-from ..optim import ChainState, PartitionState
+from ..optim import ChainState, InjectHyperparamsState, PartitionState
 from .program import Program
 from .shard import Shards
 from .spans import Spans
@@ -54,12 +54,17 @@ class FusedState(NamedTuple):
       transforms: the states of the chain's gradient transforms (e.g. a ``ClipState``).
       layout: an int64 tensor ``[version, shard rank, shard ranks, plan digest x 3]`` (see
         ``describe_layout``); ``shard ranks`` is 1 for an unsharded state.
+      hyperparams: an ``inject_hyperparams`` optimizer's values (``{name: value}``, 0-d CPU
+        tensors, as ``InjectHyperparamsState.hyperparams``): the next step runs with them;
+        change them with ``fdp.optim.set_hyperparams(opt_state, lr=...)``. ``None`` for
+        other optimizers.
     """
 
     step: torch.Tensor
     buffers: dict[str, list[torch.Tensor]]
     transforms: tuple
     layout: torch.Tensor
+    hyperparams: dict[str, Any] | None = None
 
     @property
     def sharded(self) -> bool:
@@ -158,7 +163,13 @@ class StateLayout:
         buffers = {key: [torch.full((self.mine.sizes[b.index][k],), part.kernel.init_value, dtype=b.dtype,
                                     device=b.device) for b in self.plan.buckets]
                    for k, part in enumerate(self.parts) for key in self.keys[k]}
-        return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms), self.layout)
+        return FusedState(count, buffers, tuple(t.init(params) for t in self.transforms), self.layout,
+                          self._initial_hyperparams())
+
+    def _initial_hyperparams(self) -> dict | None:
+        """An injected optimizer's values as it was made with (a dict of its own), else None."""
+        initial = self.program.initial
+        return None if initial is None else {k: _cloned(v) for k, v in initial.items()}
 
     def _count(self, params: Any) -> torch.Tensor:
         """The optimizer's own count (its dtype differs between optimizers), from an init over
@@ -172,12 +183,47 @@ class StateLayout:
 
     @staticmethod
     def inner(state: Any) -> Any:
-        return state.optimizer if isinstance(state, ChainState) else state
+        """The optimizer's own state in ``opt.init``'s layout (inside a chain's, an injected one's)."""
+        state = state.optimizer if isinstance(state, ChainState) else state
+        return state.inner_state if isinstance(state, InjectHyperparamsState) else state
+
+    def _unwrap(self, tree_state: Any, what: str, whose: str) -> tuple[tuple, dict | None, Any]:
+        """(transforms' states, injected values, the optimizer's state) of a per-leaf state."""
+        transforms, hyperparams = (), None
+        if self.opt.parts:
+            if not isinstance(tree_state, ChainState):
+                raise TypeError(f"{what}: expected the ChainState of {whose}, got {type(tree_state).__name__}")
+            transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
+        if self.program.injected is not None:
+            if not isinstance(tree_state, InjectHyperparamsState):
+                raise TypeError(f"{what}: expected the InjectHyperparamsState of {whose} (the optimizer is an "
+                                f"inject_hyperparams one), got {type(tree_state).__name__}")
+            self._check_hyperparams(tree_state.hyperparams, what)
+            hyperparams = {k: _cloned(v) for k, v in tree_state.hyperparams.items()}
+            tree_state = tree_state.inner_state
+        return transforms, hyperparams, tree_state
+
+    def _check_hyperparams(self, hyperparams: Any, what: str) -> None:
+        initial = self.program.initial
+        if initial is None:
+            if hyperparams is not None:
+                raise ValueError(f"{what}: the state holds injected hyper-parameters, but this step's optimizer is "
+                                 "not an inject_hyperparams one")
+            return
+        if not isinstance(hyperparams, dict) or set(hyperparams) != set(initial):
+            got = sorted(hyperparams) if isinstance(hyperparams, dict) else repr(hyperparams)
+            raise ValueError(f"{what}: the state's hyperparams are {got}; this step's optimizer injects "
+                             f"{sorted(initial)}")
+        for k, v in hyperparams.items():
+            if _arity(v) != _arity(initial[k]):
+                raise ValueError(f"{what}: hyperparams[{k!r}] is {v!r}; this optimizer's holds "
+                                 f"{_arity(initial[k]) or 'one'} number(s)")
 
     def check(self, state: Any) -> FusedState:
         if not isinstance(state, FusedState):
             raise TypeError(f"{self.name}: opt_state must be the FusedState of step.init(params) (or "
                             f"step.state_from_tree), got {type(state).__name__}")
+        self._check_hyperparams(state.hyperparams, f"{self.name}: opt_state")
         keys = [key for ks in self.keys for key in ks]
         if set(state.buffers) != set(keys) or len(state.transforms) != len(self.transforms):
             raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
@@ -234,6 +280,8 @@ class StateLayout:
             tree = template._replace(step=state.step.clone(), **fields)
         else:
             tree = self._partition_tree(template, values, state.step, params, in_params_order)
+        if self.program.injected is not None:
+            tree = InjectHyperparamsState({k: _cloned(v) for k, v in state.hyperparams.items()}, tree)
         if self.opt.parts:
             return ChainState(tuple(state.transforms), tree)
         return tree
@@ -281,12 +329,7 @@ class StateLayout:
         ``fdp.load_sharded``): each leaf's Shard (or whole tensor) must hold this rank's
         elements of it; they are copied into fresh flat buffers."""
         what = f"{self.name}: state_from_shards"
-        transforms = ()
-        if self.opt.parts:
-            if not isinstance(tree_state, ChainState):
-                raise TypeError(f"{what}: expected the ChainState of step.state_to_shards, got "
-                                f"{type(tree_state).__name__}")
-            transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
+        transforms, hyperparams, tree_state = self._unwrap(tree_state, what, "step.state_to_shards")
         buffers = {key: [torch.zeros(self.mine.sizes[b.index][k], dtype=b.dtype, device=b.device)
                          for b in self.plan.buckets]
                    for k, part in enumerate(self.parts) for key in self.keys[k]}
@@ -298,7 +341,7 @@ class StateLayout:
                     leaves = _tree.in_order_of(self.plan.treedef, treedef, leaves, f"{what}: .{f}")
                 for i, leaf in enumerate(leaves):
                     self._put(buffers[key], i, leaf, f"{what}: .{f}")
-            return FusedState(count, buffers, transforms, self.layout)
+            return FusedState(count, buffers, transforms, self.layout, hyperparams)
         if not isinstance(tree_state, PartitionState):
             raise TypeError(f"{what}: expected the PartitionState of step.state_to_shards, got "
                             f"{type(tree_state).__name__}")
@@ -320,7 +363,7 @@ class StateLayout:
                 for i, j in enumerate(order):
                     if labels[j] == part.label:
                         self._put(buffers[key], i, sub[keys[j]], f"{what}: .states[{part.label!r}].{f}")
-        return FusedState(count, buffers, transforms, self.layout)
+        return FusedState(count, buffers, transforms, self.layout, hyperparams)
 
     def _put(self, flats: list[torch.Tensor], i: int, leaf: Any, what: str) -> None:
         """Plan leaf ``i``'s elements on this rank from ``leaf`` (a Shard, or the whole tensor)
@@ -377,17 +420,12 @@ class StateLayout:
         return out[:bucket.numel] if out.numel() != bucket.numel and not s.sharded else out
 
     def from_tree(self, tree_state: Any, params: Any) -> FusedState:
-        transforms = ()
-        if self.opt.parts:
-            if not isinstance(tree_state, ChainState):
-                raise TypeError(f"{self.name}: expected the ChainState of opt.init(params), got "
-                                f"{type(tree_state).__name__}")
-            transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
+        transforms, hyperparams, tree_state = self._unwrap(tree_state, self.name, "opt.init(params)")
         if not self.program.partitioned:
             count = tree_state.step.clone()
             full = {f: self.plan.flatten(getattr(tree_state, f)) for f in self.parts[0].kernel.fields}
             buffers = {f: [self._mine(b, 0, t) for b, t in enumerate(whole)] for f, whole in full.items()}
-            return FusedState(count, buffers, transforms, self.layout)
+            return FusedState(count, buffers, transforms, self.layout, hyperparams)
         if not isinstance(tree_state, PartitionState):
             raise TypeError(f"{self.name}: expected the PartitionState of opt.init(params), got "
                             f"{type(tree_state).__name__}")
@@ -407,7 +445,7 @@ class StateLayout:
                             for i in range(len(leaves))]
                 whole = self.plan.flatten(_tree.unflatten(_tree.structure(params), per_leaf))
                 buffers[key] = [self._mine(b, k, t) for b, t in enumerate(whole)]
-        return FusedState(count, buffers, transforms, self.layout)
+        return FusedState(count, buffers, transforms, self.layout, hyperparams)
 
     def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
@@ -430,3 +468,15 @@ class StateLayout:
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _cloned(v: Any) -> Any:
+    """A hyper-parameter value of its own (a 0-d tensor, or a tuple of them)."""
+    if isinstance(v, tuple | list):
+        return tuple(_cloned(x) for x in v)
+    return v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _arity(v: Any) -> int:
+    """0 for one number, else how many a tuple holds."""
+    return len(v) if isinstance(v, tuple | list) else 0

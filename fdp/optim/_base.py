@@ -63,6 +63,11 @@ class Optimizer(NamedTuple):
         reports) for optimizers over a torch.optim kernel; ``None`` for others.
       partition: for ``partition``, its ``Partitioned`` (the label of each leaf and the
         optimizer of each label: what the fused step runs per label); ``None`` otherwise.
+      bind: for ``inject_hyperparams``, ``bind(values) -> Optimizer``: the inner optimizer
+        with the hyper-parameters ``values`` (``{name: value}`` as ``state.hyperparams``
+        holds them; ``None``: the values it was made with) fixed in it, its ``leaf_kernel``
+        included (what the fused step runs with the values of each step's state);
+        ``None`` otherwise.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -78,6 +83,7 @@ class Optimizer(NamedTuple):
     parts: tuple = ()
     hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
     partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
+    bind: Callable[[Any], Optimizer] | None = None  # inject_hyperparams (fdp/optim/_inject.py)
 
 
 class LeafKernel(NamedTuple):

@@ -3,7 +3,8 @@ buffers (the fused step's buckets) needs from an ``fdp.optim`` optimizer or chai
 
 ``split_chain`` takes a chain apart into its gradient transforms and the optimizer whose
 ``LeafKernel`` runs per flat tensor, or says why it cannot be (a transform's declared
-``reach`` decides where it may run); ``chunks`` cuts a long flat tensor into the pieces one
+``reach`` decides where it may run), ``bound`` the optimizer an ``inject_hyperparams``
+one runs as for a state's values; ``chunks`` cuts a long flat tensor into the pieces one
 kernel call takes.
 """
 
@@ -39,15 +40,25 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
-    kernels = [optimizer.leaf_kernel] if optimizer.partition is None else [
-        o.leaf_kernel for o in optimizer.partition.optimizers.values()]
+    # An inject_hyperparams optimizer runs as the inner optimizer its state's values bind.
+    inner = bound(optimizer)
+    if inner.partition is not None and any(o.bind is not None for o in inner.partition.optimizers.values()):
+        raise TypeError(
+            f"{name}: an inject_hyperparams optimizer inside a partition label does not run in the fused step "
+            "yet (its state keeps one set of values per step); inject the values of one optimizer at the end "
+            "of the chain (chain(..., inject_hyperparams(adamw)(...))), give each label a new optimizer object "
+            "when its values change (partition(labels, {'a': adamw(lr=lr_t), ...}): the step's buffers are "
+            "reused), or use reducer.grad and opt.update")
+    kernels = [inner.leaf_kernel] if inner.partition is None else [
+        o.leaf_kernel for o in inner.partition.optimizers.values()]
     if any(k is None for k in kernels):
         which = "" if optimizer.partition is None else " (every label of a partition)"
         raise TypeError(
             f"{name}: the fused step runs an optimizer's kernel per bucket, so it needs one with a LeafKernel"
             f"{which}: sgd, adam, adamw, adagrad, rmsprop, nadam, radam, adamax, adadelta, lion, muon or "
-            "frozen, optionally in a chain after gradient transforms; for others (adafactor, not "
-            "element-wise; your own) use reducer.grad and opt.update"
+            "frozen (or inject_hyperparams of one of them), optionally in a chain after gradient transforms; "
+            "for others (adafactor, not element-wise; your own; a wrapper around inject_hyperparams) use "
+            "reducer.grad and opt.update"
         )
     for i, t in enumerate(transforms):
         where = f"{name}: part {i} of the chain"
@@ -68,3 +79,9 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
                 "and a slice cuts leaves, so a per-leaf transform cannot run there; use the unsharded fused "
                 "step, or reducer.grad and opt.update")
     return transforms, optimizer
+
+
+def bound(optimizer: Optimizer, hyperparams: dict | None = None) -> Optimizer:
+    """``optimizer`` itself, or for an ``inject_hyperparams`` one the inner optimizer with
+    ``hyperparams`` (a state's ``{name: value}``; None: the values it was made with) fixed."""
+    return optimizer if optimizer.bind is None else optimizer.bind(hyperparams)

@@ -115,9 +115,15 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
     with torch.optim's numbers after ``group["lr"] = ...``, bit for bit. They are saved and
     loaded with the state (``fdp.save``/``fdp.load``).
 
-    Plain path only (``opt.update``): the fused step refuses it (its flat state has no room
-    for the values yet); a new optimizer object per step (``adamw(lr=lr_t)``) works there,
-    reusing the step's buffers.
+    The fused step (``reducer.grad_and_update(loss_fn, opt)``, alone or last in a ``chain``;
+    unsharded, ``shard=True`` and ``shard="params"``) runs it too when ``factory``'s
+    optimizer has a ``LeafKernel``: its ``FusedState`` keeps the values
+    (``opt_state.hyperparams``), ``set_hyperparams(opt_state, lr=...)`` changes them, and
+    each step runs the kernel of ``opt.bind(opt_state.hyperparams)`` (the inner optimizer
+    with those values fixed, built once per distinct set of values, the last ``CACHED``
+    kept): the same core, buffers and numbers as the plain path. A value that would change
+    the state's fields (``sgd``'s ``momentum`` from 0) is refused there; so is an injected
+    optimizer inside a ``partition`` or under ``ema``/``multi_steps`` (plain path only).
 
     Args:
       factory: a function returning an ``Optimizer`` (``fdp.optim.adamw``, your own).
@@ -183,6 +189,34 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
 
         initial = {k: _to_python(v) for k, v in injected.items()}
         first = inner_for(initial)  # the factory's checks of the values given, now
+        bound_cache: OrderedDict[tuple, Optimizer] = OrderedDict()
+
+        def values_of(hyperparams: dict[str, Any], what: str) -> dict[str, Any]:
+            if not isinstance(hyperparams, dict) or set(hyperparams) != set(injected):
+                got = sorted(hyperparams) if isinstance(hyperparams, dict) else type(hyperparams).__name__
+                raise ValueError(f"{name}: {what} has {got}; this optimizer injects {sorted(injected)}")
+            values = {k: _to_python(v) for k, v in hyperparams.items()}
+            for k in slots:
+                if not values[k] >= 0:
+                    raise ValueError(f"{name}: invalid {k} {values[k]} in {what} (must be >= 0)")
+            return values
+
+        def bind(hyperparams: dict[str, Any] | None = None) -> Optimizer:
+            # Every value fixed in the inner optimizer (no schedule reading a per-thread
+            # value: the fused step runs the kernel inside autograd's hooks, on its threads).
+            values = initial if hyperparams is None else values_of(hyperparams, "the hyperparams")
+            key = tuple(values[k] for k in injected)
+            with lock:
+                opt = bound_cache.get(key)
+                if opt is not None:
+                    bound_cache.move_to_end(key)
+                    return opt
+            opt = factory(**fixed, **{k: float(values[k]) for k in slots}, **{k: values[k] for k in rebuilt})
+            with lock:
+                bound_cache[key] = opt
+                while len(bound_cache) > CACHED:
+                    bound_cache.popitem(last=False)
+            return opt
 
         def init(params: Any) -> InjectHyperparamsState:
             return InjectHyperparamsState({k: _to_state(v) for k, v in initial.items()}, first.init(params))
@@ -191,13 +225,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
             if not isinstance(state, InjectHyperparamsState):
                 raise TypeError(f"{name}: state must be the InjectHyperparamsState of its init, got "
                                 f"{type(state).__name__}")
-            if set(state.hyperparams) != set(injected):
-                raise ValueError(f"{name}: state.hyperparams has {sorted(state.hyperparams)}; this optimizer "
-                                 f"injects {sorted(injected)}")
-            values = {k: _to_python(v) for k, v in state.hyperparams.items()}
-            for k in slots:
-                if not values[k] >= 0:
-                    raise ValueError(f"{name}: invalid {k} {values[k]} in state.hyperparams (must be >= 0)")
+            values = values_of(state.hyperparams, "state.hyperparams")
             opt = inner_for(values)
             local.values = {k: float(values[k]) for k in slots}
             try:
@@ -206,7 +234,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
                 local.values = None
             return params, InjectHyperparamsState(dict(state.hyperparams), inner)  # (a dict of its own)
 
-        return Optimizer(init, update)
+        return Optimizer(init, update, bind=bind)
 
     make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
     make.__doc__ = factory.__doc__
@@ -219,7 +247,8 @@ def set_hyperparams(state: Any, **values: Any) -> Any:
 
     Finds the ``InjectHyperparamsState`` in ``state`` itself, or inside a ``ChainState``,
     ``EmaState`` or ``MultiStepsState`` (an injected optimizer at the end of a chain, under
-    ``ema`` or ``multi_steps``).
+    ``ema`` or ``multi_steps``); or the values a fused step's ``FusedState`` keeps
+    (``opt_state.hyperparams``: ``reducer.grad_and_update`` with an injected optimizer).
 
     Args:
       state: the state of an injected optimizer, or of a wrapper around one.
@@ -279,4 +308,14 @@ def _replace_injected(state: Any, fn: Callable[[InjectHyperparamsState], InjectH
             return state._replace(**{field: _replace_injected(getattr(state, field), fn)})
     if isinstance(state, PartitionState):
         return PartitionState({k: _replace_injected(v, fn) for k, v in state.states.items()})
+    if _holds_hyperparams(state):  # the fused step's FusedState (fdp.optim does not import it)
+        return state._replace(hyperparams=fn(InjectHyperparamsState(state.hyperparams, None)).hyperparams)
     return state
+
+
+def _holds_hyperparams(state: Any) -> bool:
+    """Whether ``state`` is a NamedTuple other than ``InjectHyperparamsState`` that keeps an
+    injected optimizer's values itself, in a ``hyperparams`` dict (the fused step's
+    ``FusedState``, whose flat buffers stand for the inner state)."""
+    return (isinstance(state, tuple) and "hyperparams" in getattr(state, "_fields", ())
+            and isinstance(state.hyperparams, dict))

@@ -104,7 +104,7 @@ class Program:
         """
         if self.injected is None:
             if hyperparams is not None:
-                raise ValueError(f"{self.name}: opt_state holds hyper-parameters {sorted(hyperparams)} (a state of an "
+                raise ValueError(f"{self.name}: opt_state holds injected hyper-parameters {sorted(hyperparams)} (a state of an "
                                  "inject_hyperparams optimizer), but this step's optimizer keeps its own; pass the "
                                  "state of this step's optimizer")
             return self._kernels

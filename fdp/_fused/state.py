@@ -210,6 +210,10 @@ class StateLayout:
                 raise ValueError(f"{what}: the state holds injected hyper-parameters, but this step's optimizer is "
                                  "not an inject_hyperparams one")
             return
+        if hyperparams is None:
+            raise ValueError(f"{what}: this step's optimizer is an inject_hyperparams one, but the state holds no "
+                             "hyper-parameters (made for another optimizer?): start from step.init(params) or "
+                             "step.state_from_tree(tree_state, params)")
         if not isinstance(hyperparams, dict) or set(hyperparams) != set(initial):
             got = sorted(hyperparams) if isinstance(hyperparams, dict) else repr(hyperparams)
             raise ValueError(f"{what}: the state's hyperparams are {got}; this step's optimizer injects "

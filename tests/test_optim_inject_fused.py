@@ -142,6 +142,12 @@ def test_every_injected_optimizer_runs_in_the_fused_step_as_the_plain_path(name,
 
 # ------------------------------- fully sharded params (shard="params")
 
+def token_loss(apply, buffers):
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten())
+    return loss
+
+
 def fully_sharded(group, steps=6):
     out = []
     for shard in (False, "params"):
@@ -149,11 +155,7 @@ def fully_sharded(group, steps=6):
         apply, params, buffers = fdp.functionalize(net)
         units = fdp.units(net, Block) if shard == "params" else None
         reducer = fdp.Reducer(params, group, shard=shard, units=units)
-
-        def loss(p, x, y):
-            return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten())
-
-        step = reducer.grad_and_update(loss, injected_adamw(clip=True))
+        step = reducer.grad_and_update(token_loss(apply, buffers), injected_adamw(clip=True))
         s, p = step.init(params), {k: v.clone() for k, v in params.items()}
         for t in range(steps):
             p, s, _ = step(p, fdp.optim.set_hyperparams(s, **adamw_values(t)), *tokens(group.rank, t))

@@ -104,9 +104,9 @@ class Program:
         """
         if self.injected is None:
             if hyperparams is not None:
-                raise ValueError(f"{self.name}: opt_state holds injected hyper-parameters {sorted(hyperparams)} (a state of an "
-                                 "inject_hyperparams optimizer), but this step's optimizer keeps its own; pass the "
-                                 "state of this step's optimizer")
+                raise ValueError(f"{self.name}: opt_state holds injected hyper-parameters {sorted(hyperparams)} (a "
+                                 "state of an inject_hyperparams optimizer), but this step's optimizer keeps its "
+                                 "own; pass the state of this step's optimizer")
             return self._kernels
         if hyperparams is None:
             raise ValueError(f"{self.name}: this step's optimizer is an inject_hyperparams one, but opt_state holds "
@@ -129,7 +129,6 @@ class Program:
         kernels = [kernel]
         self._last = (opt, kernels)
         return kernels
-
 
     @property
     def partitioned(self) -> bool:

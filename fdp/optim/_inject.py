@@ -15,6 +15,12 @@ kept (the last ``CACHED``), except for the arguments fdp.optim's factories take 
 schedule that reads the state's value at each update, so changing them every step builds
 nothing. Changing ``betas``, ``momentum``, ``eps``... builds the inner optimizer anew when
 the value is new (as optax does at every update), and its factory checks the value.
+
+In the fused step the kernels run inside autograd's hooks (on CUDA, on autograd's device
+threads), where a per-thread value is not the caller's: there the step reads the state's
+values once, before it starts, and runs the kernel of ``opt.bind(values)``, the inner
+optimizer with every value fixed in it (no schedule slots), built once per distinct set of
+values (the last ``CACHED`` kept).
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ class Program:
         # the values an injected optimizer was made with, as its state holds them (from an init on empty leaves)
         self.initial: dict | None = None if self.injected is None else self.injected.init(
             _tree.tree_map(lambda t: t.new_empty((0,) * t.dim()), params)).hyperparams
-        self._kernels = [part.kernel for part in self.parts]
-        self._last: tuple[Optimizer, list[LeafKernel]] = (self.optimizer, self._kernels)
+        # the parts' own kernels: what a step without injected values runs (read directly by ``Run``)
+        self.default_kernels: list[LeafKernel] = [part.kernel for part in self.parts]
+        self._last: tuple[Optimizer, list[LeafKernel]] = (self.optimizer, self.default_kernels)
 
     def kernels(self, hyperparams: dict | None) -> list[LeafKernel]:
         """Each part's kernel for a step whose state holds ``hyperparams`` (``FusedState.hyperparams``):
@@ -107,7 +108,7 @@ class Program:
                 raise ValueError(f"{self.name}: opt_state holds injected hyper-parameters {sorted(hyperparams)} (a "
                                  "state of an inject_hyperparams optimizer), but this step's optimizer keeps its "
                                  "own; pass the state of this step's optimizer")
-            return self._kernels
+            return self.default_kernels
         if hyperparams is None:
             raise ValueError(f"{self.name}: this step's optimizer is an inject_hyperparams one, but opt_state holds "
                              "no hyper-parameters (made by another step?): start from step.init(params) or "

@@ -54,7 +54,9 @@ class Run:
         self.layout = layout
         # Each part's kernel for this step: an injected optimizer's bound to the state's values
         # (read here, once per step, before anything starts; the kernels then run in the hooks).
-        self.kernels = program.kernels(state.hyperparams)
+        # (a step without injected values takes the parts' own kernels without a call: the common case)
+        self.kernels = program.default_kernels if program.injected is None and state.hyperparams is None \
+            else program.kernels(state.hyperparams)
         # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
         self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
                        for part in program.parts]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,12 +14,15 @@ from torch.nn.parameter import is_lazy
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
-# What torch.compile(module) returns: a wrapper holding the module as ``_orig_mod`` (its
-# names get that prefix). Public as ``torch._dynamo.eval_frame.OptimizedModule`` only.
-try:
-    from torch._dynamo.eval_frame import OptimizedModule as _COMPILED
-except ImportError:  # pragma: no cover - a torch without dynamo
-    _COMPILED = ()
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is what torch.compile(module) returns: a wrapper holding the module as
+    ``_orig_mod`` (its names get that prefix). Public as ``torch._dynamo.eval_frame.OptimizedModule``
+    only, which is not imported here: importing torch._dynamo costs about a second, and a
+    process that never imported it holds no compiled module."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    return frame is not None and isinstance(module, frame.OptimizedModule)
 
 
 class Apply:
@@ -382,7 +386,7 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functionalize expects an nn.Module, got {type(module).__name__}")
     forward = None
-    if isinstance(module, _COMPILED):  # torch.compile(model): name and swap in the model itself
+    if _compiled(module):  # torch.compile(model): name and swap in the model itself
         forward, module = module, module._orig_mod
     frozen = tuple(frozen) if not isinstance(frozen, str) else (frozen,)
     named = list(module.named_parameters())  # tied parameters appear once (first name)
@@ -447,7 +451,7 @@ def units(module: nn.Module, *types: type) -> list[str]:
     """
     if not types or not all(isinstance(t, type) for t in types):
         raise ValueError(f"fdp.units: give one or more module classes (e.g. fdp.units(model, Block)), got {types!r}")
-    if isinstance(module, _COMPILED):
+    if _compiled(module):
         module = module._orig_mod
     names = [name for name, m in module.named_modules() if name and isinstance(m, types)]
     if not names:

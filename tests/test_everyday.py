@@ -1,6 +1,7 @@
 """Small things a new user trips over (issue 30, item 9): a compiled module's names, reading a
 checkpoint without ``like``, a schedule at a negative step, the kernel benchmark's verdict on
-targets below torch's floor, and a script run beside a clone named ``fdp/``."""
+targets below torch's floor, a script run beside a clone named ``fdp/``, and what ``import fdp``
+costs a process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from procs import ROOT
+from procs import ROOT, clean_env
 
 import fdp
 from fdp.bench import kernels as kernels_bench
@@ -127,6 +128,29 @@ def test_without_an_installed_fdp_the_clone_says_what_to_do(tmp_path):
     res = run_beside_a_clone(tmp_path, "-S")  # -S: no site-packages, so no installed fdp
     assert res.returncode != 0
     assert "fdp's source checkout" in res.stderr and "pip install -e" in res.stderr, res.stderr
+
+
+STARTS_WITHOUT_DYNAMO = """
+import sys, torch, torch.nn as nn, fdp
+print("torch._dynamo" in sys.modules)
+apply, params, buffers = fdp.functionalize(nn.Linear(3, 2))
+reducer = fdp.Reducer(params)
+loss = lambda p, x: apply(p, buffers, x)[0].square().sum()
+step = reducer.grad_and_update(loss, fdp.optim.adamw(1e-3))
+p, s, _ = step(params, step.init(params), torch.ones(4, 3))
+reducer.grad(loss)(p, torch.ones(4, 3))
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_import_fdp_and_its_steps_do_not_import_torch_dynamo():
+    """torch._dynamo costs about a second of CPU per process (each rank torchrun starts):
+    ``import fdp``, the fused step and ``reducer.grad`` leave it out (the fused step's
+    ``torch.compiler.disable`` is made on its first call in a process that has it)."""
+    res = subprocess.run([sys.executable, "-c", STARTS_WITHOUT_DYNAMO], env=clean_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "False"], res.stdout
 
 
 def sampled(group) -> list[int]:

@@ -9,7 +9,9 @@ reuses the core of the step before it, and the cache never holds more than ``MAX
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +42,27 @@ EAGER_ONLY = (f"{NAME}'s step cannot be traced by torch.compile (its per-bucket 
 
 def eager_only(fn: Callable) -> Callable:
     """``fn`` never traced by torch.compile (``torch.compiler.disable``, with the reason where
-    this torch takes one)."""
-    if "reason" in inspect.signature(torch.compiler.disable).parameters:
-        return torch.compiler.disable(fn, reason=EAGER_ONLY)
-    return torch.compiler.disable(fn)
+    this torch takes one), made on the first call in a process that has imported torch._dynamo.
+
+    Not made here: ``torch.compiler.disable`` imports torch._dynamo, about a second of CPU at
+    ``import fdp`` (and in every rank torchrun starts). A process without torch._dynamo compiles
+    nothing (``torch.compile`` imports it), so there the plain ``fn`` runs; where it is imported,
+    dynamo inlines this wrapper and meets the disabled function (torch's own
+    ``torch._disable_dynamo`` works the same way)."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            if "reason" in inspect.signature(torch.compiler.disable).parameters:
+                disabled.append(torch.compiler.disable(fn, reason=EAGER_ONLY))
+            else:
+                disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call
 
 
 def template(params: Any) -> Any:

@@ -144,6 +144,7 @@ def test_validate_prints_measured_and_predicted_per_cap_with_the_contention(tmp_
     assert "ms lost per MiB beside it" in out and "median |error|" in out
 
 
+@pytest.mark.slow  # (a benchmark run)
 def test_model_benchmark_runs_muon_with_adamw_beside_torch_optim_muon(capsys):
     code = models_bench.main(["--models", "tiny50", "--steps", "2", "--warmup", "1", "--optim", "muon",
                               "--kinds", "local,ddp,fused,sharded", "--no-memory"])
@@ -217,6 +218,7 @@ def test_optim_benchmark_meets_its_target(capsys):
     assert code == 0, capsys.readouterr().out
 
 
+@pytest.mark.slow  # (a benchmark run)
 def test_optim_benchmark_runs_muon_beside_torch_optim_muon_bit_for_bit(capsys):
     code = optim_bench.main(["--steps", "2", "--warmup", "1", "--trees", "10-leaves", "--optim", "muon"])
     text = capsys.readouterr().out

@@ -427,6 +427,7 @@ print(sorted(os.listdir(sys.argv[1])))
 """
 
 
+@pytest.mark.slow  # (fills a small file system)
 @pytest.mark.multiprocess  # (a tiny tmpfs mounted in a new mount namespace, for a fresh python)
 def test_a_full_disk_is_named_with_the_space_needed_and_left(tmp_path):
     import shutil

@@ -92,6 +92,7 @@ def test_compiled_train_step_is_one_graph_and_matches_eager(model_name, backend)
         assert torch.equal(res[0][0][0][k], res[1][0][0][k]), k
 
 
+@pytest.mark.slow  # (a dynamo trace)
 def test_compile_support_is_not_skipped_on_the_pinned_torch():
     # The skip above is for older torch releases only: on the dev/CI torch (constraints.txt)
     # a failing probe is a regression to see, not a reason to skip.
@@ -125,6 +126,7 @@ def _untraceable_option_errors():
     return _dynamo_keeps_user_exception_messages(), errors
 
 
+@pytest.mark.slow  # (dynamo traces)
 def test_untraceable_options_fail_loudly_under_compile():
     keeps, (hook_error, schedule_error) = in_child(_untraceable_option_errors)
     assert hook_error is not None and schedule_error is not None, "an untraceable option compiled"
@@ -194,6 +196,7 @@ def _constants_compiled_vs_eager():
     return compiled, torch.func.grad(loss)(params, x)
 
 
+@pytest.mark.slow  # (a dynamo trace)
 def test_constants_are_passed_to_the_module_under_compile():
     skip_unless_dynamo_traces_fdp()
     compiled, eager = in_child(_constants_compiled_vs_eager)
@@ -261,6 +264,7 @@ def _fused_inside_a_compiled_function():
     return out
 
 
+@pytest.mark.slow  # (a dynamo trace)
 def test_a_compiled_function_runs_the_fused_step_eagerly_with_its_numbers():
     (eager_w, eager_v), (comp_w, comp_v) = in_child(_fused_inside_a_compiled_function)
     assert torch.equal(comp_w, eager_w) and torch.equal(comp_v, eager_v)

@@ -107,7 +107,7 @@ def doc_params(paths: list[Path], *compile_marks: pytest.MarkDecorator) -> list:
             for p in paths]
 
 
-@pytest.mark.parametrize("path", doc_params(MARKDOWN))
+@pytest.mark.parametrize("path", doc_params(MARKDOWN, pytest.mark.slow))  # (compile.md: a dynamo trace)
 def test_python_blocks_run_in_a_world_of_one(path, tmp_path, monkeypatch):
     """Every ```python block of the file runs without raising (blocks in order, one namespace)."""
     assert path.exists(), f"{path} is missing"

@@ -112,6 +112,7 @@ def run_beside_a_clone(tmp_path, *flags: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # (a python launch)
 def test_a_script_beside_a_clone_named_fdp_imports_the_package(tmp_path):
     """The clone's folder is found first on sys.path; its root __init__.py hands over to the
     installed package (before, the folder was an empty namespace package)."""
@@ -143,6 +144,7 @@ print("torch._dynamo" in sys.modules)
 """
 
 
+@pytest.mark.slow  # (a python launch)
 def test_import_fdp_and_its_steps_do_not_import_torch_dynamo():
     """torch._dynamo costs about a second of CPU per process (each rank torchrun starts):
     ``import fdp``, the fused step and ``reducer.grad`` leave it out (the fused step's

@@ -71,6 +71,7 @@ def features(group):
     return out
 
 
+@pytest.mark.slow  # (four options, on gloo too)
 @pytest.mark.parametrize("backend", ["gloo", "threads"])
 def test_accumulation_bf16_wire_skip_nonfinite_and_no_reshard_equal_the_unsharded_step(backend):
     for rank, got in enumerate(fdp.testing.run(features, 2, backend=backend, timeout=240)):
@@ -119,6 +120,7 @@ def against_ddp_and_fsdp2(group, clip):
     return params.full(), ddp_params, fsdp_params
 
 
+@pytest.mark.slow  # (DDP and FSDP2 beside, on gloo)
 @pytest.mark.parametrize("clip", [False, True], ids=["adamw", "clip-adamw"])
 def test_two_gloo_ranks_equal_ddp_and_fsdp2_with_torch_adamw(clip):
     for rank, (mine, ddp, fsdp2) in enumerate(fdp.testing.run(against_ddp_and_fsdp2, 2, backend="gloo",
@@ -142,6 +144,7 @@ def more_ranks(group):
     return out
 
 
+@pytest.mark.slow  # (3 and 4 gloo ranks on 2 cores)
 @pytest.mark.parametrize("world", [3, 4])
 def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(world):
     """On more than two ranks a reduce-scatter sums a slice in another order than the
@@ -485,6 +488,7 @@ def sharded_checkpoint(group, tmp, phase):
     return params.full() if shard else params
 
 
+@pytest.mark.slow  # (worlds of 1, 2 and 3)
 def test_a_sharded_checkpoint_of_fully_sharded_params_resumes_on_any_world_size(tmp_path):
     """Saved on 2 ranks; every rank trains on the same data, so the mean is exact on 1, 2 and
     4 ranks (halves and quarters) and the resumed runs equal the straight one bit for bit;

@@ -89,6 +89,7 @@ scales = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(leaves, st.sampled_from(FLOATS), st.sampled_from([None, torch.bfloat16, torch.float16, torch.float32]),
        scales, st.integers(0, 2**31))
+@pytest.mark.slow  # (the Triton interpreter over many shapes)
 def test_flatten_triton_equals_torch_bit_for_bit(specs, src_dtype, out_dtype, scale, seed):
     out_dtype = out_dtype or src_dtype
     srcs = [make_values(shape, src_dtype, seed + i, nc and len(shape) >= 2) for i, (shape, nc) in enumerate(specs)]
@@ -103,6 +104,7 @@ def test_flatten_triton_equals_torch_bit_for_bit(specs, src_dtype, out_dtype, sc
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(shapes, st.booleans(), st.sampled_from(FLOATS)), min_size=1, max_size=5),
        st.sampled_from(FLOATS), st.integers(0, 2**31), st.integers(0, 3))
+@pytest.mark.slow  # (the Triton interpreter)
 def test_unflatten_triton_equals_torch_with_and_without_casts(specs, flat_dtype, seed, lead):
     sizes = [int(torch.Size(shape).numel()) for shape, _, _ in specs]
     # `lead` elements before the flat data: a storage offset, often an unaligned one.
@@ -193,6 +195,7 @@ def test_pointer_tables_are_cached_per_layout_and_rebuilt_when_a_pointer_moves()
     assert len(_triton.TABLES) <= _triton.TABLE_CACHE_SIZE
 
 
+@pytest.mark.slow  # (the Triton interpreter)
 @needs_triton
 def test_concurrent_launches_from_threads_are_serialised():
     # Simulated ranks are threads; the interpreter patches triton.language per launch, so

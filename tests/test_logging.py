@@ -21,11 +21,13 @@ def runs():
     return {level: (procs[level].returncode, *outputs[level]) for level in procs}
 
 
+@pytest.mark.slow  # (two python launches)
 def test_quiet_by_default(runs):
     code, out, err = runs["default"]
     assert code == 0 and err == "" and out == "", (code, out, err)
 
 
+@pytest.mark.slow  # (two python launches)
 def test_fdp_log_info_prints_the_bucket_plan_with_the_rank(runs):
     code, out, err = runs["INFO"]
     assert code == 0, err

@@ -10,6 +10,7 @@ import fdp
 from fdp.bench import loop
 
 
+@pytest.mark.slow  # (the whole loop beside DDP)
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_the_nanogpt_loop_equals_ddp_bit_for_bit(autocast):
     cfg = {"kinds": ("ddp", "fused", "fused-pure", "sharded", "plain"), "steps": 6, "warmup": 0, "micro": 4,

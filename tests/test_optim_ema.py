@@ -347,6 +347,7 @@ FUSED_CASES = [("f32", False, STEPS), ("f32", True, 30), ("f64", False, 30)]
 
 @pytest.mark.parametrize("dt,donate,steps", FUSED_CASES,
                          ids=[f"{d}-{'donate' if o else 'pure'}-{k}steps" for d, o, k in FUSED_CASES])
+@pytest.mark.slow  # (up to 100 steps, four tracks)
 def test_fused_and_sharded_steps_keep_the_averaged_model_bit_for_bit_on_two_ranks(dt, donate, steps):
     results = fdp.testing.run(tracks, 2, args=(DTYPES[dt], steps, donate), timeout=300)
     assert results[0]["buckets"] > 1, "the test needs several buckets"
@@ -407,6 +408,7 @@ def partition_tracks(group, dtype=torch.float32, steps=STEPS):
             "fields": sorted(fs.buffers)}
 
 
+@pytest.mark.slow  # (100 steps, four tracks)
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 @pytest.mark.parametrize("dt", list(DTYPES))
 def test_ema_of_muon_and_adamw_in_a_partition_runs_fused_and_sharded_bit_for_bit(dt):
@@ -421,6 +423,7 @@ def gloo_tracks(group):
     return tracks(group, torch.float32, 30)
 
 
+@pytest.mark.slow  # (on gloo)
 def test_fused_and_sharded_ema_equal_averaged_model_on_gloo_ranks():
     assert_tracks_equal(fdp.testing.run(gloo_tracks, 2, backend="gloo", timeout=300), "ema(adamw) on gloo")
 

@@ -240,6 +240,7 @@ def new_optimizer_every_step(group, steps):
             "param_mib": sum(v.numel() * v.element_size() for v in params.values()) / 2**20}
 
 
+@pytest.mark.slow  # (500 steps)
 def test_a_new_optimizer_every_step_in_the_fused_step_holds_memory_flat_and_equals_torch():
     (res,) = fdp.testing.run(new_optimizer_every_step, 1, args=(500,), timeout=600)
     assert res["param_mib"] > 0.5, "params big enough that a core per step would show"

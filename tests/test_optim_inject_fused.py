@@ -86,6 +86,7 @@ def against_ddp(group, steps=STEPS):
     return out
 
 
+@pytest.mark.slow  # (100 steps on gloo, three tracks each beside DDP)
 def test_adamw_with_values_set_every_step_equals_ddp_torch_adamw_and_the_plain_path_fp32_fp64_sharded():
     res = fdp.testing.run(against_ddp, 2, backend="gloo", timeout=600)
     for rank, out in enumerate(res):
@@ -127,10 +128,12 @@ def every_optimizer(group, name, shard, steps=30):
     return p, pp, {k: v.detach() for k, v in ref.items()}, step.state_to_tree(s, p), ps, len(reducer._fused)
 
 
-CASES = [(n, sh) for n in TORCH for sh in (False, True)]
+# `make quick` runs AdamW's two (the others: slow)
+CASES = [pytest.param(n, sh, id=f"{n}-{'sharded' if sh else 'fused'}", marks=() if n == "adamw" else pytest.mark.slow)
+         for n in TORCH for sh in (False, True)]
 
 
-@pytest.mark.parametrize("name,shard", CASES, ids=[f"{n}-{'sharded' if sh else 'fused'}" for n, sh in CASES])
+@pytest.mark.parametrize("name,shard", CASES)
 def test_every_injected_optimizer_runs_in_the_fused_step_as_the_plain_path(name, shard):
     for rank, (p, pp, theirs, st, ps, cores) in enumerate(fdp.testing.run(every_optimizer, 2, args=(name, shard))):
         assert cores == 1, f"rank {rank}: {cores} cores"
@@ -312,6 +315,7 @@ def many_steps(group, steps):
             "param_mib": sum(v.numel() * v.element_size() for v in params.values()) / 2**20}
 
 
+@pytest.mark.slow  # (500 steps)
 def test_five_hundred_fused_steps_with_a_new_lr_each_use_one_core_and_hold_memory_flat():
     (res,) = fdp.testing.run(many_steps, 1, args=(500,), timeout=600)
     assert res["param_mib"] > 0.5, "params big enough that a core or a state per step would show"

@@ -356,6 +356,7 @@ def test_weight_decay_schedule_equals_setting_the_group_each_step():
         assert_equal(params, want, f"weight-decay schedule step {t + 1}")
 
 
+@pytest.mark.slow  # (a dynamo trace per schedule)
 @pytest.mark.compile
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw", "adam", "rmsprop", "adagrad"])
 def test_schedules_compile_into_one_graph_without_recompiles(opt_name):
@@ -520,6 +521,7 @@ def test_only_kernel_optimizers_have_a_leaf_kernel():
     assert fdp.optim.adafactor(0.1).leaf_kernel is None  # not element-wise
 
 
+@pytest.mark.slow  # (a dynamo trace)
 @pytest.mark.compile
 def test_the_full_chain_compiles_into_one_graph_and_matches_eager():
     skip_unless_dynamo_traces_fdp()

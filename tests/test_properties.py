@@ -7,6 +7,7 @@ smaller sample (real processes, real asynchrony).
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -104,6 +105,7 @@ def test_all_reduce_is_the_mean_within_rounding(spec, world_size, cap_bytes):
     check_mean(reduce_on_ranks(spec, world_size, cap_bytes, "normal"), exact=False)
 
 
+@pytest.mark.slow  # (a gloo world per example)
 @GLOO
 @given(tree_specs, st.integers(2, 3), caps)
 def test_all_reduce_is_the_mean_on_gloo(spec, world_size, cap_bytes):

@@ -336,7 +336,8 @@ def clipped_like_torch(group, norm_type, steps=3):
     return want, {"plain": plain, "fused": fused, "sharded": sharded}, norms, max_norm
 
 
-@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("norm_type", [pytest.param(n, marks=() if n == 2.0 else pytest.mark.slow)
+                                       for n in NORM_TYPES])  # (`make quick`: the 2-norm)
 def test_7_every_norm_type_clips_as_clip_grad_norm_with_ddp_in_the_plain_fused_and_sharded_steps(norm_type):
     results = fdp.testing.run(clipped_like_torch, 2, backend="gloo", args=(norm_type,), timeout=120)
     for rank, (want, got, norms, max_norm) in enumerate(results):
@@ -521,7 +522,7 @@ def torch_lrs(make_scheduler, n, base):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # SequentialLR's warning about step order
-@pytest.mark.parametrize("gamma", [0.1, 0.3, 0.7, 0.99])
+@pytest.mark.parametrize("gamma", [0.1, *(pytest.param(g, marks=pytest.mark.slow) for g in (0.3, 0.7, 0.99))])
 def test_10b_step_decay_equals_steplr_and_sequential_steplrs_bit_for_bit(gamma):
     n = 300
     want = torch_lrs(lambda o: LR.StepLR(o, step_size=2, gamma=gamma), n, 0.2)

@@ -60,6 +60,7 @@ def more_ranks(group):
     return out
 
 
+@pytest.mark.slow  # (50 steps on gloo)
 def test_fifty_adamw_steps_on_two_gloo_ranks_equal_the_unsharded_step_bit_for_bit():
     results = fdp.testing.run(more_ranks, 2, backend="gloo", timeout=120)
     for rank, ((p, st, _, _), (sp, sst, _, _)) in enumerate(r["1-D"] for r in results):
@@ -67,7 +68,8 @@ def test_fifty_adamw_steps_on_two_gloo_ranks_equal_the_unsharded_step_bit_for_bi
         assert_trees_equal(st, sst, f"rank {rank} state")
 
 
-@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])  # (4 gloo ranks on 2 cores)
+@pytest.mark.slow  # (3 and 4 gloo ranks on 2 cores)
+@pytest.mark.parametrize("world", [3, 4])
 def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(world):
     # More than two addends: the sharded sum (this rank's slice, then the received ones in
     # rank order) and gloo's ring all-reduce add in different orders, so the last bits of a
@@ -85,8 +87,9 @@ def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(worl
             assert sn <= n / shard + 2 * nb * shard, f"{kind} rank {rank}: {sn} state elements of {n}"
 
 
-@pytest.mark.parametrize("world, mesh", [(2, False), (3, False), (4, False), (4, True)],
-                         ids=["2", "3", "4", "2x2"])
+@pytest.mark.parametrize("world, mesh", [pytest.param(2, False, id="2"),  # (`make quick`: two ranks)
+                                         *(pytest.param(w, m, id=i, marks=pytest.mark.slow)
+                                           for w, m, i in ((3, False, "3"), (4, False, "4"), (4, True, "2x2")))])
 def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks(world, mesh):
     # Bit for bit on two ranks; on more, DDP's ring all-reduce and fdp's sharded sum add the
     # ranks' gradients in different orders.

@@ -610,6 +610,7 @@ def memory(group, folder):
     return saving, loading, right
 
 
+@pytest.mark.slow  # (memory of a large state)
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
 def test_saving_and_loading_hold_a_ranks_part_and_one_leaf_never_the_state(tmp_path):
     """A 32 MiB state on 4 gloo ranks: saving writes from the Shards' own memory (no copy),

@@ -410,6 +410,7 @@ def test_dtypes_a_backend_cannot_carry_are_broadcast_as_bytes_and_float8_average
         assert not bad, f"rank {rank}: {bad}"
 
 
+@pytest.mark.slow  # (waits for a collective's timeout)
 @pytest.mark.parametrize("debug", ["1", "0"])
 def test_a_collective_error_suggests_fdp_debug_only_when_it_is_off(monkeypatch, debug):
     import dataclasses

@@ -63,6 +63,7 @@ def skip_collective_on_rank_1(group):
 
 # Only the run's timeout ends these runs (on gloo, the collective's, a little earlier): without
 # it, the first would wait for rank 0 and the second for rank 1 until pytest-timeout fails them.
+@pytest.mark.slow  # (1 s, the timeout)
 def test_skipped_collective_times_out_on_threads():
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=1)

@@ -4,7 +4,7 @@ optax's Lion, in the plain path, the fused step and the sharded fused step.
 Every torch optimizer is checked against the real torch.optim class (param groups for the
 mask, ``LambdaLR`` for the schedule, ``clip_grad_norm_`` / ``clip_grad_value_`` for the
 chains), Lion against optax's formula written out per leaf below, over 100 steps (the fused
-and sharded steps: 100 in f32, 30 with donation, f64 and bf16), with ``torch.equal``. The fused and sharded steps run on simulated ranks (threads, and gloo
+and sharded steps: 100 in f32 and f64, 30 with donation and in bf16), with ``torch.equal``. The fused and sharded steps run on simulated ranks (threads, and gloo
 processes), where each rank also keeps a torch.optim (or reference) copy of the params fed
 with the same all-reduced gradients.
 """
@@ -378,13 +378,13 @@ def assert_tracks_equal(results, what, sharded_exact=True):
 
 
 # The plain path is checked over 100 steps for every dtype above; here the fused and sharded
-# steps run 100 steps in f32 (the long run: the schedule's decay and RAdam's rectified phase),
-# and 30 for donation, f64 and bf16 (the layout paths: a dtype's buffers, donated params;
-# RAdam rectifies from step 6, NAdam's momentum product and the schedule move every step).
+# steps run 100 steps in f32 and f64 (the long runs: the schedule's decay, RAdam's rectified
+# phase), and 30 with donation and in bf16 (a layout path and a dtype's buffers; RAdam
+# rectifies from step 6, NAdam's momentum product and the schedule move every step).
 # `make quick` runs one of them (RAdam, f32: the rectified phase, the schedule, several buckets).
 FUSED_CASES = [pytest.param(n, dt, donate, steps, id=f"{n}-{dt}-{'donate' if donate else 'pure'}-{steps}steps",
                             marks=() if (n, dt, donate) == ("radam", "f32", False) else pytest.mark.slow)
-               for n in FUSED for dt, donate, steps in (("f32", False, STEPS), ("f32", True, 30), ("f64", False, 30),
+               for n in FUSED for dt, donate, steps in (("f32", False, STEPS), ("f32", True, 30), ("f64", False, STEPS),
                                                         ("bf16", False, 30))]
 
 

@@ -6,11 +6,15 @@ sees the communication. Compiled kernels may round differently from eager ones (
 reductions), so parameters are compared within a float tolerance, stated below.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from compiling import dynamo_traces_fdp, import_compilers, in_child, skip_unless_dynamo_traces_fdp
 from models import batch, cnn, mlp
+from procs import clean_env
 
 import fdp
 
@@ -241,6 +245,41 @@ def test_the_fused_step_refuses_torch_compile_and_names_the_alternative():
     assert error is not None, "the fused step compiled"
     head = "\n".join(error.splitlines()[:3])
     assert "cannot be traced by torch.compile" in head and "opt.update" in head, error
+
+
+FRESH_PROCESS = """
+import sys, torch, torch.nn as nn, fdp
+apply, params, buffers = fdp.functionalize(nn.Linear(3, 2))
+step = fdp.Reducer(params).grad_and_update(lambda p, x: apply(p, buffers, x)[0].square().sum(), fdp.optim.adamw(1e-3))
+x = torch.ones(4, 3)
+if sys.argv[1] == "eager-first":
+    step(params, step.init(params), x)
+print("dynamo", "torch._dynamo" in sys.modules)
+f = lambda p, s, x: step(p, s, x)
+try:
+    torch.compile(f, fullgraph=True, backend="eager")(params, step.init(params), x)
+    print("compiled")
+except Exception as e:
+    print("error", "cannot be traced by torch.compile" in "\\n".join(str(e).splitlines()[:3]))
+graphs = []
+p1, _, _ = torch.compile(f, backend=lambda gm, ex: graphs.append(gm) or gm.forward)(params, step.init(params), x)
+p2, _, _ = step(params, step.init(params), x)
+print("equal", all(torch.equal(p1[k], p2[k]) for k in p1), "graphs", len(graphs))
+"""
+
+
+@pytest.mark.slow  # (a python launch and a dynamo import)
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("first", ["compile-first", "eager-first"])
+def test_in_a_process_that_imported_fdp_before_dynamo_the_fused_step_still_refuses_with_its_reason(first):
+    """``import fdp`` leaves torch._dynamo out (fdp/_fused/eager.py); the step's disabled form is
+    made when dynamo is imported, so a compiled call gives the reason whether an eager step ran
+    first or not, and without fullgraph the step runs eagerly (no graph of its internals)."""
+    res = subprocess.run([sys.executable, "-c", FRESH_PROCESS, first], env=clean_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["dynamo", "False", "error", "True", "equal", "True", "graphs", "0"], (
+        res.stdout + res.stderr[-2000:])
 
 
 def _fused_inside_a_compiled_function():

@@ -9,14 +9,9 @@ reuses the core of the step before it, and the cache never holds more than ``MAX
 
 from __future__ import annotations
 
-import functools
-import inspect
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from .. import _tree
 from .._plan.bucket import BucketPlan
@@ -25,6 +20,7 @@ from .._step.config import StepConfig
 from .._step.record import StepRecord
 from ..optim import Optimizer
 from ..optim._flat import split_chain
+from . import eager
 from .core import FusedCore
 from .program import Program
 from .state import FusedState, StateLayout
@@ -40,29 +36,7 @@ EAGER_ONLY = (f"{NAME}'s step cannot be traced by torch.compile (its per-bucket 
               "instead (docs/compile.md), or leave the fused step out of the compiled function")
 
 
-def eager_only(fn: Callable) -> Callable:
-    """``fn`` never traced by torch.compile (``torch.compiler.disable``, with the reason where
-    this torch takes one), made on the first call in a process that has imported torch._dynamo.
-
-    Not made here: ``torch.compiler.disable`` imports torch._dynamo, about a second of CPU at
-    ``import fdp`` (and in every rank torchrun starts). A process without torch._dynamo compiles
-    nothing (``torch.compile`` imports it), so there the plain ``fn`` runs; where it is imported,
-    dynamo inlines this wrapper and meets the disabled function (torch's own
-    ``torch._disable_dynamo`` works the same way)."""
-    disabled: list[Callable] = []
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            if "reason" in inspect.signature(torch.compiler.disable).parameters:
-                disabled.append(torch.compiler.disable(fn, reason=EAGER_ONLY))
-            else:
-                disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
-
-    return call
+eager_only = eager.eager_only(EAGER_ONLY)
 
 
 def template(params: Any) -> Any:

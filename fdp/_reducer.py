@@ -105,7 +105,9 @@ class Reducer:
       units: with ``shard="params"``, the module names whose params are gathered together
         (``fdp.units(model, Block)`` lists a model's blocks); a param under none of them
         belongs to the *root*, gathered for the whole step. Each unit is one bucket (per
-        dtype): the plan's buckets are the units, in reverse registration order.
+        dtype): the plan's buckets are the units, in reverse registration order. Without
+        ``units`` every param is the root's: a rank holds 1/world of the params at rest,
+        but the whole model is gathered for the whole step (no memory saved in the step).
       param_dtype: with ``shard="params"``, the dtype units are gathered and computed in
         (mixed precision, FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``): each rank keeps
         its slices, their gradients and the optimizer state in the params' own dtype (fp32
@@ -313,8 +315,11 @@ class Reducer:
 
         Args:
           fn: the loss function; its first argument is the params.
-          opt: ``fdp.optim.sgd/adam/adamw/adagrad/rmsprop``, optionally in a ``chain`` after
-            gradient transforms that work in place (``clip_by_global_norm``, ``clip_by_value``).
+          opt: an optimizer with a per-leaf kernel (``sgd``, ``adam``, ``adamw``, ``nadam``,
+            ``radam``, ``adamax``, ``adadelta``, ``adagrad``, ``rmsprop``, ``lion``, ``muon``; a
+            ``partition`` of them; under ``ema`` or ``inject_hyperparams``), optionally in a
+            ``chain`` after gradient transforms (``clip_by_global_norm``, ``clip_by_value``, ...);
+            docs/optim.md's table says which run fused.
           has_aux: as for ``grad``.
           accumulate: local gradients of earlier micro-batches, added before averaging.
           donate: update the params in place (the tree passed in is consumed) instead of
@@ -324,7 +329,7 @@ class Reducer:
             ``step.idle`` (its gradients count as zeros) and the mean is over the others.
 
         Raises:
-          TypeError: an optimizer the fused step cannot run per bucket (``partition``, your
+          TypeError: an optimizer the fused step cannot run per bucket (``adafactor``, your
             own): use ``grad`` + ``opt.update`` for those.
 
         Example::

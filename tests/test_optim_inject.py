@@ -179,8 +179,10 @@ def test_bad_values_and_names_are_refused():
         opt.update(params, fdp.optim.set_hyperparams(state, lr=-0.1), params)
     with pytest.raises(ValueError, match=r"invalid betas\[1\] 1.5"):  # the factory's own check
         opt.update(params, fdp.optim.set_hyperparams(state, betas=(0.9, 1.5)), params)
-    with pytest.raises(TypeError, match="no inject_hyperparams state"):
+    with pytest.raises(TypeError, match=r"no inject_hyperparams state.*inject_hyperparams\(fdp.optim.adamw\)"):
         fdp.optim.set_hyperparams(fdp.optim.adamw().init(params), lr=0.1)
+    with pytest.raises(TypeError, match="read opt_state.hyperparams"):  # fdp.optim.hyperparams reads kernels'
+        fdp.optim.hyperparams(opt, state)
     sgd = fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1)  # momentum 0: no momentum buffer
     with pytest.raises(ValueError, match="momentum_buffer is None, but this optimizer needs it"):
         sgd.update(params, fdp.optim.set_hyperparams(sgd.init(params), momentum=0.9), params)

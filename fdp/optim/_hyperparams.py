@@ -101,8 +101,12 @@ def hyperparams(opt: Optimizer, state: Any, *, next_update: bool = False) -> dic
         raise TypeError(f"{name}: a partition has a state and hyper-parameters per label; ask per "
                         "label: hyperparams(optimizers[label], state.states[label])")
     if inner.hyper is None:
-        raise TypeError(f"{name}: this optimizer declares no torch.optim hyper-parameters (sgd, adam, "
-                        "adamw, adagrad and rmsprop do, alone or at the end of a chain)")
+        if getattr(state, "hyperparams", None) is not None:  # InjectHyperparamsState, a FusedState of one
+            raise TypeError(f"{name}: an inject_hyperparams state holds its values itself: read "
+                            "opt_state.hyperparams (what set_hyperparams last set)")
+        raise TypeError(f"{name}: this optimizer declares no torch.optim hyper-parameters (the kernel "
+                        "optimizers do: sgd, adam, adamw, nadam, radam, adamax, adadelta, adagrad, rmsprop, "
+                        "lion, muon; alone or at the end of a chain)")
     step = getattr(state, "step", None)
     if not isinstance(step, Tensor | int) or (isinstance(step, Tensor) and step.dim() != 0):
         raise TypeError(f"{name}: state has no step count (state.step), got a {type(state).__name__}: "

@@ -296,7 +296,9 @@ def set_hyperparams(state: Any, **values: Any) -> Any:
 
     out = _replace_injected(state, replace)
     if not found:
-        raise TypeError(f"{name}: no inject_hyperparams state in a {type(state).__name__}")
+        raise TypeError(f"{name}: no inject_hyperparams state in a {type(state).__name__}: build the optimizer "
+                        "as fdp.optim.inject_hyperparams(fdp.optim.adamw)(lr=...) (any factory) and pass the state "
+                        "its init (or the fused step's step.init) made")
     if len(found) > 1:
         raise ValueError(f"{name}: {len(found)} injected optimizers' states (a partition's labels?); set each: "
                          "PartitionState({**state.states, label: set_hyperparams(state.states[label], ...)})")

@@ -268,18 +268,21 @@ print("equal", all(torch.equal(p1[k], p2[k]) for k in p1), "graphs", len(graphs)
 """
 
 
-@pytest.mark.slow  # (a python launch and a dynamo import)
+@pytest.mark.slow  # (two python launches and dynamo imports)
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("first", ["compile-first", "eager-first"])
-def test_in_a_process_that_imported_fdp_before_dynamo_the_fused_step_still_refuses_with_its_reason(first):
+def test_in_a_process_that_imported_fdp_before_dynamo_the_fused_step_still_refuses_with_its_reason():
     """``import fdp`` leaves torch._dynamo out (fdp/_fused/eager.py); the step's disabled form is
     made when dynamo is imported, so a compiled call gives the reason whether an eager step ran
-    first or not, and without fullgraph the step runs eagerly (no graph of its internals)."""
-    res = subprocess.run([sys.executable, "-c", FRESH_PROCESS, first], env=clean_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.split() == ["dynamo", "False", "error", "True", "equal", "True", "graphs", "0"], (
-        res.stdout + res.stderr[-2000:])
+    first or not, and without fullgraph the step runs eagerly (no graph of its internals).
+    Both orders at once, each in a fresh process."""
+    procs = {first: subprocess.Popen([sys.executable, "-c", FRESH_PROCESS, first], env=clean_env(), text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for first in ("compile-first", "eager-first")}
+    for first, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{first}: {err[-3000:]}"
+        assert out.split() == ["dynamo", "False", "error", "True", "equal", "True", "graphs", "0"], (
+            f"{first}: {out}{err[-2000:]}")
 
 
 def _fused_inside_a_compiled_function():

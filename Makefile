@@ -7,6 +7,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fdp-installed
 NPROC  ?= 2
+# pytest workers for `make test` / `make quick` (pytest-xdist, one test file per worker at a
+# time: a file's module fixtures run once). Most tests run their ranks as threads, which hold
+# one core; two workers use both. TEST_WORKERS=0 runs in this process, one test at a time.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: demo test quick perf lint bench clean
 
@@ -20,10 +25,10 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_mlp.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 quick: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"
 
 perf: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m perf

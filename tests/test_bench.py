@@ -43,7 +43,9 @@ def test_model_benchmark_prints_every_kind_with_ratio_exposed_and_memory(tmp_pat
     assert (r["leaves"], r["buckets"]) == (100, 1)
     for kind in models_bench.KINDS:
         assert positive(r[kind]) and positive(r[kind] / r["ddp"]), f"{kind}: step ms {r[kind]}"
-        assert positive(r["memory"][kind]), f"{kind}: no peak memory: {r['memory']}"
+        # (a peak over the RSS before the model: 0 where the heap already held the pages, as
+        # a tiny model's local step can find in a process that ran other tests first)
+        assert math.isfinite(r["memory"][kind]) and r["memory"][kind] >= 0, f"{kind}: no peak memory: {r['memory']}"
         assert r["faults"][kind] >= 0, f"{kind}: no page-fault count"
         assert math.isfinite(r["other_cpu"][kind]), f"{kind}: no comm cpu"
         assert rows[kind][2] == f"{r[kind]:.2f}", f"{kind}: the table shows {rows[kind]}, the JSON {r[kind]}"

@@ -21,6 +21,7 @@ whole; in fdp's pytrees it is a leaf.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -101,10 +102,7 @@ class Shard:
     @property
     def numel(self) -> int:
         """Elements of the whole tensor (``data.numel()`` is how many this part holds)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from models import batch, mlp
+from optim_cases import assert_same_tree as assert_equal
+from optim_cases import decays, grads_for, params_of, resumed_runs
 from test_fused import CAPS, loss_of
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -17,29 +19,6 @@ import fdp
 
 STEPS = 100
 DTYPES = {"f32": torch.float32, "f64": torch.float64}
-SHAPES = ((6, 4), (6,), (), (3, 5, 4), (1, 7))
-
-
-def params_of(dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.{'weight' if len(s) >= 2 else 'bias'}": torch.randn(s, generator=g, dtype=dtype)
-            for i, s in enumerate(SHAPES)}
-
-
-def grads_for(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return {k: scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
-
-
-def decays(path, p):
-    return p.dim() >= 2
-
-
-def assert_equal(got, want, what):
-    assert list(got) == list(want), f"{what}: keys {list(got)} vs {list(want)}"
-    for k in want:
-        assert torch.equal(got[k], want[k]), (
-            f"{what}: [{k!r}] differs: max |diff| {(got[k] - want[k]).abs().max().item():.3g}")
 
 
 class Holder(nn.Module):
@@ -428,30 +407,11 @@ def test_fused_and_sharded_ema_equal_averaged_model_on_gloo_ranks():
 
 
 def resume(group, path):
-    """Ten sharded steps, fdp.save of the per-leaf state, fdp.load into the unsharded fused
-    step and the plain path; ten more steps each, against ten more sharded steps."""
-    apply, params, buffers = fdp.functionalize(mlp(seed=5))
-    loss = loss_of(apply, buffers)
-    opt = fdp.optim.ema(fdp.optim.sgd(0.1, momentum=0.9), 0.9)
-    reducer = fdp.Reducer(params, group, **CAPS)
-    sharded = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss, opt)
-    p, s = dict(params), sharded.init(params)
-    for i in range(10):
-        p, s, _ = sharded(p, s, *batch(group.rank, i))
-    fdp.save(path, {"params": p, "opt": sharded.state_to_tree(s, p)}, group=group)
-    loaded = fdp.load(path, like={"params": params, "opt": opt.init(params)}, group=group)
-    fused = reducer.grad_and_update(loss, opt)
-    fp, fs = loaded["params"], fused.state_from_tree(loaded["opt"], loaded["params"])
-    pp, ps = {k: v.clone() for k, v in loaded["params"].items()}, loaded["opt"]
-    for i in range(10, 20):
-        x, y = batch(group.rank, i)
-        p, s, _ = sharded(p, s, x, y)
-        fp, fs, _ = fused(fp, fs, x, y)
-        pp, ps = opt.update(reducer.grad(loss)(pp, x, y), ps, pp)
-    ema = {track: fdp.optim.ema_params(step.state_to_tree(st, par), par)
-           for track, (step, st, par) in {"sharded": (sharded, s, p), "fused": (fused, fs, fp)}.items()}
-    ema["plain"] = fdp.optim.ema_params(ps, pp)
-    return {"sharded": p, "fused": fp, "plain": pp}, ema
+    """``resumed_runs`` of ema(sgd): each track's params and averaged params."""
+    runs = resumed_runs(group, fdp.optim.ema(fdp.optim.sgd(0.1, momentum=0.9), 0.9), path)
+    ema = {track: fdp.optim.ema_params(st if step is None else step.state_to_tree(st, par), par)
+           for track, (step, st, par) in runs.items()}
+    return {track: par for track, (_, _, par) in runs.items()}, ema
 
 
 def test_the_average_is_saved_loaded_and_resumed_into_another_step_bit_for_bit(tmp_path):

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import Block, batch, block_net, mlp, tokens
+from optim_cases import assert_equal
 from test_fused import CAPS, loss_of
-from test_optim_inject import TORCH, _rss_mib, assert_equal, lr_at
+from test_optim_inject import TORCH, _rss_mib, lr_at
 from test_shard import assert_trees_equal
 from torch import nn
 

@@ -15,6 +15,7 @@ import torch
 from compiling import skip_unless_dynamo_traces_fdp
 from hypothesis import given, settings
 from lines import fdp_lines
+from optim_cases import assert_equal, grads_for
 
 import fdp
 import fdp._tree
@@ -30,17 +31,6 @@ def make_params(shapes=((6, 4), (6,), (), (3, 6)), seed=0, f64_last=True):
         dtype = torch.float64 if f64_last and i == len(shapes) - 1 else torch.float32
         out[f"layer{i}.{'weight' if len(shape) >= 2 else 'bias'}"] = torch.randn(shape, generator=g, dtype=dtype)
     return out
-
-
-def grads_for(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return {k: scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
-
-
-def assert_equal(got, want, what):
-    for k in want:
-        assert torch.equal(got[k], want[k]), (
-            f"{what}: params[{k!r}] differs: max |diff| {(got[k] - want[k]).abs().max().item():.3g}")
 
 
 class TorchLoop:

@@ -10,31 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from models import batch, mlp
+from optim_cases import assert_same_tree as assert_equal
+from optim_cases import grads_for, params_of
 from test_fused import CAPS, loss_of
 
 import fdp
 
 UPDATES = 100
 DTYPES = {"f32": torch.float32, "f64": torch.float64}
-SHAPES = ((6, 4), (6,), (), (3, 5, 4), (1, 7))
-
-
-def params_of(dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.{'weight' if len(s) >= 2 else 'bias'}": torch.randn(s, generator=g, dtype=dtype)
-            for i, s in enumerate(SHAPES)}
-
-
-def grads_for(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return {k: scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
-
-
-def assert_equal(got, want, what):
-    assert list(got) == list(want), f"{what}: keys {list(got)} vs {list(want)}"
-    for k in want:
-        assert torch.equal(got[k], want[k]), (
-            f"{what}: [{k!r}] differs: max |diff| {(got[k] - want[k]).abs().max().item():.3g}")
 
 
 class MultiStepsReference:

@@ -4,8 +4,8 @@ optax's Lion, in the plain path, the fused step and the sharded fused step.
 Every torch optimizer is checked against the real torch.optim class (param groups for the
 mask, ``LambdaLR`` for the schedule, ``clip_grad_norm_`` / ``clip_grad_value_`` for the
 chains), Lion against optax's formula written out per leaf below, over 100 steps (the fused
-and sharded steps: 100 in f32 and f64, 30 with donation and in bf16), with ``torch.equal``. The fused and sharded steps run on simulated ranks (threads, and gloo
-processes), where each rank also keeps a torch.optim (or reference) copy of the params fed
+and sharded steps: 100 in f32 and f64, 30 with donation and in bf16), with ``torch.equal``.
+The fused and sharded steps run on simulated ranks (threads, and gloo processes), where each rank also keeps a torch.optim (or reference) copy of the params fed
 with the same all-reduced gradients.
 """
 
@@ -15,34 +15,13 @@ import pytest
 import torch
 from compiling import skip_unless_dynamo_traces_fdp
 from models import batch, mlp
+from optim_cases import assert_equal, decays, grads_for, params_of, resumed_runs
 from test_fused import CAPS, loss_of
 
 import fdp
 
 STEPS = 100
 DTYPES = {"f32": torch.float32, "f64": torch.float64, "bf16": torch.bfloat16, "c64": torch.complex64}
-SHAPES = ((6, 4), (6,), (), (3, 5, 4), (1, 7))
-
-
-def params_of(dtype, seed=0, shapes=SHAPES):
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.{'weight' if len(s) >= 2 else 'bias'}": torch.randn(s, generator=g, dtype=dtype)
-            for i, s in enumerate(shapes)}
-
-
-def grads_for(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(1000 + step)
-    return {k: scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
-
-
-def assert_equal(got, want, what):
-    for k in want:
-        assert torch.equal(got[k], want[k]), (
-            f"{what}: params[{k!r}] differs: max |diff| {(got[k] - want[k]).abs().max().item():.3g}")
-
-
-def decays(path, p):
-    return p.dim() >= 2
 
 
 class TorchLoop:
@@ -408,27 +387,9 @@ def test_fused_and_sharded_steps_equal_torch_optim_on_gloo_ranks():
 
 
 def resume(group, name, path):
-    """Ten sharded steps, fdp.save of the per-leaf state, fdp.load into the unsharded fused
-    step and the plain path; ten more steps each, against ten more sharded steps."""
-    apply, params, buffers = fdp.functionalize(mlp(seed=5))
-    loss = loss_of(apply, buffers)
-    opt = FUSED[name][0]()
-    reducer = fdp.Reducer(params, group, **CAPS)
-    sharded = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss, opt)
-    p, s = dict(params), sharded.init(params)
-    for i in range(10):
-        p, s, _ = sharded(p, s, *batch(group.rank, i))
-    fdp.save(path, {"params": p, "opt": sharded.state_to_tree(s, p)}, group=group)
-    loaded = fdp.load(path, like={"params": params, "opt": opt.init(params)}, group=group)
-    fused = reducer.grad_and_update(loss, opt)
-    fp, fs = loaded["params"], fused.state_from_tree(loaded["opt"], loaded["params"])
-    pp, ps = {k: v.clone() for k, v in loaded["params"].items()}, loaded["opt"]
-    for i in range(10, 20):
-        x, y = batch(group.rank, i)
-        p, s, _ = sharded(p, s, x, y)
-        fp, fs, _ = fused(fp, fs, x, y)
-        pp, ps = opt.update(reducer.grad(loss)(pp, x, y), ps, pp)
-    return p, fp, pp, int(fs.step)
+    """``resumed_runs`` of this optimizer: the params of each track and the fused step's count."""
+    runs = resumed_runs(group, FUSED[name][0](), path)
+    return runs["sharded"][2], runs["fused"][2], runs["plain"][2], int(runs["fused"][1].step)
 
 
 @pytest.mark.parametrize("name", ["nadam", "radam", "adamax", "adadelta", "lion"])

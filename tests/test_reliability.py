@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from models import batch, mlp
 from test_fused import CAPS, loss_of
+from test_optim_library import torch_lrs
 from torch import nn
 
 import fdp
@@ -508,17 +509,6 @@ def test_8_integer_sums_and_means_are_exact_or_refused_on_every_rank(backend):
 # ----------------------------------------------------------------------------- case 10b
 LR = torch.optim.lr_scheduler
 S = fdp.optim.schedules
-
-
-def torch_lrs(make_scheduler, n, base):
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base)
-    sched = make_scheduler(opt)
-    lrs = []
-    for _ in range(n):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # SequentialLR's warning about step order

@@ -37,6 +37,7 @@ once: each element by the rank whose range reaches it first (sorted by start, th
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -100,10 +101,7 @@ class LeafMeta(NamedTuple):
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def agreed(self) -> tuple[str, tuple[int, ...], str]:
         """What every rank must agree on (not the ranges), as ``verify_layout`` compares it."""

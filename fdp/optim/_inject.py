@@ -44,6 +44,27 @@ __all__ = ["InjectHyperparamsState", "inject_hyperparams", "set_hyperparams"]
 CACHED = 4  # inner optimizers kept per injected optimizer (distinct non-schedule values)
 
 
+class _Recent:
+    """The last ``CACHED`` optimizers made, by key; simulated ranks (threads) share it."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[tuple, Optimizer] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple, make: Callable[[], Optimizer]) -> Optimizer:
+        with self.lock:
+            opt = self.items.get(key)
+            if opt is not None:
+                self.items.move_to_end(key)
+                return opt
+        opt = make()
+        with self.lock:
+            self.items[key] = opt
+            while len(self.items) > CACHED:
+                self.items.popitem(last=False)
+        return opt
+
+
 class InjectHyperparamsState(NamedTuple):
     """State of an ``inject_hyperparams`` optimizer (optax's ``InjectHyperparamsState``, less
     its count: the inner state keeps its own).
@@ -173,56 +194,37 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
         rebuilt = [k for k in injected if k not in slots]
         local = threading.local()
         slot_args = {k: _Slot(k, local, name) for k in slots}
-        cache: OrderedDict[tuple, Optimizer] = OrderedDict()
-        lock = threading.Lock()
+        inner, bound = _Recent(), _Recent()
 
-        def inner_for(values: dict[str, Any]) -> Optimizer:
-            key = tuple(values[k] for k in rebuilt)
-            with lock:
-                opt = cache.get(key)
-                if opt is not None:
-                    cache.move_to_end(key)
-                    return opt
+        def check_slots(values: dict[str, Any], where: str) -> None:
             for k in slots:  # the factory does not see these values: its checks, here
                 if not values[k] >= 0:
-                    raise ValueError(f"{name}: invalid {k} {values[k]} (must be >= 0)")
-            opt = factory(**fixed, **slot_args, **{k: values[k] for k in rebuilt})
-            with lock:
-                cache[key] = opt
-                while len(cache) > CACHED:
-                    cache.popitem(last=False)
-            return opt
+                    raise ValueError(f"{name}: invalid {k} {values[k]}{where} (must be >= 0)")
+
+        def inner_for(values: dict[str, Any]) -> Optimizer:
+            """The inner optimizer for ``values`` (checked), reading the slots' values per update."""
+            return inner.get(tuple(values[k] for k in rebuilt),
+                             lambda: factory(**fixed, **slot_args, **{k: values[k] for k in rebuilt}))
 
         initial = {k: _to_python(v) for k, v in injected.items()}
+        check_slots(initial, "")
         first = inner_for(initial)  # the factory's checks of the values given, now
-        bound_cache: OrderedDict[tuple, Optimizer] = OrderedDict()
 
         def values_of(hyperparams: dict[str, Any], what: str) -> dict[str, Any]:
             if not isinstance(hyperparams, dict) or set(hyperparams) != set(injected):
                 got = sorted(hyperparams) if isinstance(hyperparams, dict) else type(hyperparams).__name__
                 raise ValueError(f"{name}: {what} has {got}; this optimizer injects {sorted(injected)}")
             values = {k: _to_python(v) for k, v in hyperparams.items()}
-            for k in slots:
-                if not values[k] >= 0:
-                    raise ValueError(f"{name}: invalid {k} {values[k]} in {what} (must be >= 0)")
+            check_slots(values, f" in {what}")
             return values
 
         def bind(hyperparams: dict[str, Any] | None = None) -> Optimizer:
             # Every value fixed in the inner optimizer (no schedule reading a per-thread
             # value: the fused step runs the kernel inside autograd's hooks, on its threads).
             values = initial if hyperparams is None else values_of(hyperparams, "the hyperparams")
-            key = tuple(values[k] for k in injected)
-            with lock:
-                opt = bound_cache.get(key)
-                if opt is not None:
-                    bound_cache.move_to_end(key)
-                    return opt
-            opt = factory(**fixed, **{k: float(values[k]) for k in slots}, **{k: values[k] for k in rebuilt})
-            with lock:
-                bound_cache[key] = opt
-                while len(bound_cache) > CACHED:
-                    bound_cache.popitem(last=False)
-            return opt
+            return bound.get(tuple(values[k] for k in injected),
+                             lambda: factory(**fixed, **{k: float(values[k]) for k in slots},
+                                             **{k: values[k] for k in rebuilt}))
 
         def init(params: Any) -> InjectHyperparamsState:
             return InjectHyperparamsState({k: _to_state(v) for k, v in initial.items()}, first.init(params))

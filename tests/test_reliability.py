@@ -110,7 +110,9 @@ WHERE = {  # how a step's updates come after its backward
     "sharded-clip": dict(clip=True, shard=True),
     "sharded-skip_nonfinite": dict(skip_nonfinite=True, shard=True),
     "clip-transform": dict(clip=True, transform=True),  # rank 1 fails before updating anything
+    "clip-donated": dict(clip=True, donate=True),  # rank 1's params are partly updated in place
 }
+UNSHARDED = [w for w in WHERE if not WHERE[w].get("shard")]
 
 
 def kernel_fails_on_one_rank(group, where):
@@ -128,17 +130,67 @@ def kernel_fails_on_one_rank(group, where):
     plain_opt = fdp.optim.chain(*clip, adamw)
     reducer = fdp.Reducer(params, group, skip_nonfinite=cfg.get("skip_nonfinite", False),
                           shard=cfg.get("shard", False), hook_threshold_bytes=0, **CAPS)
-    step = reducer.grad_and_update(loss, opt)
+    step = reducer.grad_and_update(loss, opt, donate=cfg.get("donate", False))
     state = step.init(params)
     fused = {k: v.clone() for k, v in params.items()}
+    plain = {k: v.clone() for k, v in params.items()}  # (a donated step may take fused's memory)
+    pstate = plain_opt.init(plain)
     fused, state, _ = step(fused, state, *batch(group.rank, 0))
     fault.armed = group.rank == fault.rank
     try:
-        step(fused, state, *batch(group.rank, 1))
+        fused, state, _ = step(fused, state, *batch(group.rank, 1))
         failed = None
     except Exception as e:  # noqa: BLE001 - what each rank saw is the result
-        failed = (type(e).__name__, str(e))
+        failed = (type(e).__name__, str(e), getattr(e, "__notes__", []))
     fault.armed = False
+    return cfg, step, reducer, loss, plain_opt, fused, state, plain, pstate, failed
+
+
+def a_failed_update_is_set_right_by_the_next_call(group, where):
+    """Unsharded: the failing rank raises at once; the next call restores it from rank 0."""
+    cfg, step, reducer, loss, plain_opt, fused, state, plain, pstate, failed = kernel_fails_on_one_rank(group, where)
+    try:  # the failed rank's partly updated state is refused until then (no collective: nobody waits)
+        step.state_to_tree(state, fused)
+        refused = None
+    except Exception as e:  # noqa: BLE001
+        refused = (type(e).__name__, str(e))
+    for i in range(2, 4):  # every rank goes on with what it holds; rank 1 is restored first
+        fused, state, _ = step(fused, state, *batch(group.rank, i))
+    for i in range(4):  # the plain path that never failed
+        plain, pstate = plain_opt.update(reducer.grad(loss)(plain, *batch(group.rank, i)), pstate, plain)
+    return failed, refused, fused, plain, step.state_to_tree(state, fused), pstate
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+@pytest.mark.parametrize("where", UNSHARDED)
+def test_2_a_failed_update_on_one_rank_raises_there_and_the_next_call_restores_it_from_a_whole_one(where, backend):
+    # Unsharded, a step's updates wait for every bucket, and a backward failure stops every
+    # rank before them: a failure in one rank's update leaves the others' updates whole and
+    # exact. That rank raises at once; every rank reads the verdict at its next call, which
+    # makes the failed rank's params and state rank 0's before going on. Nothing is lost: the
+    # replicas then equal the plain path that never failed, bit for bit.
+    results = fdp.testing.run(a_failed_update_is_set_right_by_the_next_call, 2, backend=backend, timeout=120,
+                              args=(where,))
+    for rank, (failed, refused, fused, plain, tree, pstate) in enumerate(results):
+        if rank == 1:
+            assert failed is not None and failed[0] == "RuntimeError" and "injected failure in" in failed[1], failed
+            assert any("next call of the step" in note and "restores this rank's params" in note
+                       for note in failed[2]), failed[2]
+            assert refused is not None and refused[0] == "RuntimeError", "rank 1: its partly updated state was read"
+            assert "next call of the step restores them" in refused[1], refused[1]
+        else:
+            assert failed is None, f"rank {rank}: its update was whole, yet the step raised {failed}"
+            assert refused is None, f"rank {rank}: its whole state was refused: {refused}"
+        assert_trees_equal(fused, plain, f"rank {rank}, params after the restoring call")
+        assert_trees_equal(fused, results[0][2], f"rank {rank} is not a replica of rank 0")
+        for field in ("exp_avg", "exp_avg_sq"):
+            got = getattr(tree[-1] if isinstance(tree, tuple) else tree, field)
+            want = getattr(pstate[-1] if isinstance(pstate, tuple) else pstate, field)
+            assert_trees_equal(got, want, f"rank {rank}, AdamW's {field}")
+
+
+def sharded_update_fails_on_one_rank(group, where):
+    cfg, step, reducer, loss, plain_opt, fused, state, plain, pstate, failed = kernel_fails_on_one_rank(group, where)
     try:  # the partly updated state is refused (before any collective: no rank waits)
         step(fused, state, *batch(group.rank, 1))
         refused = None
@@ -154,11 +206,13 @@ def kernel_fails_on_one_rank(group, where):
 
 
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
-@pytest.mark.parametrize("where", list(WHERE))
-def test_2_a_kernel_failure_after_the_backward_fails_the_step_on_every_rank_and_refuses_the_state(where, backend):
-    # A rank left waiting in a collective would end in the group's timeout error, which the
-    # messages below do not match (the generous timeout only bounds how long that takes).
-    results = fdp.testing.run(kernel_fails_on_one_rank, 2, backend=backend, timeout=120, args=(where,))
+@pytest.mark.parametrize("where", [w for w in WHERE if w not in UNSHARDED])
+def test_2_a_sharded_update_failure_fails_the_step_on_every_rank_and_refuses_the_state(where, backend):
+    # Sharded, a rank's slices of the state are its own: no other rank could restore them, so
+    # the step's status is read in the step itself. A rank left waiting in a collective would
+    # end in the group's timeout error, which the messages below do not match (the generous
+    # timeout only bounds how long that takes).
+    results = fdp.testing.run(sharded_update_fails_on_one_rank, 2, backend=backend, timeout=120, args=(where,))
     for rank, (failed, refused, fused, plain) in enumerate(results):
         assert failed is not None, f"rank {rank}: the step reported success while rank 1's update failed"
         if rank == 1:
@@ -168,8 +222,8 @@ def test_2_a_kernel_failure_after_the_backward_fails_the_step_on_every_rank_and_
             assert re.search(r"failed on 1 other rank\(s\) of 2 after the backward.*this is rank 0", failed[1]), failed[1]
             assert "timeout" not in failed[1].split("this is rank")[0], failed[1]
         # Rank 0 had updated its state before the failure was known, rank 1 its first kernel
-        # call's leaves (or, with the failing transform, nothing): every rank refuses the state,
-        # so none goes on alone into collectives the others never issue.
+        # call's leaves: every rank refuses the state, so none goes on alone into collectives
+        # the others never issue.
         assert refused is not None and refused[0] == "RuntimeError", f"rank {rank}: a partly updated state was used"
         assert re.search(r"updated .*optimizer state in place.*on every rank", refused[1]), refused[1]
         assert_trees_equal(fused, plain, f"rank {rank}, after a fresh state")

@@ -23,10 +23,12 @@ import torch
 
 from .. import _tree, kernels
 from .._comm.agree import count_and_check_active, verify_layout
+from .._comm.collectives import broadcast, wait
+from .._log import log
 from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
 from .._step import functorch
-from .._step.autodiff import autograd_on, local_grads, local_grads_into
+from .._step.autodiff import Reused, autograd_on, local_grads, local_grads_into
 from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._step.record import StepRecord
@@ -43,8 +45,11 @@ class FusedCore:
     """One layout's fused step machinery (see the module docstring)."""
 
     def __init__(self, config: StepConfig, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: frozenset[int],
-                 name: str) -> None:
+                 name: str, decayed_apart: frozenset[int] = frozenset()) -> None:
         self.config, self.plan, self.keys, self.name = config, plan, keys, name
+        # The keys the kernel calls run over: a part decayed apart (``Program.decayed_apart``)
+        # runs as group 1 (no decay) throughout, its group-0 runs decayed first (``decays``).
+        self.run_keys = tuple((p, 1) if p in decayed_apart else (p, g) for p, g in keys)
         self.mesh, self.group = config.mesh, config.mesh.full
         self.sharded = config.sharded
         sg = self.mesh.shard
@@ -70,6 +75,11 @@ class FusedCore:
         if self.sharded and whole_parts:
             self.owners = Owners(plan, self.shards, [i for i, k in enumerate(keys) if k[0] in whole_parts])
         self.spans = self.spans_of(self.shards.rank)
+        # Per bucket: ``(part, spans)`` of each part decayed apart, its group-0 runs (in chunks).
+        self.decays: list[list[tuple[int, list[Span]]]] = [[] for _ in plan.buckets]
+        if decayed_apart:
+            by_group = self.spans_of(self.shards.rank, keys).by_key
+            self.decays = [[(p, spans) for (p, g), spans in r if p in decayed_apart and g == 0] for r in by_group]
         # Per bucket: whether its update is one kernel call on the (slice's) flat tensors
         # themselves (one key, one span covering it, one chunk), and whether the wire is cast.
         self.whole = [len(r) == 1 and r[0][1] == [Span(0, self.shards.numel(b), 0, None)]
@@ -82,7 +92,12 @@ class FusedCore:
         # Local gradients of the micro-batches since the last step (``accumulate``): flat per
         # bucket in the params' dtype, as per-leaf views; made on first use.
         self.acc: list[torch.Tensor] | None = None
+        self.acc_flats: list[torch.Tensor] | None = None
         self.accumulated = 0
+        # the autograd leaves of the micro-batches after the first (the step's own last one: its param set's)
+        self.reused = Reused()
+        # per bucket: (the gradient flat, its leaves' views) last made (``leaf_views``)
+        self.views: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(plan.buckets)
         where = "" if not self.sharded else (f", sharded over {sg.size} ranks" + (
             f" x {self.mesh.replicate.size} replicas" if self.mesh.replicate is not None else ""))
         verify_layout(
@@ -123,11 +138,18 @@ class FusedCore:
 
     def leaf_views(self, b: int, g: torch.Tensor) -> list[torch.Tensor]:
         """Bucket ``b``'s leaves as views of its gradient ``g`` (unsharded: the whole bucket), in
-        buffer order (one C++ call)."""
-        return kernels.views(g, self.templates[b])
+        buffer order (one C++ call; the same views again while ``g`` is the same buffer)."""
+        made = self.views[b]
+        if made is not None and made[0] is g:
+            return made[1]
+        views = kernels.views(g, self.templates[b])
+        self.views[b] = (g, views)
+        return views
 
-    def check_state(self, layout: StateLayout, state: Any) -> FusedState:
-        if self.broken is not None:
+    def check_state(self, layout: StateLayout, state: Any, repairing: bool = False) -> FusedState:
+        """``state``, checked against ``layout``; refused while the core is ``broken`` (unless
+        this call restores it: ``repair``)."""
+        if self.broken is not None and not repairing:
             raise RuntimeError(f"{self.name}: {self.broken}")
         # The state a step returned comes back: its layout and buffers were checked then.
         if (type(state) is FusedState and state.layout is layout.layout and state.buffers is self.checked
@@ -137,11 +159,13 @@ class FusedCore:
         self.checked = state.buffers
         return state
 
-    def spans_of(self, rank: int) -> Spans:
-        """Rank ``rank``'s spans of every bucket (``fdp/_fused/spans.py``)."""
+    def spans_of(self, rank: int, keys: tuple[Key, ...] | None = None) -> Spans:
+        """Rank ``rank``'s spans of every bucket (``fdp/_fused/spans.py``), by the keys the kernel
+        calls run over (or by ``keys``)."""
         shards = self.shards if rank == self.shards.rank else Shards(self.plan, self.shards.size, rank)
         owner = self.owners.owner if self.owners is not None else None
-        return Spans(self.plan, self.keys, set(self.whole_parts), shards, self.parts, owner)
+        return Spans(self.plan, self.run_keys if keys is None else keys, set(self.whole_parts), shards, self.parts,
+                     owner)
 
     def state_layout(self, program: Program) -> StateLayout:
         return StateLayout(program, self.plan, self.shards, self.mesh.shard, self.name, self.spans_of)
@@ -155,13 +179,15 @@ class FusedCore:
         with autograd_on():
             leaves = self.plan.leaves_of(params, f"{self.name}.accumulate params")
             if self.accumulated and self.config.engine == "autograd":  # added in place by autograd itself
-                value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, self.plan.treedef, self.acc)
+                value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, self.plan.treedef, self.acc,
+                                         reused=self.reused)
                 self.accumulated += 1
                 return value
             grads, value = local_grads(self.config.engine, fn, 0, has_aux, (params, *rest), kwargs, leaves,
                                        self.plan.treedef, None, None)
             if self.acc is None:
-                flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in self.plan.buckets]
+                flats = self.acc_flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device)
+                                          for b in self.plan.buckets]
                 self.acc = _tree.leaves(self.plan.views(flats))
             if self.accumulated:
                 torch._foreach_add_(self.acc, grads)
@@ -179,7 +205,8 @@ class FusedCore:
         zeros; the mean is over the active ranks (one small all-reduce counts them)."""
         self._check_callable()
         with autograd_on():
-            state = self.check_state(layout, state)
+            owed = self.config.steps.settle()
+            state = self.check_state(layout, state, repairing=owed is not None)
             n = self.group.size
             if active is not None:
                 n = count_and_check_active(active, self.group, f"{self.name}: active-rank count")
@@ -198,6 +225,8 @@ class FusedCore:
             elif accumulate is not None:
                 acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
+            if owed is not None:
+                self.repair(owed, src, state)
             run = Run(self, program, layout, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
                       scale=self.machine.scale_for(n), active=active is None or bool(active))
 
@@ -207,9 +236,17 @@ class FusedCore:
         """The loss and its backward on the params in ``src``, each leaf's gradient handed to the
         step machine by its hook; returns the loss (or ``(loss, aux)``)."""
         machine = self.machine
-        leaves = self.plan.views(src.flats)  # (the padding of a sharded step's flats is left out)
+        leaves = src.inner(self.plan)  # (the padding of a sharded step's flats is left out)
         engine = self.config.engine
-        local, value = local_grads(engine, fn, 0, has_aux, (leaves, *rest), kwargs, _tree.leaves(leaves),
+        if step.spec.acc_owned and engine == "autograd" and not machine.hooked_buckets:
+            # After step.accumulate, with every bucket launched when the backward returns: the
+            # last micro-batch is added into the accumulation buffers by autograd too, and each
+            # bucket is filled from its flat sum (no gradient tree, no per-leaf add or copy).
+            value = local_grads_into(fn, has_aux, (None, *rest), kwargs, leaves, self.plan.treedef, self.acc,
+                                     step.on_backward_start, src.reused)
+            step.summed_into(self.acc_flats)
+            return value
+        local, value = local_grads(engine, fn, 0, has_aux, (None, *rest), kwargs, leaves,
                                    self.plan.treedef, machine.leaf_hooks[engine], step.on_backward_start)
         step.backward_done(local, machine.unhooked)
         return value
@@ -219,13 +256,16 @@ class FusedCore:
         """One step from gradients computed any other way: all-reduce, update."""
         self._check_callable()
         with autograd_on():
-            state = self.check_state(layout, state)
+            owed = self.config.steps.settle()
+            state = self.check_state(layout, state, repairing=owed is not None)
             n = count_and_check_active(active, self.group, f"{self.name}: active-rank count")
             if n == 0:
                 raise ValueError(f"{self.name}: no rank is active; stop the loop when fdp.any_rank(has_data) is False")
             is_active = active is None or bool(active)
             glist = self.plan.leaves_of(grads, f"{self.name} grads") if is_active else None
             src, dst = self._sets(params, donate)
+            if owed is not None:
+                self.repair(owed, src, state)
             if self.accumulated:
                 raise ValueError(f"{self.name}: step.accumulate(...) was called before step.update, which takes "
                                  "gradients computed any other way: accumulate into those instead")
@@ -247,6 +287,39 @@ class FusedCore:
                                "reducer.all_reduce and opt.update instead (docs/compile.md)")
         if functorch.in_transform():
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
+
+    def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState) -> None:
+        """Step ``n``'s update failed on the ranks ``failed`` after the others had made theirs
+        (``owed``; its status, left in flight by ``Run.close``, was read at the start of this
+        call): every rank's inputs to this call, the params in ``src`` and the optimizer
+        state, become those of the lowest-ranked rank whose update succeeded. Every such rank
+        holds step ``n``'s exact result, so the replicas go on from it as if nothing had
+        failed. When the update failed on every rank there is no such rank: every rank
+        refuses the state until a fresh one (as a failure found in the same step)."""
+        n, failed = owed
+        group, steps = self.group, self.config.steps
+        steps.owed = None
+        healthy = [r for r in range(group.size) if r not in failed]
+        if not healthy:
+            self.broken = (f"the update of step {n} failed on every rank, each partly updating its optimizer state "
+                           "in place (and with donate=True the params); load a saved state (step.state_from_tree, "
+                           "fdp.load) or make a new one (step.init) on every rank to go on")
+            raise RuntimeError(f"{self.name}: {self.broken}")
+        source = healthy[0]
+        tensors = [*src.flats, state.step, *(t for k in sorted(state.buffers) for t in state.buffers[k]),
+                   *(t for t in _tree.leaves(state.transforms) if isinstance(t, torch.Tensor)),
+                   *(state.hyperparams[k] for k in sorted(state.hyperparams or {}))]
+        what = f"{self.name}: restoring the params and optimizer state of rank(s) {failed} from rank {source}"
+        sent = [t if t.device == group.device else t.to(group.device) for t in tensors]
+        works = [broadcast(t, source, group, what, async_op=True) for t in sent]
+        for work in works:
+            wait(work, group, what)
+        for t, got in zip(tensors, sent):
+            if got is not t:
+                t.copy_(got)
+        self.broken = None
+        log.warning("%s: the update of step %d failed on rank(s) %s after the others had made theirs; their params "
+                    "and optimizer state are restored from rank %d's", self.name, n, failed, source)
 
     def on_filled(self, b: int) -> None:
         """``StepSpec.on_filled`` of this core's steps (fully sharded params free a unit)."""

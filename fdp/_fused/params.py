@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from .. import kernels
+from .. import _tree, kernels
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._plan.buffers import held_elsewhere
+from .._step.autodiff import Reused
 
 _version = operator.attrgetter("_version")
 
@@ -29,14 +30,30 @@ _version = operator.attrgetter("_version")
 class ParamSet:
     """One set of flat param buffers, and what the views fdp handed out of it look like."""
 
-    __slots__ = ("flats", "ptrs", "shapes", "strides", "versions")
+    __slots__ = ("flats", "ptrs", "shapes", "strides", "versions", "_inner", "reused")
 
     def __init__(self, flats: list[torch.Tensor], plan: BucketPlan) -> None:
         self.flats = flats
+        self._inner: list[torch.Tensor] | None = None
+        # the autograd leaves a step's backward reuses over this set (``fdp._step.autodiff.Reused``)
+        self.reused = Reused()
         self.ptrs = [flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size() for s in plan.slots]
         self.shapes = [torch.Size(s.shape) for s in plan.slots]
         self.strides = [contiguous_strides(s.shape) for s in plan.slots]
         self.versions: list[int] | None = None  # per leaf, its set's version when handed out
+
+    def inner(self, plan: BucketPlan) -> list[torch.Tensor]:
+        """Each leaf as a view of this set, in plan order: made once, for fdp's own reads (a
+        step's backward detaches them); never handed out (the step returns fresh views)."""
+        if self._inner is None:
+            self._inner = _tree.leaves(plan.views(self.flats))
+        return self._inner
+
+    def forget(self) -> None:
+        """Drop what fdp keeps of this set for reuse (its inner views, autograd leaves), so that
+        only references from outside fdp count as holding it (``ParamSets.free``)."""
+        self._inner = None
+        self.reused = Reused()
 
     def handed_out(self, plan: BucketPlan) -> None:
         """The step returns views of this set now: remember its version counters."""
@@ -116,7 +133,10 @@ class ParamSets:
     def free(self, avoid: ParamSet | None) -> ParamSet:
         """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
         for ps in self.sets:
-            if ps is not avoid and not any(map(held_elsewhere, ps.flats)):
+            if ps is avoid:
+                continue
+            ps.forget()
+            if not any(map(held_elsewhere, ps.flats)):
                 return ps
         if len(self.sets) >= 2:  # the caller keeps old params: stop tracking one of their sets
             old = next((ps for ps in self.sets if ps is not avoid and ps is not self.cur), None)

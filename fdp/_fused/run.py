@@ -13,11 +13,15 @@ Failures. Every collective of a step is issued on every rank, in the same order,
 happened locally: a rank whose backward, transform or kernel failed skips its own work, goes
 on issuing the step's collectives (zeros where it has nothing), and the step's status, issued
 after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
-for every bucket, the buckets' own status comes first (``StepSpec.bucket_status``), so a
-rank whose backward failed stops every rank before any update, and the state stays usable.
-A step that fails after its buckets were reduced is refused afterwards on every rank (some
-rank may have updated its state in place), and so is one in which this rank had updated
-anything (``FusedCore.broken``).
+for every bucket, a rank whose backward failed stops every rank before any update, and the
+state stays usable: unsharded, the failed rank's buckets come back NaN on every rank and only
+then is a status exchanged before the updates (``StepSpec.status_on_nan``: no second
+collective in the common step); sharded (each rank sees its slice only) or with a hook that
+does not sum in place, the buckets' own status comes first every step
+(``StepSpec.bucket_status``). A step that fails after its buckets were reduced is refused
+afterwards on every rank (some rank may have updated its state in place), and so is one in
+which this rank had updated anything, or whose status could not be exchanged
+(``FusedCore.broken``).
 """
 
 from __future__ import annotations
@@ -60,8 +64,15 @@ class Run:
         # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
         self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
                        for part in program.parts]
-        # (sharded whole leaves are updated by their owners once every bucket has landed)
-        self.early = not program.whole_tree and not core.config.skip_nonfinite and core.owners is None
+        # Updates run on arrival (during the backward) when nothing needs every bucket first and,
+        # unsharded, some bucket can land while the backward goes on (hooked buckets); else once
+        # every bucket has landed. (Sharded whole leaves are updated by their owners then.)
+        self.early = (not program.whole_tree and not core.config.skip_nonfinite and core.owners is None
+                      and (core.scatter is not None or core.machine.hooked_buckets > 0))
+        # Unsharded, when the updates wait for every bucket, this step's status is read at the
+        # start of the next call instead of now (``close``): a rank whose update fails raises
+        # at once, and the next call restores its params and state from a healthy rank.
+        self.deferred = not self.early and core.scatter is None
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)
@@ -74,12 +85,15 @@ class Run:
         self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
         self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
-        # The step's status comes after the updates (and gathers): early, the only one; else a
-        # second one, after the buckets' own (which stops every rank before any update when a
-        # backward failed).
+        # The step's status comes after the updates (and gathers). When the updates wait for
+        # every bucket, a backward failure stops every rank before them: told by NaN buckets
+        # where every rank sees the whole sum of each bucket from an elementwise sum, else by
+        # the buckets' own status every step.
+        told_by_nan = not self.early and core.scatter is None and core.machine.hook.in_place
         self.step: Step = core.machine.start(StepSpec(
             kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
-            closes=True, bucket_status=not self.early, on_filled=core.on_filled))
+            closes=True, bucket_status=not self.early and not told_by_nan, status_on_nan=told_by_nan,
+            on_filled=core.on_filled))
 
     # ------------------------------------------------------------------ arrival
     def fail(self, e: BaseException) -> None:
@@ -157,6 +171,8 @@ class Run:
             p.copy_(src)
         buffers, keys = state.buffers, self.layout.keys
         self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
+        for part, spans in core.decays[b]:  # (a part decayed apart: its group-0 runs first)
+            kernels[part].decay(pieces(p, spans, False), self.counts[part])
         if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
             (part, group), _ = core.spans.by_key[b][0]
             kernels[part].step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
@@ -367,9 +383,34 @@ class Run:
         if another rank failed; every rank then refuses the state (some rank may have updated
         its state, or part of it, before the failure was known: the replicas' states differ).
         Refusing on every rank, not only on those that updated, keeps the ranks in step: a
-        rank that went on alone would wait in the next step's collectives for the timeout."""
+        rank that went on alone would wait in the next step's collectives for the timeout.
+
+        A ``deferred`` step leaves its status in flight: this rank raises its own error at
+        once, and every rank reads the verdict at the start of its next call
+        (``FusedCore.repair`` sets the failed ranks right then). Its updates waited for every
+        bucket, and a backward failure has stopped every rank before them, so a failure here
+        is in this rank's own update only: the others' updates are whole and exact."""
         core = self.core
-        n = core.machine.close(self.step, self.error is not None)
+        if self.deferred:
+            core.machine.close(self.step, self.error is not None, wait=False)
+            if self.error is None:
+                return
+            core.broken = (f"this rank's update of step {self.step.n} failed after its buckets were reduced (the "
+                           "error raised then), leaving its params and optimizer state partly updated; the next "
+                           "call of the step restores them from a rank whose update succeeded, on this rank and "
+                           "the others alike")
+            self.error.add_note(
+                f"fdp: rank {core.group.rank}'s update of step {self.step.n} failed after its buckets were reduced; "
+                "the other ranks' updates are whole. The next call of the step (on every rank) restores this "
+                "rank's params and optimizer state from a rank whose update succeeded, and goes on from there.")
+            raise self.error
+        try:
+            n = core.machine.close(self.step, self.error is not None)
+        except CollectiveError as e:  # the ranks ran different steps together, or the group broke
+            core.broken = (f"step {self.step.n}'s status failed after its updates ({e}), so the replicas' states "
+                           "may differ; load a saved state (step.state_from_tree, fdp.load) or make a new one "
+                           "(step.init) on every rank to go on")
+            raise
         if not n:
             return
         rank = core.group.rank

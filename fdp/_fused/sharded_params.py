@@ -47,6 +47,9 @@ class SliceSet:
     def __init__(self, flats: list[torch.Tensor]) -> None:
         self.flats = flats
 
+    def forget(self) -> None:
+        """(``ParamSet.forget``: a slice set keeps nothing for reuse.)"""
+
 
 class ShardedParams:
     """Fully sharded params (``fdp.Reducer(params, shard="params")``): this rank's slice of

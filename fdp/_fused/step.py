@@ -57,11 +57,12 @@ class FusedCores:
         self._cores: OrderedDict[tuple, FusedCore] = OrderedDict()
 
     def get(self, plan: BucketPlan, program: Program) -> FusedCore:
-        key = (plan.fingerprint, program.keys, program.whole_parts)
+        key = (plan.fingerprint, program.core_key)
         core = self._cores.get(key)
         if core is None:
             kind = FusedCore if self.config.units is None else UnitCore
-            core = self._cores[key] = kind(self.config, plan, program.keys, program.whole_parts, NAME)
+            core = self._cores[key] = kind(self.config, plan, program.keys, program.whole_parts, NAME,
+                                           program.decayed_apart)
             while len(self._cores) > self.MAX:
                 self._cores.popitem(last=False)
         else:
@@ -71,7 +72,7 @@ class FusedCores:
     def current(self, program: Program, core: FusedCore) -> bool:
         """Whether ``core`` is still the cached core of ``program``'s layout (it is then the most
         recently used again)."""
-        key = (core.plan.fingerprint, program.keys, program.whole_parts)
+        key = (core.plan.fingerprint, program.core_key)
         if self._cores.get(key) is not core:
             return False
         self._cores.move_to_end(key)

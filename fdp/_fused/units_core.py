@@ -40,7 +40,7 @@ class UnitCore(FusedCore):
     """One layout's fully sharded step (see the module docstring)."""
 
     def __init__(self, config: StepConfig, plan: BucketPlan, keys: tuple[Key, ...], whole_parts: frozenset[int],
-                 name: str) -> None:
+                 name: str, decayed_apart: frozenset[int] = frozenset()) -> None:
         if whole_parts:
             raise TypeError(f"{name}: with shard='params' each rank holds a slice of every unit, and an optimizer "
                             "that updates whole leaves (fdp.optim.muon) is not supported there yet; use "
@@ -49,7 +49,7 @@ class UnitCore(FusedCore):
             raise ValueError(f"{name}: shard='params' computes gradients with autograd (engine='auto'); "
                              f"engine={config.engine!r} cannot gather units inside torch.func's transform")
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
-        super().__init__(config, plan, keys, whole_parts, name)
+        super().__init__(config, plan, keys, whole_parts, name, decayed_apart)
         self.gathers_params = False
         self.units = Units(plan, self.shards, self.scatter, self.mesh.shard, config.units, config.reshard_after_forward,
                            config.param_dtype)

@@ -15,6 +15,7 @@ Gradients travel as lists in the plan's leaf order; trees are built once, for th
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -126,23 +127,56 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
     return [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)], value
 
 
+class Reused:
+    """The autograd leaves ``local_grads_into`` differentiates: made for a list of tensors and
+    reused while the same tensors (by identity, over the same memory) come back with the same
+    ``into``, as a module's own parameters are across backward passes (each leaf's ``.grad``
+    stays its buffer in ``into``; no detach, ``requires_grad_`` and ``.grad`` assignment per
+    leaf per call). Its values are always the tensors' own (a detached view shares them)."""
+
+    __slots__ = ("src", "ptrs", "into", "inputs")
+
+    def __init__(self) -> None:
+        self.src: list[torch.Tensor] | None = None
+        self.ptrs: list[int] | None = None
+        self.into: list[torch.Tensor] | None = None
+        self.inputs: list[torch.Tensor] = []
+
+    def of(self, leaves: list[torch.Tensor], into: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Leaves that require grad, viewing ``leaves``, whose ``.grad`` are ``into``'s tensors."""
+        src = self.src
+        if (src is not None and self.into is into and len(src) == len(leaves) and all(map(operator.is_, leaves, src))
+                and list(map(torch.Tensor.data_ptr, leaves)) == self.ptrs):
+            return self.inputs
+        inference = any(map(torch.Tensor.is_inference, leaves))
+        made = [t.clone() if t.is_inference() else t for t in leaves] if inference else leaves
+        inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, made)))
+        for leaf, acc in zip(inputs, into):
+            leaf.grad = acc
+        if not inference:  # (a clone of an inference tensor is made again each call)
+            self.src, self.ptrs, self.into, self.inputs = list(leaves), list(map(torch.Tensor.data_ptr, leaves)), \
+                into, inputs
+        return inputs
+
+
 def local_grads_into(fn: Callable, has_aux: bool, args: tuple, kwargs: dict, leaves: list[torch.Tensor],
-                     treedef: _tree.TreeDef, into: list[torch.Tensor]) -> Any:
+                     treedef: _tree.TreeDef, into: list[torch.Tensor],
+                     on_backward_start: Callable[[torch.Tensor], None] | None = None,
+                     reused: Reused | None = None) -> Any:
     """``fn``'s gradients (the differentiated argument is ``args[0]``) *added* into ``into`` (one
     tensor per leaf, its shape and dtype), in place, by autograd's own accumulation (as
     ``.grad`` accumulates over DDP's ``no_sync`` micro-batches: no gradient tensor allocated,
     no separate pass); a leaf the loss does not use adds nothing. Returns the value (the
-    loss, or ``(loss, aux)``), detached. Autograd engine only."""
-    if any(map(torch.Tensor.is_inference, leaves)):
-        leaves = [t.clone() if t.is_inference() else t for t in leaves]
-    inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
-    for leaf, acc in zip(inputs, into):
-        leaf.grad = acc
+    loss, or ``(loss, aux)``), detached. ``on_backward_start`` runs when the backward begins;
+    ``reused`` keeps the autograd leaves from one call to the next. Autograd engine only."""
+    inputs = (reused or Reused()).of(leaves, into)
     args = replace(args, 0, _tree.unflatten(treedef, inputs))
     with torch.enable_grad():
         out = fn(*args, **kwargs)
         loss = loss_of(out, has_aux)
         if loss.requires_grad and inputs:
+            if on_backward_start is not None:
+                loss.register_hook(on_backward_start)
             torch.autograd.backward(loss, inputs=inputs)
     return (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
 

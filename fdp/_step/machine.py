@@ -29,6 +29,17 @@ the last bucket and waited after it: (failed ranks, sum of step numbers, sum of 
 squares), so a rank that is a step ahead or behind is caught too. It is a separate
 collective because any change to a bucket's size changes how gloo's ring splits it, and with
 it the summation order that makes fdp's results equal DDP's bit for bit.
+
+A caller that does its own work between the buckets and the status (the fused step's
+updates) issues the status after that work (``StepSpec.closes``); a rank whose backward
+failed must still stop every rank *before* that work. Either the usual status goes out with
+the last bucket as well (``StepSpec.bucket_status``: a second collective every step), or the
+failure travels in the buckets themselves (``StepSpec.status_on_nan``): the failed rank fills
+the buckets it drains with NaN, and since the hook sums elementwise in place, every rank's
+last bucket then comes back NaN. Every rank checks one element of it; only when that is NaN
+(a failure, or a gradient that is NaN there) is the status exchanged before the caller's
+work, and a failure raises on every rank as above. A rank that failed after launching its
+last bucket sends no NaN: its failure is told by the caller's status, after the work.
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -107,6 +118,11 @@ class StepSpec:
       bucket_status: with ``closes``, also issue the usual status with the last bucket
         (checked when the buckets are): a rank whose backward failed then stops every rank
         before the caller's own work, and the close's status is a second one, for that work.
+      status_on_nan: with ``closes`` (instead of ``bucket_status``; the hook must sum
+        elementwise in place): a rank whose backward failed fills the buckets it drains with
+        NaN, and the status is exchanged with the buckets only when the last bucket comes
+        back NaN (the module docstring): the same stop before the caller's work, without a
+        collective in the common step.
       on_filled: called as ``on_filled(b)`` once bucket ``b``'s gradients are in its flat
         buffer (just before its collective is launched): nothing needs the bucket's params
         for this backward any more (fully sharded params free their gathered copy then).
@@ -122,6 +138,7 @@ class StepSpec:
     on_ready: Callable[[int, torch.Tensor], None] | None = None
     closes: bool = False
     bucket_status: bool = False
+    status_on_nan: bool = False
     on_filled: Callable[[int], None] | None = None
 
     @property
@@ -130,17 +147,53 @@ class StepSpec:
         return not self.closes or self.bucket_status
 
 
+class Pending(NamedTuple):
+    """A step closed without waiting for its status (``StepMachine.close(..., wait=False)``):
+    its number, whether this rank's part of it failed, and where its status is in flight."""
+
+    n: int
+    failed: bool
+    slot: StatusSlot
+    group: Group
+
+
 class Steps:
     """What every step of one Reducer adds to, whichever machine ran it (its own, a fused
     step's): the count of steps whose collectives were all issued (the step number the
-    status checks), the steps with a non-finite verdict, and the last ``StepRecord``."""
+    status checks), the steps with a non-finite verdict, the last ``StepRecord``, the step
+    whose status is still in flight (``pending``) and the ranks whose part of an earlier
+    step failed, which a later call must still set right (``owed``; see ``settle``)."""
 
-    __slots__ = ("completed", "nonfinite", "last")
+    __slots__ = ("completed", "nonfinite", "last", "pending", "owed")
 
     def __init__(self) -> None:
         self.completed = 0
         self.nonfinite = 0
         self.last: StepRecord | None = None
+        self.pending: Pending | None = None
+        self.owed: tuple[int, list[int]] | None = None  # (step, failed ranks)
+
+    def settle(self) -> tuple[int, list[int]] | None:
+        """The verdict of the step closed without waiting, once every rank's status is in:
+        ``(step, the ranks whose part of it failed)`` until a caller has set them right
+        (``owed``), else None. Every rank calls it at the same point (the start of its next
+        Reducer call), so the collectives here pair up.
+
+        Raises:
+          CollectiveError: the ranks ran different steps together, or the status could not
+            be exchanged.
+        """
+        p, self.pending = self.pending, None
+        if p is not None:
+            wait(p.slot.work, p.group, f"step {p.n} status")
+            failed, steps, squares = map(int, p.slot.buf.tolist())
+            check_same_step(p.n, p.group, steps, squares)
+            if failed:  # (rare) which ranks: each sets its own flag
+                flags = torch.zeros(p.group.size, dtype=torch.int64, device=p.slot.buf.device)
+                flags[p.group.rank] = int(p.failed)
+                all_reduce(flags, p.group, f"step {p.n}'s failed ranks")
+                self.owed = (p.n, [r for r, f in enumerate(flags.tolist()) if f])
+        return self.owed
 
 
 class StatusSlot:
@@ -215,8 +268,17 @@ class StepMachine:
         return self._live.step
 
     def start(self, spec: StepSpec) -> Step:
-        """Begin a step as ``spec`` says (one step at a time per machine)."""
+        """Begin a step as ``spec`` says (one step at a time per machine; the verdict of a step
+        closed without waiting must have been read first: ``Steps.settle``)."""
         self.check_idle(spec.what)
+        owed = self.steps.settle()
+        if owed is not None:
+            n, failed = owed
+            raise CollectiveError(
+                f"fdp: {spec.what}: the update of step {n} of this Reducer's fused step failed on rank(s) {failed} "
+                f"after the others had made theirs, so the replicas' params and optimizer states differ (this is "
+                f"rank {self.group.rank}); call the fused step on every rank: it restores the failed ranks' params "
+                "and state from a rank whose update succeeded, then goes on")
         self.buffers.release_all()
         step = Step(self, spec)
         self._live.step = step
@@ -257,24 +319,34 @@ class StepMachine:
         ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
         another rank's and every rank already knows. A step whose spec ``closes`` and that was
         drained stays in flight when its only status is the close's: that status comes from
-        ``close(step, failed=True)``, after the caller's own collectives."""
-        drained = False
+        ``close(step, failed=True)``, after the caller's own collectives (also one whose failure
+        the buckets could not tell: ``status_on_nan`` after the last bucket was launched)."""
+        drained = told = False
         try:
             if (step.next > 0 or step.issued_elsewhere) and not isinstance(exc, CollectiveError):
-                step.drain()
                 drained = True
+                told = step.drain()
         except CollectiveError:
-            pass  # the group is broken: every rank's collectives fail with their own error
+            told = True  # the group is broken: every rank's collectives fail with their own error
         finally:
-            if not (drained and not step.spec.buckets_status):
+            if not drained or told:
                 self._end(step)
 
-    def close(self, step: Step, failed: bool) -> int:
+    def close(self, step: Step, failed: bool, wait: bool = True) -> int:
         """End a step whose spec ``closes``: issue its status (``failed``: this rank's part of
         the step failed) and return how many ranks failed. Raises ``CollectiveError`` when
-        the ranks ran different steps together, or when the status cannot be exchanged."""
+        the ranks ran different steps together, or when the status cannot be exchanged.
+        ``wait=False``: leave the status in flight and return 0; every rank reads it at the
+        start of its next call of this Reducer (``Steps.settle``), which says then who failed.
+        """
         try:
-            return step.close(failed)
+            if wait:
+                return step.close(failed)
+            step.failed = step.failed or failed
+            if step.status:
+                step._start_status()
+                self.steps.pending = Pending(step.n, bool(failed), self.status_slot, self.group)
+            return 0
         finally:
             self._end(step)
 
@@ -304,7 +376,8 @@ class Step:
                  "take", "span", "nones",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
-                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere", "flatten")
+                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere", "flatten", "signalled",
+                 "summed")
 
     def __init__(self, machine: StepMachine, spec: StepSpec) -> None:
         plan = machine.plan
@@ -337,6 +410,8 @@ class Step:
         # The caller issued collectives of this step outside the machine (fully sharded params'
         # all-gathers): a failure before any bucket launched must still drain them all.
         self.issued_elsewhere = False
+        self.signalled = False  # (status_on_nan) this rank failed and filled a bucket with NaN
+        self.summed: list[torch.Tensor] | None = None  # per bucket, its gradients' flat sum (``summed_into``)
 
     # ------------------------------------------------------------------ during the backward
     def on_backward_start(self, grad: torch.Tensor) -> None:
@@ -369,6 +444,15 @@ class Step:
         for i in unhooked:
             self.stash[i] = grads[i]  # None for an unused leaf: zero-filled at launch
 
+    def summed_into(self, flats: list[torch.Tensor]) -> None:
+        """The backward returned, having added every gradient into ``acc`` itself (the caller's
+        scratch, ``StepSpec.acc_owned``; autograd's own accumulation), whose flat tensor per
+        bucket is in ``flats``: every bucket is ready, and is filled from its flat sum."""
+        self.bwd_end = time.perf_counter()
+        self.summed = flats
+        self.got = bytearray(b"\x01" * len(self.got))
+        self.pending = [0] * len(self.plan.buckets)
+
     def give(self, leaves: list[torch.Tensor]) -> None:
         """All gradients at once (``all_reduce``): every bucket is ready."""
         self.stash = list(leaves)
@@ -385,8 +469,14 @@ class Step:
 
     def _fill(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.plan.buckets[b]
-        if not self.active or self.failed:
+        if self.failed and self.spec.status_on_nan:  # every rank's sum of this bucket shows it
+            flat.zero_()  # (a padded buffer's padding stays zero)
+            flat[:bucket.numel].fill_(float("nan"))
+            self.signalled = True
+        elif not self.active or self.failed:
             flat.zero_()
+        elif self.summed is not None:  # one copy of the bucket's flat sum (with the scale and any cast)
+            self.flatten([self.summed[b]], flat[:bucket.numel] if flat.numel() != bucket.numel else flat, self.scale)
         else:
             stash, take = self.stash, self.take[b]
             srcs = take(stash)
@@ -499,13 +589,17 @@ class Step:
                 self.times[b].done = time.perf_counter() - self.t0
         if self.spec.buckets_status:
             self._check_status()
+        elif self.spec.status_on_nan and results and results[-1].numel() and bool(results[-1][0].isnan()):
+            self._check_status()  # some rank failed (raises), or a gradient is NaN there: go on
         if self.on_ready is not None:
             for b, r in enumerate(results):
                 self._ready(b, r)
         return results
 
-    def drain(self) -> None:
-        """Issue the rest of this failed step's collectives, marked as failed, and wait for them."""
+    def drain(self) -> bool:
+        """Issue the rest of this failed step's collectives, marked as failed, and wait for them.
+        Returns whether every rank knows of the failure now (False: the caller's status will
+        tell them, ``StepSpec.closes``)."""
         self.failed = True
         self.launch_ready(force=True)
         for b, handle in enumerate(self.handles):
@@ -513,10 +607,12 @@ class Step:
                 self.hook.collect(handle, self.plan.buckets[b], self.flats[b], self.group, self.what(b))
             except (CollectiveError, TypeError):
                 pass
-        if self.status and self.spec.buckets_status:
+        told = self.spec.buckets_status or self.signalled
+        if self.status and told:
             if self.status_work is None:
                 self._start_status()
             wait(self.status_work, self.group, f"step {self.n} status")
+        return told
 
     def close(self, failed: bool) -> int:
         """The status of a step whose spec ``closes`` (see ``StepMachine.close``)."""
@@ -541,13 +637,7 @@ class Step:
                 f"every rank (this is rank {self.group.rank}). The ranks are still in step: the next call "
                 "starts a fresh step everywhere."
             )
-        if steps != n * size or squares != n * n * size:
-            raise CollectiveError(
-                f"fdp: the ranks ran different steps of this Reducer together (rank {self.group.rank} is at "
-                f"step {n}; the ranks' step numbers sum to {steps}, not {n * size}): some rank called it "
-                "more often than the others, so these gradients mix different steps and are discarded. "
-                "Every rank must make the same sequence of Reducer calls."
-            )
+        check_same_step(n, self.group, steps, squares)
         return failed
 
     def timeline(self) -> Timeline:
@@ -556,6 +646,19 @@ class Step:
             None if self.bwd_start is None else self.bwd_start - self.t0,
             None if self.bwd_end is None else self.bwd_end - self.t0,
             time.perf_counter() - self.t0, self.times,
+        )
+
+
+def check_same_step(n: int, group: Group, steps: int, squares: int) -> None:
+    """Raise ``CollectiveError`` unless every rank's status was of step ``n`` (the sums of the
+    ranks' step numbers and of their squares)."""
+    size = group.size
+    if steps != n * size or squares != n * n * size:
+        raise CollectiveError(
+            f"fdp: the ranks ran different steps of this Reducer together (rank {group.rank} is at "
+            f"step {n}; the ranks' step numbers sum to {steps}, not {n * size}): some rank called it "
+            "more often than the others, so these gradients mix different steps and are discarded. "
+            "Every rank must make the same sequence of Reducer calls."
         )
 
 

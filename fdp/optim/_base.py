@@ -107,6 +107,13 @@ class LeafKernel(NamedTuple):
         list per field.
       whole_leaves: the update of a leaf depends on all of it (Muon orthogonalises each
         matrix): the lists must hold each leaf whole, in its own shape, never flat pieces.
+      decay: ``decay(params, count)``: group 0's decoupled weight decay alone, in place
+        (``p.mul_(1 - lr * weight_decay)``, AdamW's first operation on a decayed leaf, which
+        reads the weight decay nowhere else), or None when the kernel has no such form.
+        With it, ``decay`` on group 0's leaves and then ``step(1, ...)`` (group 1: no decay)
+        over the leaves of both groups at once gives the same numbers as a ``step`` per
+        group, in one kernel call (the fused step runs a masked AdamW so: a mask splits a
+        bucket into many short runs of alternating groups).
     """
 
     fields: tuple[str, ...]
@@ -114,6 +121,7 @@ class LeafKernel(NamedTuple):
     groups: Callable[[Any], list[int]]
     step: Callable[..., None]
     whole_leaves: bool = False
+    decay: Callable[..., None] | None = None
 
 
 class GradientTransform(NamedTuple):

@@ -64,6 +64,7 @@ class Spec(NamedTuple):
     torch_class: type | None = None  # the torch.optim class with these numbers (fdp.optim.hyperparams)
     fixed: dict[str, Any] = {}        # its other param-group entries (betas, eps, ...)
     whole_leaves: bool = False        # the kernel needs each leaf whole, in its shape (Muon)
+    decoupled: bool = False           # its weight decay is ``p.mul_(1 - lr * wd)`` first, alone (LeafKernel.decay)
 
 
 def scalar_dtype() -> torch.dtype:
@@ -160,6 +161,13 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
         spec.kernel(p, g, [by_field.get(f, []) for f in fields], count, step,
                     value_at(lr, step, count), wd_now)
 
+    @torch.no_grad()
+    def leaf_decay(p: list[Tensor], count: Tensor) -> None:
+        step = host_step(count, name, spec.host_step)
+        wd_now = value_at(weight_decay, step, count)
+        if wd_now != 0:  # (torch.optim's own test: a decay of 0 multiplies nothing)
+            torch._foreach_mul_(p, 1 - value_at(lr, step, count) * wd_now)
+
     def init(params: Any) -> Any:
         leaves, treedef = param_leaves(params, name)
         if spec.check_params is not None:
@@ -199,5 +207,5 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
 
     hyper = Hyperparams(spec.torch_class, lr, weight_decay, dict(spec.fixed), mask)
     return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step,
-                                              spec.whole_leaves),
+                                              spec.whole_leaves, leaf_decay if spec.decoupled else None),
                      hyper=hyper)

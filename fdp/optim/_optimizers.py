@@ -130,7 +130,7 @@ def _check_adam(name: str, lr: Hyper, betas: tuple[float, float], eps: float, we
 
 def _adam_like(name: str, state_cls: type, torch_class: type, group: Callable[..., None], lr: Hyper,
                betas: tuple[float, float], eps: float, weight_decay: Hyper, amsgrad: bool,
-               maximize: bool, mask: Mask | None, donate: bool) -> Optimizer:
+               maximize: bool, mask: Mask | None, donate: bool, decoupled: bool = False) -> Optimizer:
     _check_adam(name, lr, betas, eps, weight_decay)
     beta1, beta2 = betas
 
@@ -139,7 +139,8 @@ def _adam_like(name: str, state_cls: type, torch_class: type, group: Callable[..
 
     needed = {"exp_avg": True, "exp_avg_sq": True, "max_exp_avg_sq": amsgrad}
     fixed = {"betas": tuple(betas), "eps": eps, "amsgrad": amsgrad, "maximize": maximize}
-    spec = Spec(name, state_cls, needed, 0.0, False, kernel, torch_class=torch_class, fixed=fixed)
+    spec = Spec(name, state_cls, needed, 0.0, False, kernel, torch_class=torch_class, fixed=fixed,
+                decoupled=decoupled)
     return build(spec, lr, weight_decay, mask, donate)
 
 
@@ -201,7 +202,7 @@ def adamw(lr: Hyper = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: floa
       tensor([0.8990, 0.8990])
     """
     return _adam_like("fdp.optim.adamw", AdamWState, torch.optim.AdamW, _kernels.adamw_group, lr, betas, eps,
-                      weight_decay, amsgrad, maximize, mask, donate)
+                      weight_decay, amsgrad, maximize, mask, donate, decoupled=True)
 
 
 def adagrad(lr: Hyper = 1e-2, lr_decay: float = 0.0, weight_decay: Hyper = 0.0,

@@ -411,3 +411,35 @@ def test_a_step_that_failed_after_updating_some_buckets_refuses_its_state_until_
     state = step.init(params)  # a fresh state: accepted again
     params, state, _ = step(params, state, x, False)
     assert int(state.step) == 1
+
+
+def test_a_masked_adamw_updates_each_bucket_in_one_kernel_call_with_the_plain_paths_numbers():
+    # A decay mask puts weights and biases in two groups whose leaves alternate in a bucket:
+    # AdamW's group-0 runs are decayed first (LeafKernel.decay), then one kernel call without
+    # decay covers the bucket, instead of one call per run of each group.
+    apply, params, buffers = fdp.functionalize(mlp(seed=21))
+    loss = loss_of(apply, buffers)
+    adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
+    calls = {"step": 0, "decay": 0}
+    kernel = adamw.leaf_kernel
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    counting = adamw._replace(leaf_kernel=kernel._replace(step=counted("step", kernel.step),
+                                                          decay=counted("decay", kernel.decay)))
+    reducer = fdp.Reducer(params, **CAPS)
+    nb = len(reducer.plan.buckets)
+    assert nb >= 2
+    step = reducer.grad_and_update(loss, counting)
+    fused, state = dict(params), step.init(params)
+    plain, pstate = dict(params), adamw.init(params)
+    for i in range(3):
+        fused, state, _ = step(fused, state, *batch(0, i))
+        plain, pstate = adamw.update(reducer.grad(loss)(plain, *batch(0, i)), pstate, plain)
+    assert calls == {"step": 3 * nb, "decay": 3 * nb}, calls
+    for k in plain:
+        assert torch.equal(fused[k], plain[k]), k

@@ -230,6 +230,122 @@ def test_2_a_sharded_update_failure_fails_the_step_on_every_rank_and_refuses_the
         assert_trees_equal(fused, results[0][2], f"rank {rank} is not a replica of rank 0")
 
 
+def backward_fails_on_one_rank(group, where):
+    """Rank 1's backward fails in step 1 after some buckets have launched (its first layer's
+    weight gets its gradient last); the updates wait for every bucket."""
+    from models import FailOnce
+
+    cfg = WHERE[where]
+    apply, params, buffers = fdp.functionalize(mlp(seed=14))
+    base = loss_of(apply, buffers)
+
+    def loss(p, x, y):
+        return base({**p, "0.weight": FailOnce.apply(p["0.weight"])}, x, y)
+
+    adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
+    opt = fdp.optim.chain(*((fdp.optim.clip_by_global_norm(0.5),) if cfg.get("clip") else ()), adamw)
+    reducer = fdp.Reducer(params, group, skip_nonfinite=cfg.get("skip_nonfinite", False),
+                          shard=cfg.get("shard", False), hook_threshold_bytes=0, **CAPS)
+    step = reducer.grad_and_update(loss, opt, donate=cfg.get("donate", False))
+    state = step.init(params)
+    fused = {k: v.clone() for k, v in params.items()}
+    plain = {k: v.clone() for k, v in params.items()}
+    pstate = opt.init(plain)
+    outcome = []
+    for i in range(3):
+        FailOnce.arm(group.rank == 1 and i == 1)
+        try:
+            fused, state, _ = step(fused, state, *batch(group.rank, i))
+            outcome.append(None)
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            outcome.append((type(e).__name__, str(e)))
+        FailOnce.arm(False)
+        if i != 1:  # the failed step's gradients are discarded everywhere: the plain path skips its batch
+            plain, pstate = opt.update(reducer.grad(base)(plain, *batch(group.rank, i)), pstate, plain)
+    return outcome, fused, plain
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+@pytest.mark.parametrize("where", ["clip", "skip_nonfinite", "clip-donated", "sharded-clip"])
+def test_a_backward_failure_on_one_rank_stops_every_rank_before_any_update_and_the_state_goes_on(where, backend):
+    # Unsharded, the failed rank fills the buckets it still owes with NaN, every rank's last
+    # bucket comes back NaN, and only then is a status exchanged (no second collective in a
+    # step that does not fail); sharded, the buckets' own status says it. Either way every rank
+    # raises in the failed step before updating anything, and the same state goes on.
+    results = fdp.testing.run(backward_fails_on_one_rank, 2, backend=backend, timeout=120, args=(where,))
+    for rank, (outcome, fused, plain) in enumerate(results):
+        assert outcome[0] is None and outcome[2] is None, f"rank {rank}: {outcome}"
+        if rank == 1:
+            assert outcome[1][0] == "RuntimeError" and "injected failure" in outcome[1][1], outcome[1]
+        else:
+            assert outcome[1][0] == "CollectiveError", outcome[1]
+            assert "failed on 1 other rank(s) of 2 after they had launched some of its buckets" in outcome[1][1]
+        assert_trees_equal(fused, plain, f"rank {rank}, the step after the failed one against the plain path")
+
+
+def every_rank_fails_its_update(group):
+    apply, params, buffers = fdp.functionalize(mlp(seed=12))
+    loss = loss_of(apply, buffers)
+    adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
+    fault = KernelFault(adamw, rank=group.rank)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), fault.opt)
+    plain_opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), adamw)
+    reducer = fdp.Reducer(params, group, hook_threshold_bytes=0, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    fused = {k: v.clone() for k, v in params.items()}
+    state = step.init(fused)
+    fused, state, _ = step(fused, state, *batch(group.rank, 0))
+    seen = []
+    fault.armed = True
+    try:
+        step(fused, state, *batch(group.rank, 1))
+    except RuntimeError as e:
+        seen.append(str(e))
+    fault.armed = False
+    try:  # no rank's update is whole: nothing to restore from; every rank refuses the state
+        step(fused, state, *batch(group.rank, 2))
+    except RuntimeError as e:
+        seen.append(str(e))
+    state = step.init(fused)  # the pure step left fused at step 0's result on every rank
+    plain, pstate = dict(fused), plain_opt.init(fused)
+    fused, state, _ = step(fused, state, *batch(group.rank, 3))
+    plain, pstate = plain_opt.update(reducer.grad(loss)(plain, *batch(group.rank, 3)), pstate, plain)
+    return seen, fused, plain
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_an_update_failing_on_every_rank_refuses_the_state_everywhere_until_a_fresh_one(backend):
+    results = fdp.testing.run(every_rank_fails_its_update, 2, backend=backend, timeout=120)
+    for rank, (seen, fused, plain) in enumerate(results):
+        assert len(seen) == 2 and "injected failure" in seen[0], f"rank {rank}: {seen}"
+        assert "failed on every rank" in seen[1] and "step.init" in seen[1], f"rank {rank}: {seen[1]}"
+        assert_trees_equal(fused, plain, f"rank {rank}, after a fresh state")
+        assert_trees_equal(fused, results[0][1], f"rank {rank} is not a replica of rank 0")
+
+
+def plain_path_after_a_failed_update(group):
+    cfg, step, reducer, loss, plain_opt, fused, state, plain, pstate, failed = kernel_fails_on_one_rank(group, "clip")
+    try:  # the replicas differ until the fused step restores rank 1: the plain path refuses
+        reducer.grad(loss)(fused, *batch(group.rank, 2))
+        refused = None
+    except fdp.CollectiveError as e:
+        refused = str(e)
+    fused, state, _ = step(fused, state, *batch(group.rank, 2))  # restores rank 1, then steps
+    grads = reducer.grad(loss)(fused, *batch(group.rank, 3))  # and the plain path runs again
+    return failed, refused, fused, grads
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_after_a_failed_update_the_plain_path_refuses_until_the_fused_step_restores_the_rank(backend):
+    results = fdp.testing.run(plain_path_after_a_failed_update, 2, backend=backend, timeout=120)
+    for rank, (failed, refused, fused, grads) in enumerate(results):
+        assert (failed is not None) == (rank == 1), f"rank {rank}: {failed}"
+        assert refused is not None and "failed on rank(s) [1]" in refused, f"rank {rank}: {refused}"
+        assert "call the fused step on every rank" in refused, refused
+        assert_trees_equal(fused, results[0][2], f"rank {rank} is not a replica of rank 0")
+        assert_trees_equal(grads, results[0][3], f"rank {rank}: gradients of the plain path")
+
+
 # ----------------------------------------------------------------------------- case 3
 def under_inference_mode(group):
     apply, params, buffers = fdp.functionalize(mlp(seed=13))

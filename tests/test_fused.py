@@ -443,3 +443,31 @@ def test_a_masked_adamw_updates_each_bucket_in_one_kernel_call_with_the_plain_pa
     assert calls == {"step": 3 * nb, "decay": 3 * nb}, calls
     for k in plain:
         assert torch.equal(fused[k], plain[k]), k
+
+
+def test_with_accumulation_a_kept_leaf_is_never_overwritten_and_otherwise_two_sets_serve():
+    # The step keeps views of its param sets and autograd leaves made from them for reuse
+    # (ParamSet.inner, .reused): a set is free when nothing but those refers to it, and held
+    # as soon as anything else does, one leaf of it included.
+    apply, params, buffers = fdp.functionalize(mlp(seed=22))
+    loss = loss_of(apply, buffers)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(lr=1e-2))
+    reducer = fdp.Reducer(params, **CAPS)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+
+    def one(p, s, i):
+        for m in range(2):
+            step.accumulate(p, *batch(0, 10 * i + m))
+        return step(p, s, *batch(0, 10 * i + 2))[:2]
+
+    ptrs = set()
+    for i in range(6):
+        params, state = one(params, state, i)
+        ptrs.add(params["0.weight"].data_ptr())
+    assert len(ptrs) == 2, f"{len(ptrs)} distinct param sets over 6 pure steps with nothing kept"
+    leaf = params["2.weight"]  # keep one leaf of this set only
+    value = leaf.clone()
+    for i in range(6, 9):
+        params, state = one(params, state, i)
+    assert torch.equal(leaf, value), "a kept leaf of an earlier set was overwritten"

@@ -28,7 +28,7 @@ from .._log import log
 from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
 from .._step import functorch
-from .._step.autodiff import Reused, autograd_on, local_grads, local_grads_into
+from .._step.autodiff import autograd_on, local_grads, local_grads_into
 from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._step.record import StepRecord
@@ -94,8 +94,6 @@ class FusedCore:
         self.acc: list[torch.Tensor] | None = None
         self.acc_flats: list[torch.Tensor] | None = None
         self.accumulated = 0
-        # the autograd leaves of the micro-batches after the first (the step's own last one: its param set's)
-        self.reused = Reused()
         # per bucket: (the gradient flat, its leaves' views) last made (``leaf_views``)
         self.views: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(plan.buckets)
         where = "" if not self.sharded else (f", sharded over {sg.size} ranks" + (
@@ -179,8 +177,13 @@ class FusedCore:
         with autograd_on():
             leaves = self.plan.leaves_of(params, f"{self.name}.accumulate params")
             if self.accumulated and self.config.engine == "autograd":  # added in place by autograd itself
+                # (the params the step returned: their set's own views and autograd leaves, reused)
+                cur = self.params.cur
+                reused = None
+                if type(cur) is ParamSet and cur.holds(leaves):
+                    leaves, reused = cur.inner(self.plan), cur.reused
                 value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, self.plan.treedef, self.acc,
-                                         reused=self.reused)
+                                         reused=reused)
                 self.accumulated += 1
                 return value
             grads, value = local_grads(self.config.engine, fn, 0, has_aux, (params, *rest), kwargs, leaves,

@@ -30,11 +30,12 @@ _version = operator.attrgetter("_version")
 class ParamSet:
     """One set of flat param buffers, and what the views fdp handed out of it look like."""
 
-    __slots__ = ("flats", "ptrs", "shapes", "strides", "versions", "_inner", "reused")
+    __slots__ = ("flats", "ptrs", "shapes", "strides", "versions", "_inner", "reused", "_leaves")
 
     def __init__(self, flats: list[torch.Tensor], plan: BucketPlan) -> None:
         self.flats = flats
         self._inner: list[torch.Tensor] | None = None
+        self._leaves = [len(b.leaves) for b in plan.buckets]
         # the autograd leaves a step's backward reuses over this set (``fdp._step.autodiff.Reused``)
         self.reused = Reused()
         self.ptrs = [flats[s.bucket].data_ptr() + s.offset * flats[s.bucket].element_size() for s in plan.slots]
@@ -49,11 +50,12 @@ class ParamSet:
             self._inner = _tree.leaves(plan.views(self.flats))
         return self._inner
 
-    def forget(self) -> None:
-        """Drop what fdp keeps of this set for reuse (its inner views, autograd leaves), so that
-        only references from outside fdp count as holding it (``ParamSets.free``)."""
-        self._inner = None
-        self.reused = Reused()
+    def held(self) -> bool:
+        """Whether anything outside fdp refers to this set's memory (then no step may write
+        it): each bucket's storage references, less those of fdp's own views of it (the inner
+        views, and the autograd leaves the step's backward made from them, one per leaf)."""
+        mine = (self._inner is not None) + bool(self.reused.inputs)
+        return any(held_elsewhere(f, mine * n) for f, n in zip(self.flats, self._leaves))
 
     def handed_out(self, plan: BucketPlan) -> None:
         """The step returns views of this set now: remember its version counters."""
@@ -133,10 +135,7 @@ class ParamSets:
     def free(self, avoid: ParamSet | None) -> ParamSet:
         """A set nothing outside fdp refers to (not ``avoid``), made if there is none."""
         for ps in self.sets:
-            if ps is avoid:
-                continue
-            ps.forget()
-            if not any(map(held_elsewhere, ps.flats)):
+            if ps is not avoid and not ps.held():
                 return ps
         if len(self.sets) >= 2:  # the caller keeps old params: stop tracking one of their sets
             old = next((ps for ps in self.sets if ps is not avoid and ps is not self.cur), None)

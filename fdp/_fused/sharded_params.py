@@ -19,6 +19,7 @@ import torch
 from .. import _tree
 from .._comm.collectives import wait
 from .._plan.bucket import BucketPlan
+from .._plan.buffers import held_elsewhere
 from .._shard import Shard
 from .params import ParamSets
 from .shard import Shards
@@ -47,8 +48,9 @@ class SliceSet:
     def __init__(self, flats: list[torch.Tensor]) -> None:
         self.flats = flats
 
-    def forget(self) -> None:
-        """(``ParamSet.forget``: a slice set keeps nothing for reuse.)"""
+    def held(self) -> bool:
+        """Whether anything outside fdp refers to this set's memory (``ParamSet.held``)."""
+        return any(map(held_elsewhere, self.flats))
 
 
 class ShardedParams:

@@ -46,12 +46,13 @@ def _count(t: torch.Tensor) -> int:
 _ALONE = _count(torch.empty(1)) if _use_count is not None else 0
 
 
-def held_elsewhere(t: torch.Tensor) -> bool:
-    """Whether anything besides ``t`` itself refers to its memory (a view, a detached alias,
+def held_elsewhere(t: torch.Tensor, known: int = 0) -> bool:
+    """Whether anything besides ``t`` itself (and ``known`` references of fdp's own to its
+    memory: views it keeps for its own reads) refers to its memory (a view, a detached alias,
     a numpy array): then fdp must not write into it. True when torch cannot tell."""
     if _use_count is None:
         return True
-    return _count(t) > _ALONE
+    return _count(t) > _ALONE + known
 
 
 # Handed-over buffers tracked per bucket: the one the caller holds while the next step runs

@@ -283,6 +283,35 @@ def test_a_backward_failure_on_one_rank_stops_every_rank_before_any_update_and_t
         assert_trees_equal(fused, plain, f"rank {rank}, the step after the failed one against the plain path")
 
 
+def accumulated_after_a_failed_update(group):
+    cfg, step, reducer, loss, plain_opt, fused, state, plain, pstate, failed = kernel_fails_on_one_rank(group, "clip")
+    raised = None
+    for attempt in range(2):
+        step.accumulate(fused, *batch(group.rank, 20))  # rank 1's from params the others do not have
+        try:
+            fused, state, _ = step(fused, state, *batch(group.rank, 21))
+        except fdp.CollectiveError as e:
+            raised = (attempt, str(e))
+    for i in range(2):  # the plain path that never failed (it runs once every rank is restored)
+        plain, pstate = plain_opt.update(reducer.grad(loss)(plain, *batch(group.rank, i)), pstate, plain)
+    local = fdp.local_grad(loss)(plain, *batch(group.rank, 20))
+    plain, pstate = plain_opt.update(reducer.grad(loss, accumulate=local)(plain, *batch(group.rank, 21)), pstate, plain)
+    return failed, raised, fused, plain
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_micro_batches_accumulated_after_a_failed_update_are_discarded_on_every_rank_once_restored(backend):
+    # The failed rank accumulated its micro-batches from its partly updated params: the call
+    # that restores it makes every rank's params and state rank 0's, then discards every
+    # rank's micro-batches and raises; the next attempt goes on, as if nothing had failed.
+    results = fdp.testing.run(accumulated_after_a_failed_update, 2, backend=backend, timeout=120)
+    for rank, (failed, raised, fused, plain) in enumerate(results):
+        assert (failed is not None) == (rank == 1), f"rank {rank}: {failed}"
+        assert raised is not None and raised[0] == 0, f"rank {rank}: the restoring call did not raise: {raised}"
+        assert "compute them again" in raised[1] and "now rank 0's" in raised[1], raised[1]
+        assert_trees_equal(fused, plain, f"rank {rank}, against the plain path that never failed")
+
+
 def every_rank_fails_its_update(group):
     apply, params, buffers = fdp.functionalize(mlp(seed=12))
     loss = loss_of(apply, buffers)

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from .. import _tree, kernels
-from .._comm.agree import count_and_check_active, verify_layout
+from .._comm.agree import count_and_check_active, count_ranks, verify_layout
 from .._comm.collectives import broadcast, wait
+from .._errors import CollectiveError
 from .._log import log
 from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
@@ -208,7 +209,7 @@ class FusedCore:
         zeros; the mean is over the active ranks (one small all-reduce counts them)."""
         self._check_callable()
         with autograd_on():
-            owed = self.config.steps.settle()
+            owed = self._settle()
             state = self.check_state(layout, state, repairing=owed is not None)
             n = self.group.size
             if active is not None:
@@ -229,7 +230,7 @@ class FusedCore:
                 acc = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             src, dst = self._sets(params, donate)
             if owed is not None:
-                self.repair(owed, src, state)
+                self.repair(owed, src, state, given=acc is not None)
             run = Run(self, program, layout, state, src, dst, kind="grad", acc=acc, acc_owned=owned,
                       scale=self.machine.scale_for(n), active=active is None or bool(active))
 
@@ -259,7 +260,7 @@ class FusedCore:
         """One step from gradients computed any other way: all-reduce, update."""
         self._check_callable()
         with autograd_on():
-            owed = self.config.steps.settle()
+            owed = self._settle()
             state = self.check_state(layout, state, repairing=owed is not None)
             n = count_and_check_active(active, self.group, f"{self.name}: active-rank count")
             if n == 0:
@@ -268,7 +269,7 @@ class FusedCore:
             glist = self.plan.leaves_of(grads, f"{self.name} grads") if is_active else None
             src, dst = self._sets(params, donate)
             if owed is not None:
-                self.repair(owed, src, state)
+                self.repair(owed, src, state, given=True)
             if self.accumulated:
                 raise ValueError(f"{self.name}: step.accumulate(...) was called before step.update, which takes "
                                  "gradients computed any other way: accumulate into those instead")
@@ -291,14 +292,31 @@ class FusedCore:
         if functorch.in_transform():
             raise RuntimeError(f"{self.name} cannot run inside a torch.func transform")
 
-    def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState) -> None:
+    def _settle(self) -> tuple[int, list[int]] | None:
+        """``Steps.settle`` at the start of a step: a status that says the ranks ran different
+        steps together (or that cannot be read) also refuses this core's state, which that
+        step updated on every rank."""
+        try:
+            return self.config.steps.settle()
+        except CollectiveError as e:
+            self.broken = (f"the last step's status failed after its updates ({e}), so the replicas' states may "
+                           "differ; load a saved state (step.state_from_tree, fdp.load) or make a new one "
+                           "(step.init) on every rank to go on")
+            raise
+
+    def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState, given: bool) -> None:
         """Step ``n``'s update failed on the ranks ``failed`` after the others had made theirs
         (``owed``; its status, left in flight by ``Run.close``, was read at the start of this
         call): every rank's inputs to this call, the params in ``src`` and the optimizer
         state, become those of the lowest-ranked rank whose update succeeded. Every such rank
         holds step ``n``'s exact result, so the replicas go on from it as if nothing had
         failed. When the update failed on every rank there is no such rank: every rank
-        refuses the state until a fresh one (as a failure found in the same step)."""
+        refuses the state until a fresh one (as a failure found in the same step).
+
+        Gradients this call was given (``given``: accumulated micro-batches, ``accumulate=``,
+        ``step.update``'s) were computed by the failed ranks from params the others did not
+        have: when any rank has some, every rank discards them after restoring and raises
+        (one more small all-reduce decides it), and the next call goes on."""
         n, failed = owed
         group, steps = self.group, self.config.steps
         steps.owed = None
@@ -323,6 +341,13 @@ class FusedCore:
         self.broken = None
         log.warning("%s: the update of step %d failed on rank(s) %s after the others had made theirs; their params "
                     "and optimizer state are restored from rank %d's", self.name, n, failed, source)
+        if count_ranks(given, group, f"{what}: ranks given gradients"):
+            raise CollectiveError(
+                f"fdp: {self.name}: the update of step {n} failed on rank(s) {failed} after the others had made theirs; "
+                f"every rank's params and optimizer state are now rank {source}'s (this is rank {group.rank}). The "
+                f"gradients this call was given (step.accumulate's micro-batches, accumulate=, step.update's) were "
+                f"computed on rank(s) {failed} from params the others did not have, so every rank discards them: "
+                "compute them again and call the step again")
 
     def on_filled(self, b: int) -> None:
         """``StepSpec.on_filled`` of this core's steps (fully sharded params free a unit)."""

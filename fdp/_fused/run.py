@@ -72,7 +72,7 @@ class Run:
         # Unsharded, when the updates wait for every bucket, this step's status is read at the
         # start of the next call instead of now (``close``): a rank whose update fails raises
         # at once, and the next call restores its params and state from a healthy rank.
-        self.deferred = not self.early and core.scatter is None
+        self.deferred = not self.early and core.scatter is None and core.machine.status
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)

@@ -111,12 +111,17 @@ class FusedStep:
     on more, the gradient sums of a reduce-scatter may round differently from an
     all-reduce's.
 
-    A failure on any rank anywhere in a step (the loss, the backward, a transform, the
-    optimizer's kernel, out of memory) fails the step on every rank. When it came after the
-    buckets were reduced, some rank may have updated its state (or part of it) in place, so
-    every rank then refuses that state until a fresh one is given (``init``,
-    ``state_from_tree``, a loaded state); a rank whose own step failed earlier, having
-    updated some buckets during the backward, refuses it too.
+    A failure on any rank in the loss or the backward fails the step on every rank, before
+    any update when the updates wait for every bucket (the state goes on). A failure in one
+    rank's update (a transform, the optimizer's kernel, out of memory), unsharded and with
+    the updates waiting for every bucket (a chain that clips, ``skip_nonfinite``, or a plan
+    whose buckets all launch when the backward returns), raises on that rank at once; the
+    other ranks' updates are whole, and every rank's next call restores that rank's params
+    and state from a rank whose update succeeded, then goes on (no status exchange after the
+    updates in the step itself: it is read at the next call). Sharded, or with updates on
+    arrival during the backward, a failure after the buckets were reduced fails the step on
+    every rank, and every rank refuses the state until a fresh one is given (``init``,
+    ``state_from_tree``, a loaded state).
     """
 
     def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,

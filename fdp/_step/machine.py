@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import kernels
-from .._comm.agree import check_collective
+from .._comm.agree import check_collective, which_ranks
 from .._comm.collectives import DONE, all_reduce, is_completed, wait
 from .._comm.group import Group
 from .._errors import CollectiveError
@@ -188,11 +188,8 @@ class Steps:
             wait(p.slot.work, p.group, f"step {p.n} status")
             failed, steps, squares = map(int, p.slot.buf.tolist())
             check_same_step(p.n, p.group, steps, squares)
-            if failed:  # (rare) which ranks: each sets its own flag
-                flags = torch.zeros(p.group.size, dtype=torch.int64, device=p.slot.buf.device)
-                flags[p.group.rank] = int(p.failed)
-                all_reduce(flags, p.group, f"step {p.n}'s failed ranks")
-                self.owed = (p.n, [r for r, f in enumerate(flags.tolist()) if f])
+            if failed:  # (rare) which ranks
+                self.owed = (p.n, which_ranks(p.failed, p.group, f"step {p.n}'s failed ranks"))
         return self.owed
 
 

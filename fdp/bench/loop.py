@@ -52,8 +52,15 @@ def GPT() -> zoo.GPT:  # noqa: N802 - (the model's name, as nanoGPT calls it)
     return zoo.GPT(VOCAB, BLOCK, WIDTH, LAYERS, HEADS)
 
 
-def get_lr(it: int, peak: float = 3e-3, warmup: int = 10, total: int = 100, floor: float = 3e-4) -> float:
-    """nanoGPT's ``get_lr``: linear warm-up, cosine decay to ``floor``."""
+def get_lr(it: Any, peak: float = 3e-3, warmup: int = 10, total: int = 100, floor: float = 3e-4) -> Any:
+    """nanoGPT's ``get_lr``: linear warm-up, cosine decay to ``floor``. Under torch.compile
+    the optimizer calls it with the step count as a tensor: the same formula without Python
+    branches then, so the compiled step neither breaks its graph nor recompiles between the
+    phases (its lr may differ from the float one in the last bit)."""
+    if isinstance(it, torch.Tensor):
+        ratio = ((it - warmup) / (total - warmup)).clamp(0.0, 1.0)
+        cosine = floor + 0.5 * (1.0 + torch.cos(math.pi * ratio)) * (peak - floor)
+        return torch.where(it < warmup, peak * (it + 1) / (warmup + 1), cosine)
     if it < warmup:
         return peak * (it + 1) / (warmup + 1)
     if it > total:

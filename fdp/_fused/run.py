@@ -395,12 +395,12 @@ class Run:
             core.machine.close(self.step, self.error is not None, wait=False)
             if self.error is None:
                 return
-            core.broken = (f"this rank's update of step {self.step.n} failed after its buckets were reduced (the "
-                           "error raised then), leaving its params and optimizer state partly updated; the next "
-                           "call of the step restores them from a rank whose update succeeded, on this rank and "
-                           "the others alike")
+            core.broken = (f"this rank's part of step {self.step.n} failed after its buckets were reduced (the "
+                           "error raised then), leaving its params and optimizer state behind or partly updated; "
+                           "the next call of the step restores them from a rank whose update succeeded, on this "
+                           "rank and the others alike")
             self.error.add_note(
-                f"fdp: rank {core.group.rank}'s update of step {self.step.n} failed after its buckets were reduced; "
+                f"fdp: rank {core.group.rank}'s part of step {self.step.n} failed after its buckets were reduced; "
                 "the other ranks' updates are whole. The next call of the step (on every rank) restores this "
                 "rank's params and optimizer state from a rank whose update succeeded, and goes on from there.")
             raise self.error

@@ -10,9 +10,9 @@ rotates), and after the run every kind's params are compared with DDP's:
   ddp       ``DistributedDataParallel`` with ``no_sync()`` for the first micro-batches,
             ``clip_grad_norm_``, ``torch.optim.AdamW`` with two param groups;
   fused     fdp's recommended loop: ``step.accumulate`` for the first micro-batches, then
-            the fused step (``reducer.grad_and_update``, ``donate=True``) with
-            ``chain(clip_by_global_norm, adamw(mask=, lr=schedule))``;
-  fused-pure  the same, pure (``donate=False``);
+            the fused step (``reducer.grad_and_update``) with
+            ``chain(clip_by_global_norm, adamw(mask=, lr=schedule))``, ``donate=True``;
+  fused-pure  the same, pure (``donate=False``, the default);
   sharded   the fused step of ``Reducer(shard=True)`` (ZeRO: 1/world of AdamW's state per rank);
   plain     ``fdp.local_grad`` for the first micro-batches (their gradients summed), then
             ``reducer.grad(..., accumulate=sum)`` + ``opt.update``;

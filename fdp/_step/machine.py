@@ -114,7 +114,8 @@ class StepSpec:
         sees the collective complete, during the backward.
       closes: the caller ends the step with ``StepMachine.close(step, failed)``: a status is
         issued then, after whatever the caller does between the buckets and the status (the
-        fused step's updates and gathers), so a failure there fails the step on every rank.
+        fused step's updates and gathers), so every rank learns of a failure there: in the
+        step, or (``wait=False``) at the start of its next call.
       bucket_status: with ``closes``, also issue the usual status with the last bucket
         (checked when the buckets are): a rank whose backward failed then stops every rank
         before the caller's own work, and the close's status is a second one, for that work.

@@ -111,6 +111,7 @@ WHERE = {  # how a step's updates come after its backward
     "sharded-skip_nonfinite": dict(skip_nonfinite=True, shard=True),
     "clip-transform": dict(clip=True, transform=True),  # rank 1 fails before updating anything
     "clip-donated": dict(clip=True, donate=True),  # rank 1's params are partly updated in place
+    "clip-bf16-wire": dict(clip=True, reduce_dtype=torch.bfloat16),  # a cast hook: NaN travels in bf16
 }
 UNSHARDED = [w for w in WHERE if not WHERE[w].get("shard")]
 
@@ -129,7 +130,8 @@ def kernel_fails_on_one_rank(group, where):
         opt = fdp.optim.chain(*clip, fault.opt)
     plain_opt = fdp.optim.chain(*clip, adamw)
     reducer = fdp.Reducer(params, group, skip_nonfinite=cfg.get("skip_nonfinite", False),
-                          shard=cfg.get("shard", False), hook_threshold_bytes=0, **CAPS)
+                          shard=cfg.get("shard", False), reduce_dtype=cfg.get("reduce_dtype"),
+                          hook_threshold_bytes=0, **CAPS)
     step = reducer.grad_and_update(loss, opt, donate=cfg.get("donate", False))
     state = step.init(params)
     fused = {k: v.clone() for k, v in params.items()}
@@ -245,7 +247,8 @@ def backward_fails_on_one_rank(group, where):
     adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
     opt = fdp.optim.chain(*((fdp.optim.clip_by_global_norm(0.5),) if cfg.get("clip") else ()), adamw)
     reducer = fdp.Reducer(params, group, skip_nonfinite=cfg.get("skip_nonfinite", False),
-                          shard=cfg.get("shard", False), hook_threshold_bytes=0, **CAPS)
+                          shard=cfg.get("shard", False), reduce_dtype=cfg.get("reduce_dtype"),
+                          hook_threshold_bytes=0, **CAPS)
     step = reducer.grad_and_update(loss, opt, donate=cfg.get("donate", False))
     state = step.init(params)
     fused = {k: v.clone() for k, v in params.items()}
@@ -266,7 +269,7 @@ def backward_fails_on_one_rank(group, where):
 
 
 @pytest.mark.parametrize("backend", ["threads", "gloo"])
-@pytest.mark.parametrize("where", ["clip", "skip_nonfinite", "clip-donated", "sharded-clip"])
+@pytest.mark.parametrize("where", ["clip", "skip_nonfinite", "clip-donated", "clip-bf16-wire", "sharded-clip"])
 def test_a_backward_failure_on_one_rank_stops_every_rank_before_any_update_and_the_state_goes_on(where, backend):
     # Unsharded, the failed rank fills the buckets it still owes with NaN, every rank's last
     # bucket comes back NaN, and only then is a status exchanged (no second collective in a

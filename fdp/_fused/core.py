@@ -299,10 +299,16 @@ class FusedCore:
         try:
             return self.config.steps.settle()
         except CollectiveError as e:
-            self.broken = (f"the last step's status failed after its updates ({e}), so the replicas' states may "
-                           "differ; load a saved state (step.state_from_tree, fdp.load) or make a new one "
-                           "(step.init) on every rank to go on")
+            self.refuse_after_status("the last step", e)
             raise
+
+    def refuse_after_status(self, which: str, e: CollectiveError) -> None:
+        """``which`` step's status, issued after its updates, failed with ``e`` (the ranks ran
+        different steps together, or the group broke): its updates may differ between the
+        replicas, so the state is refused until a fresh one."""
+        self.broken = (f"{which}'s status failed after its updates ({e}), so the replicas' states may differ; load "
+                       "a saved state (step.state_from_tree, fdp.load) or make a new one (step.init) on every rank "
+                       "to go on")
 
     def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState, given: bool) -> None:
         """Step ``n``'s update failed on the ranks ``failed`` after the others had made theirs

@@ -407,9 +407,7 @@ class Run:
         try:
             n = core.machine.close(self.step, self.error is not None)
         except CollectiveError as e:  # the ranks ran different steps together, or the group broke
-            core.broken = (f"step {self.step.n}'s status failed after its updates ({e}), so the replicas' states "
-                           "may differ; load a saved state (step.state_from_tree, fdp.load) or make a new one "
-                           "(step.init) on every rank to go on")
+            core.refuse_after_status(f"step {self.step.n}", e)
             raise
         if not n:
             return

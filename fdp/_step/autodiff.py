@@ -84,6 +84,16 @@ def _recording() -> Iterator[None]:
 _NOTHING = contextlib.nullcontext()
 
 
+def autograd_leaves(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """Fresh autograd leaves viewing ``leaves`` (detached, requiring grad), and whether some
+    were made under ``torch.inference_mode`` (those are cloned: autograd cannot record on an
+    inference tensor)."""
+    inference = any(map(torch.Tensor.is_inference, leaves))
+    if inference:
+        leaves = [t.clone() if t.is_inference() else t for t in leaves]
+    return list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves))), inference
+
+
 def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
                 leaves: list[torch.Tensor], treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
@@ -105,9 +115,7 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
         instrumented = _instrument(fn, argnums, has_aux, treedef, hooks, on_backward_start)
         grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
         return _tree.leaves(grads), value
-    if any(map(torch.Tensor.is_inference, leaves)):  # made under torch.inference_mode: no autograd on them
-        leaves = [t.clone() if t.is_inference() else t for t in leaves]
-    inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves)))
+    inputs, _ = autograd_leaves(leaves)
     if hooks is not None:
         for leaf, hook in zip(inputs, hooks):
             if hook is not None:
@@ -148,9 +156,7 @@ class Reused:
         if (src is not None and self.into is into and len(src) == len(leaves) and all(map(operator.is_, leaves, src))
                 and list(map(torch.Tensor.data_ptr, leaves)) == self.ptrs):
             return self.inputs
-        inference = any(map(torch.Tensor.is_inference, leaves))
-        made = [t.clone() if t.is_inference() else t for t in leaves] if inference else leaves
-        inputs = list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, made)))
+        inputs, inference = autograd_leaves(leaves)
         for leaf, acc in zip(inputs, into):
             leaf.grad = acc
         if not inference:  # (a clone of an inference tensor is made again each call)

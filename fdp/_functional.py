@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn.parameter import is_lazy
+
+from . import _internals
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
@@ -68,6 +73,7 @@ class Apply:
         constants: Tree,
         training: bool,
         forward: nn.Module | None = None,
+        home: _Home | None = None,
     ) -> None:
         self.module = module
         # What a call runs: the module, or the torch.compile wrapper it came in (whose
@@ -77,12 +83,14 @@ class Apply:
         self._param_shapes = param_shapes
         self._buffer_shapes = buffer_shapes
         self._constants = constants
-        self._slots, self._first = _slots(module)
+        # Where each tensor is held, found once (when functionalize ran): a module changed
+        # later (``model.to("meta")`` unties shared parameters) is still filled right.
+        self._home = _Home(module) if home is None else home
 
     def train(self, mode: bool = True) -> Apply:
         """The same function in training (``mode=True``) or evaluation mode."""
         return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, bool(mode),
-                     self._forward)
+                     self._forward, self._home)
 
     def eval(self) -> Apply:
         """The same function in evaluation mode (BatchNorm uses its running statistics)."""
@@ -116,7 +124,7 @@ class Apply:
         """
         _check("constants", constants, {k: v.shape for k, v in self._constants.items()})
         return Apply(self.module, self._param_shapes, self._buffer_shapes,
-                     {k: constants[k] for k in self._constants}, self.training, self._forward)
+                     {k: constants[k] for k in self._constants}, self.training, self._forward, self._home)
 
     def state_dict(self, params: Tree, buffers: Tree) -> dict[str, torch.Tensor]:
         """The module's ``state_dict`` for these params and buffers (and the constants).
@@ -145,10 +153,11 @@ class Apply:
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
         values = {**self._constants, **params, **buffers}
+        first = self._home.first
         out = {}
         for key, v in self.module.state_dict(keep_vars=True).items():
-            first = self._first.get(key)
-            out[key] = values[first] if first in values else v  # extra state: the module's own
+            name = first.get(clean_name(key))
+            out[key] = values[name] if name in values else v  # extra state: the module's own
         return out
 
     def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
@@ -170,18 +179,8 @@ class Apply:
         # put straight into the dicts that hold the module's own (tied names included) and
         # the originals are put back afterwards: a small fraction of functional_call's cost
         # on many small leaves (docs/performance.md, "functionalize's swap").
-        saved = []
-        try:
-            for tree in (params, new_buffers, self._constants):
-                for name, t in tree.items():
-                    for owner, key in self._slots[name]:
-                        saved.append((owner, key, owner[key]))
-                        owner[key] = t
-            out = self._forward(*args, **kwargs)
-        finally:
-            for owner, key, old in reversed(saved):
-                owner[key] = old
-        return out, new_buffers
+        call = _Call(self._home, (params, new_buffers, self._constants))
+        return self._home.run(call, self._forward, args, kwargs), new_buffers
 
     def _call_units(self, view: Any, buffers: Tree, args: tuple, kwargs: dict) -> tuple[Any, Tree]:
         """The forward over fully sharded params (``view``: their ``UnitsView``): every unit
@@ -196,33 +195,8 @@ class Apply:
             new_buffers = {k: v.clone() for k, v in buffers.items()}
             if self._forward.training != self.training or self.module.training != self.training:
                 self._forward.train(self.training)
-            saved: list[tuple[dict, str, Any]] = []
-            handles = []
-            tensors, placeholders = view.tensors, view.placeholders
-            try:
-                for tree in (new_buffers, self._constants):
-                    for name, t in tree.items():
-                        for owner, key in self._slots[name]:
-                            saved.append((owner, key, owner[key]))
-                            owner[key] = t
-                for slots in by_unit:
-                    for owner, key, i in slots:
-                        saved.append((owner, key, owner[key]))
-                        owner[key] = placeholders[i]
-                for u, module in modules:
-                    handles.append(module.register_forward_pre_hook(_enter_unit(view, u, by_unit[u], tensors)))
-                    handles.append(module.register_forward_hook(_exit_unit(view, u, by_unit[u], placeholders)))
-                if view.root is not None:
-                    view.enter(view.root)
-                    for owner, key, i in by_unit[view.root]:
-                        owner[key] = tensors[i]
-                out = self._forward(*args, **kwargs)
-            finally:
-                for h in handles:
-                    h.remove()
-                for owner, key, old in reversed(saved):
-                    owner[key] = old
-            return out, new_buffers
+            call = _UnitsCall(self._home, (new_buffers, self._constants), view, by_unit, modules)
+            return self._home.run(call, self._forward, args, kwargs), new_buffers
         finally:
             view.done()
 
@@ -237,30 +211,324 @@ class Apply:
         got = {k: tuple(p.shape) for k, p in zip(view.keys, view.placeholders)}
         if want != got:
             _check("params", dict(zip(view.keys, view.placeholders)), self._param_shapes)
+        slots, first = self._home.slots, self._home.first
         by_unit: list[list[tuple[dict, str, int]]] = [[] for _ in view.names]
         for i, (k, u) in enumerate(zip(view.keys, view.unit_of)):
             prefix = view.names[u]
-            for alias, first in self._first.items():
-                if first == k and prefix and not (alias == prefix or alias.startswith(prefix + ".")):
+            for alias, name in first.items():
+                if name == k and prefix and not (alias == prefix or alias.startswith(prefix + ".")):
                     raise ValueError(
                         f"fdp: param {k!r} of unit {prefix!r} is also the module's {alias!r}, outside that unit: a unit "
                         "is gathered only while its module runs, so a tied param must lie inside one unit (or in "
                         "the root: leave it out of units)")
-            for owner, key in self._slots[k]:
+            for owner, key in slots[k]:
                 by_unit[u].append((owner, key, i))
         modules = []
+        by_name = named_modules(self.module)
         for u, prefix in enumerate(view.names):
             if prefix:
-                try:
-                    modules.append((u, self.module.get_submodule(prefix)))
-                except AttributeError as e:
-                    raise ValueError(f"fdp: unit {prefix!r} is not a module of {type(self.module).__name__}") from e
+                if prefix not in by_name:
+                    raise ValueError(f"fdp: unit {prefix!r} is not a module of {type(self.module).__name__}")
+                modules.append((u, by_name[prefix]))
         self._units_cache = (view.layout, (by_unit, modules))
         return by_unit, modules
 
     def __repr__(self) -> str:
         mode = "train" if self.training else "eval"
         return f"fdp.Apply({type(self.module).__name__}, {mode}, {len(self._param_shapes)} params)"
+
+
+# [Note: bindings outlive the call]
+# ``apply`` puts a call's tensors into the module's own dicts for its forward. torch may run
+# part of that forward again later, inside the backward: ``torch.utils.checkpoint``
+# (non-reentrant; at a call site, inside a module, through ``checkpoint_wrapper``, composable
+# ``checkpoint``, ``context_fn`` or HF's ``activation_checkpointing_enable``) recomputes a
+# region from its saved inputs and reads the module's dicts *then*. So:
+# * inside an fdp gradient (``bindings_kept``: its forward and backward), a forward leaves the
+#   call's tensors bound (``_Home.active``) until the gradient is done or another call that
+#   records a graph starts: a recompute reads what its forward read whenever one call's graph
+#   is differentiated at a time, whatever form of checkpointing ran (HF's ``offload=True``
+#   wraps checkpoint in ``save_on_cpu``, so fdp's hooks never see its inputs). A call without
+#   a graph (an EMA teacher's, an evaluation's) puts back what was there. Outside fdp's
+#   gradients (a user's own backward) every call puts the module's own tensors back at once.
+# * where the module may checkpoint (``_may_checkpoint``: its classes' code names checkpoint,
+#   a checkpoint wrapper or composable checkpoint is in it), the forward also runs under
+#   saved-tensor hooks whose unpack, when checkpoint unpacks a region's inputs to run it
+#   again, binds that call's tensors once more (``_Home.rebind``) until the backward ends
+#   (autograd's end-of-graph callback) or the next call: exact even when several calls with
+#   other params precede one backward (a loss that runs the model on perturbed params), and
+#   in a user's own backward. The hooks cost a Python call per saved tensor, so a model that cannot
+#   checkpoint runs without them; fdp's hooks call a user's own (``save_on_cpu`` around
+#   ``apply``), which keep working.
+# With fully sharded params a rebinding puts the gathered units' leaves (in ``param_dtype``)
+# in place and the unit hooks back, so a unit the recompute enters is gathered again.
+# Reentrant checkpointing cannot run in fdp's backward (``autodiff.reentrant_refused``).
+
+
+class _Home:
+    """What every variant of one ``Apply`` (train/eval, other constants) shares about its
+    module: where each tensor is held, and the call bound outside its forward (see the note)."""
+
+    __slots__ = ("module", "slots", "first", "active", "displaced", "queued", "hooked", "__weakref__")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots, self.first = _slots(module)
+        self.active: _Call | None = None  # the call still bound after its forward, or again
+        self.displaced: list[tuple[dict, str, Any]] = []  # what it replaced: the module's own
+        self.queued = False  # ``settle`` waits for the end of the running backward
+        self.hooked: bool | None = None  # forwards under saved-tensor hooks (found at the first graph)
+
+    def run(self, call: _Call, forward: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """``forward(*args, **kwargs)`` with ``call``'s tensors bound; they stay bound after it
+        when it recorded a graph (see the note)."""
+        graph = torch.is_grad_enabled() and not _in_transform()
+        if graph:
+            self.settle()
+            if self.hooked is None:
+                self.hooked = _may_checkpoint(self.module)
+        paused = None if graph else self.active  # (its unit hooks must not fire in this forward)
+        if paused is not None:
+            paused.unhook()
+        saved = call.bind()
+        try:
+            hooks = call.saving() if graph and self.hooked else None
+            if hooks is None:
+                out = forward(*args, **kwargs)
+            else:
+                with hooks:
+                    out = forward(*args, **kwargs)
+        except BaseException:
+            _put_back(call, saved)
+            if paused is not None:
+                paused.hook()
+            raise
+        if graph and _BOUND.depth:
+            self.active, self.displaced = call, saved
+            _BOUND.homes.add(self)
+        else:
+            _put_back(call, saved)
+            if paused is not None:
+                paused.hook()
+        return out
+
+    def rebind(self, call: _Call) -> None:
+        """Bind ``call``'s tensors again: torch is about to recompute part of its forward."""
+        active = self.active
+        if active is None:
+            self.displaced = [(owner, key, owner[key]) for owner, key, _ in call.entries]
+        elif active is not call:
+            active.unhook()
+        elif not call.refresh:
+            return
+        self.active = call
+        call.rebind()
+
+    def unpacked(self) -> None:
+        """A tensor saved in a call's forward is being used by its backward: settle when it
+        ends."""
+        self.queued = _internals.at_backward_end(self.settle)
+
+    def settle(self) -> None:
+        """Put the module's own tensors back (a backward is over, or a new call starts)."""
+        self.queued = False
+        active, self.active = self.active, None
+        if active is not None:
+            displaced, self.displaced = self.displaced, []
+            _put_back(active, displaced)
+
+
+class _Bound(threading.local):
+    """On this thread (a simulated rank's thread settles only its own): how many fdp gradients
+    are running (their forwards leave the call's tensors bound), and the homes whose module
+    holds a call's tensors after its forward."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.homes: weakref.WeakSet[_Home] = weakref.WeakSet()
+
+
+_BOUND = _Bound()
+
+
+@contextlib.contextmanager
+def bindings_kept() -> Iterator[None]:
+    """The forward and backward of one fdp gradient: a forward in it leaves its call's tensors
+    bound in the module for the backward's recomputations, and every module's own tensors
+    are back when it ends (see the note "bindings outlive the call")."""
+    bound = _BOUND
+    bound.depth += 1
+    try:
+        yield
+    finally:
+        bound.depth -= 1
+        homes = bound.homes
+        if homes and not bound.depth:
+            for home in list(homes):
+                home.settle()
+            homes.clear()
+
+
+def _in_transform() -> bool:
+    """Inside a ``torch.func`` transform: its wrapped tensors must not outlive it in the module
+    (and its grad transforms refuse saved-tensor hooks, and checkpointing with them)."""
+    return _internals.in_functorch_transform() or not _internals.saved_tensors_hooks_enabled()
+
+
+_CHECKPOINT_NAMES: dict[type, bool] = {}
+
+
+def _names_checkpoint(code: Any) -> bool:
+    return (any("checkpoint" in n for n in code.co_names)
+            or any(_names_checkpoint(c) for c in code.co_consts if hasattr(c, "co_names")))
+
+
+def _class_may_checkpoint(cls: type) -> bool:
+    """Whether any function defined on ``cls`` or its bases (nn.Module's own left out) names
+    something with "checkpoint" in it: ``checkpoint(...)``, ``checkpoint_sequential``, timm's
+    ``checkpoint_seq``, HF's ``_gradient_checkpointing_func``, a wrapper's ``checkpoint_fn``."""
+    got = _CHECKPOINT_NAMES.get(cls)
+    if got is None:
+        got = False
+        for base in cls.__mro__:
+            if base is nn.Module or base is object:
+                continue
+            for value in vars(base).values():
+                fn = getattr(value, "__func__", value)
+                code = getattr(fn, "__code__", None)
+                if code is not None and _names_checkpoint(code):
+                    got = True
+        _CHECKPOINT_NAMES[cls] = got
+    return got
+
+
+def _may_checkpoint(module: nn.Module) -> bool:
+    """Whether some forward of ``module`` may run a checkpointed region: a class whose code
+    names checkpoint, or a module with a hook from torch's composable ``checkpoint``."""
+    for m in module.modules():
+        if _class_may_checkpoint(type(m)):
+            return True
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            if "checkpoint" in getattr(hook, "__module__", ""):
+                return True
+    return False
+
+
+def _put_back(call: _Call, saved: list[tuple[dict, str, Any]]) -> None:
+    call.unhook()
+    for owner, key, old in reversed(saved):
+        owner[key] = old
+
+
+class _Call:
+    """One call's tensors in the module's slots: bound for its forward, and again for each
+    recomputation of part of it inside the backward."""
+
+    __slots__ = ("home", "entries")
+    refresh = False  # whether a rebinding must be redone when this call is bound already
+
+    def __init__(self, home: _Home, trees: tuple[Tree, ...]) -> None:
+        self.home = home
+        slots = home.slots
+        self.entries = [(owner, key, t) for tree in trees for name, t in tree.items() for owner, key in slots[name]]
+
+    def bind(self) -> list[tuple[dict, str, Any]]:
+        """Bind for the forward; returns what was there, to put back."""
+        saved = []
+        for owner, key, t in self.entries:
+            saved.append((owner, key, owner[key]))
+            owner[key] = t
+        return saved
+
+    def rebind(self) -> None:
+        for owner, key, t in self.entries:
+            owner[key] = t
+
+    def hook(self) -> None:
+        pass
+
+    def unhook(self) -> None:
+        pass
+
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks | None:
+        """The saved-tensor hooks of this call's forward (see the note) where a graph is
+        recorded; None under ``torch.no_grad()``, inside a ``torch.func`` transform (which
+        refuses saved-tensor hooks, and checkpointing with them) or where they are disabled.
+        Their unpack runs once per saved tensor in the backward: it is kept to two tests."""
+        if not torch.is_grad_enabled() or not _internals.saved_tensors_hooks_enabled():
+            return None
+        home, outer = self.home, _internals.saved_tensors_hooks_top()
+        recompute = _internals.unpacked_for_recompute
+        if outer is None:
+            def unpack(packed: torch.Tensor) -> torch.Tensor:
+                if not home.queued:
+                    home.unpacked()
+                if recompute():
+                    home.rebind(self)
+                return packed
+            # (detach: what is kept must not hold the tensor itself, which may hold the graph)
+            return torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, unpack)
+        outer_pack, outer_unpack = outer
+
+        def unpack_outer(packed: Any) -> torch.Tensor:
+            if not home.queued:
+                home.unpacked()
+            if recompute():
+                home.rebind(self)
+            return outer_unpack(packed)
+        return torch.autograd.graph.saved_tensors_hooks(outer_pack, unpack_outer)
+
+
+class _UnitsCall(_Call):
+    """A call over fully sharded params: the unit leaves' places hold placeholders except
+    while their unit's module runs (hooks on those modules); the root's are real throughout.
+    Bound again for a recomputation: the units gathered then are real, the others
+    placeholders, and the unit hooks are there (a unit the recompute enters is gathered)."""
+
+    __slots__ = ("view", "by_unit", "modules", "handles")
+    refresh = True  # (which units are gathered changes as the backward goes)
+
+    def __init__(self, home: _Home, trees: tuple[Tree, ...], view: Any,
+                 by_unit: list[list[tuple[dict, str, int]]], modules: list[tuple[int, nn.Module]]) -> None:
+        super().__init__(home, trees)
+        self.view, self.by_unit, self.modules = view, by_unit, modules
+        placeholders = view.placeholders
+        self.entries += [(owner, key, placeholders[i]) for slots in by_unit for owner, key, i in slots]
+        self.handles: list[Any] = []
+
+    def bind(self) -> list[tuple[dict, str, Any]]:
+        saved = super().bind()
+        self.hook()
+        view = self.view
+        if view.root is not None:
+            view.enter(view.root)
+            for owner, key, i in self.by_unit[view.root]:
+                owner[key] = view.tensors[i]
+        return saved
+
+    def rebind(self) -> None:
+        view = self.view
+        view.recomputing()
+        super().rebind()
+        tensors = view.tensors
+        for u, slots in enumerate(self.by_unit):
+            if u == view.root or view.gathered(u):
+                for owner, key, i in slots:
+                    owner[key] = tensors[i]
+        self.hook()
+
+    def hook(self) -> None:
+        if self.handles:
+            return
+        view, by_unit = self.view, self.by_unit
+        for u, module in self.modules:
+            self.handles.append(module.register_forward_pre_hook(_enter_unit(view, u, by_unit[u], view.tensors)))
+            self.handles.append(module.register_forward_hook(_exit_unit(view, u, by_unit[u], view.placeholders)))
+
+    def unhook(self) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
 
 
 def _enter_unit(view: Any, u: int, slots: list[tuple[dict, str, int]], tensors: list[torch.Tensor]) -> Any:
@@ -279,10 +547,33 @@ def _exit_unit(view: Any, u: int, slots: list[tuple[dict, str, int]], placeholde
     return hook
 
 
+def clean_name(name: str) -> str:
+    """A parameter's, buffer's or module's name without the wrappers' own segments: a block
+    wrapped by ``checkpoint_wrapper`` or ``torch.compile`` keeps the names it has unwrapped
+    (``blocks.0.fc.weight``, not ``blocks.0._checkpoint_wrapped_module.fc.weight``), as the
+    wrappers' own state-dict hooks name it, so keys match checkpoints and the unwrapped model."""
+    if "_" not in name:
+        return name
+    for wrapper in _internals.WRAPPER_SEGMENTS:
+        name = name.replace(wrapper + ".", "")
+        if name == wrapper or name.endswith("." + wrapper):
+            name = name[: -len(wrapper)].rstrip(".")
+    return name
+
+
+def named_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """Every submodule by its clean name (a wrapper, which comes first, stands for the
+    module it wraps)."""
+    out: dict[str, nn.Module] = {}
+    for name, m in module.named_modules():
+        out.setdefault(clean_name(name), m)
+    return out
+
+
 def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[str, str]]:
     """For each parameter/buffer (first name), every (owner dict, key) that holds it: a tied
     tensor is held under several names, and all of them must see the replacement. Also every
-    name's first name (the key it has in params, buffers or the constants)."""
+    name's first name (the key it has in params, buffers or the constants). Names are clean."""
     slots: dict[int, list[tuple[dict, str]]] = {}
     first: dict[int, str] = {}
     alias: dict[str, str] = {}
@@ -291,6 +582,7 @@ def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[s
                  else module.named_buffers(remove_duplicate=False))
         for name, t in named:
             owner, _, key = name.rpartition(".")
+            name = clean_name(name)
             alias[name] = first.setdefault(id(t), name)
             slots.setdefault(id(t), []).append((getattr(module.get_submodule(owner), kind), key))
     return {first[i]: s for i, s in slots.items()}, alias
@@ -332,7 +624,7 @@ def _matches(name: str, patterns: Iterable[str]) -> str | None:
 
 def _non_persistent(module: nn.Module) -> set[str]:
     """Full names of the buffers registered with ``persistent=False`` (not in a state dict)."""
-    return {f"{prefix}.{b}" if prefix else b
+    return {clean_name(f"{prefix}.{b}" if prefix else b)
             for prefix, m in module.named_modules(remove_duplicate=False)
             for b in m._non_persistent_buffers_set}
 
@@ -389,7 +681,8 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     if _compiled(module):  # torch.compile(model): name and swap in the model itself
         forward, module = module, module._orig_mod
     frozen = tuple(frozen) if not isinstance(frozen, str) else (frozen,)
-    named = list(module.named_parameters())  # tied parameters appear once (first name)
+    # tied parameters appear once (first name); wrappers' segments left out of the names
+    named = [(clean_name(n), p) for n, p in module.named_parameters()]
     for name, p in named:
         if is_lazy(p):
             raise ValueError(
@@ -400,6 +693,7 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     first_of: dict[int, str] = {}
     used, frozen_ids = set(), set()
     for name, p in module.named_parameters(remove_duplicate=False):
+        name = clean_name(name)
         first_of.setdefault(id(p), name)
         hit = _matches(name, frozen)
         if hit is not None:
@@ -424,6 +718,7 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     skip = _non_persistent(module)
     buffers: Tree = {}
     for name, b in module.named_buffers():
+        name = clean_name(name)
         (constants if name in skip else buffers)[name] = b.detach()
     apply = Apply(
         module,
@@ -453,7 +748,7 @@ def units(module: nn.Module, *types: type) -> list[str]:
         raise ValueError(f"fdp.units: give one or more module classes (e.g. fdp.units(model, Block)), got {types!r}")
     if _compiled(module):
         module = module._orig_mod
-    names = [name for name, m in module.named_modules() if name and isinstance(m, types)]
+    names = [clean_name(name) for name, m in module.named_modules() if name and isinstance(m, types)]
     if not names:
         raise ValueError(f"fdp.units: {type(module).__name__} has no submodule of type "
                          f"{', '.join(t.__name__ for t in types)}")

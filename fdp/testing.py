@@ -43,6 +43,7 @@ that names them.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -53,7 +54,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -78,15 +79,18 @@ def run(
     backend: str = "threads",
     timeout: float = 60.0,
     args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
 ) -> list[Any]:
-    """Run ``fn(group, *args)`` on ``world_size`` simulated ranks; return results in rank order.
+    """Run ``fn(group, *args, **kwargs)`` on ``world_size`` simulated ranks; return results in
+    rank order.
 
     Args:
-      fn: called once per rank with that rank's ``fdp.Group`` and ``*args``.
+      fn: called once per rank with that rank's ``fdp.Group``, ``*args`` and ``**kwargs``.
       world_size: number of ranks (>= 1).
       backend: ``"threads"`` or ``"gloo"`` (see the module docstring for the differences).
       timeout: seconds; applied to every collective, and to the whole run.
       args: extra positional arguments, the same for every rank.
+      kwargs: extra keyword arguments, the same for every rank.
 
     Returns:
       ``[result_of_rank_0, result_of_rank_1, ...]``.
@@ -113,9 +117,9 @@ def run(
     if world_size < 1:
         raise ValueError(f"fdp.testing.run: world_size must be >= 1, got {world_size}")
     if backend == "threads":
-        return _run_threads(fn, world_size, float(timeout), tuple(args))
+        return _run_threads(_with_kwargs(fn, kwargs), world_size, float(timeout), tuple(args))
     if backend == "gloo":
-        return _run_gloo(fn, world_size, float(timeout), tuple(args))
+        return _run_gloo(_with_kwargs(fn, kwargs), world_size, float(timeout), tuple(args))
     raise ValueError(f"fdp.testing.run: backend must be 'threads' or 'gloo', got {backend!r}")
 
 
@@ -180,6 +184,10 @@ class _Turns:
                 if rank is not None:
                     self.take(rank)
         return wrapped
+
+
+def _with_kwargs(fn: Callable, kwargs: Mapping[str, Any] | None) -> Callable:
+    return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:

@@ -101,7 +101,7 @@ def test_there_is_no_import_cycle_between_modules():
 # The layers, lowest first: a module imports only modules of its own layer or below, and
 # within a layer only its own folder. Names are module prefixes.
 LAYERS = [
-    ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp.kernels"),  # pytrees, errors, Shard, the copy kernels
+    ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp._internals", "fdp.kernels"),  # pytrees, errors, Shard, torch internals, the copy kernels
     ("fdp._comm",),                                                # groups, collectives, agreement, lifetime
     ("fdp._plan", "fdp.optim"),                                    # layouts in flat buckets; optimizers
     ("fdp.hooks", "fdp._sync", "fdp._replicas", "fdp._psum", "fdp._rng", "fdp._checkpoint",

@@ -264,3 +264,37 @@ def test_the_module_is_left_as_it_was_even_when_the_forward_raises():
     assert after.keys() == originals.keys()
     assert all(after[n] is originals[n] for n in after), "a swapped-in tensor stayed in the module"
     assert model.out.weight is model.emb.weight
+
+
+def test_apply_and_its_variants_fill_a_tied_module_after_it_went_to_meta():
+    """``model.to("meta")`` (to free the module's copy) unties shared parameters in the module;
+    ``apply`` and the variants made from it afterwards still bind every name of a tied tensor."""
+    model = Tied()
+    apply, params, buffers = fdp.functionalize(model)
+    x = torch.tensor([1, 2, 3])
+    want = apply.eval()(params, buffers, x)[0]
+    model.to("meta")
+    assert model.out.weight is not model.emb.weight  # (torch's to("meta") made two tensors)
+    for variant in (apply, apply.eval(), apply.train(), apply.eval().train().eval()):
+        got = variant(params, buffers, x)[0]
+        assert got.device.type == "cpu" and torch.equal(got, want), variant
+
+
+def test_wrapped_blocks_keep_the_unwrapped_names():
+    """A block wrapped by ``checkpoint_wrapper`` or ``torch.compile`` is named as it is
+    unwrapped: the keys, units and state dict match the unwrapped model's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), nn.Linear(8, 2))
+
+    plain, wrapped = make(), make()
+    wrapped[1] = checkpoint_wrapper(wrapped[1])
+    _, want, _ = fdp.functionalize(plain)
+    apply, params, buffers = fdp.functionalize(wrapped)
+    assert list(params) == list(want)
+    assert fdp.units(wrapped, nn.LayerNorm) == fdp.units(plain, nn.LayerNorm) == ["1.1"]
+    fresh = make()
+    fresh.load_state_dict(apply.state_dict({k: v + 1 for k, v in params.items()}, buffers))
+    assert torch.equal(fresh[1][0].weight, params["1.0.weight"] + 1)

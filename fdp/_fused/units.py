@@ -155,6 +155,15 @@ class UnitsView:
     def exit(self, u: int, output: Any) -> None:
         self.units.exit(u, output)
 
+    def gathered(self, u: int) -> bool:
+        """Whether unit ``u``'s params are gathered now (a recomputation may read them)."""
+        return self.units.gathered(u)
+
+    def recomputing(self) -> None:
+        """torch is about to run part of the forward again inside the backward (activation
+        checkpointing): units it enters are gathered and kept until their gradients are in."""
+        self.units.backward = True
+
     def done(self) -> None:
         """The forward's call has returned (an inference forward frees everything now; a
         step's forward leaves that to the step)."""
@@ -321,6 +330,9 @@ class Units:
         self._free(b)
 
     # ------------------------------------------------------------------ gathers
+    def gathered(self, u: int) -> bool:
+        return all(self.state[b] == _READY for b in self.buckets_of[u])
+
     def ensure(self, u: int) -> None:
         """Unit ``u``'s params gathered (waits for a prefetch in flight)."""
         for b in self.buckets_of[u]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import _tree
+from .._functional import bindings_kept
 from . import functorch
 
 ENGINES = ("auto", "autograd", "functorch")
@@ -84,6 +85,25 @@ def _recording() -> Iterator[None]:
 _NOTHING = contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def reentrant_refused() -> Iterator[None]:
+    """fdp's backward, which differentiates its own leaves only (``torch.autograd.grad``, or
+    ``backward(inputs=...)``), as ``torch.func.grad`` does: reentrant activation checkpointing
+    (``use_reentrant=True``) cannot run inside it; torch's own error suggests a plain
+    ``.backward()``, which fdp's steps do not offer, so say what does work."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise RuntimeError(
+            "fdp: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) cannot run "
+            "in fdp's gradient: its backward runs a nested backward into .grad, which torch allows only in a plain "
+            "loss.backward(). Pass use_reentrant=False (HF: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})): it gives the same numbers as the run "
+            "without checkpointing, in every fdp step (docs/concepts.md, activation checkpointing)") from e
+
+
 def autograd_leaves(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
     """Fresh autograd leaves viewing ``leaves`` (detached, requiring grad), and whether some
     were made under ``torch.inference_mode`` (those are cloned: autograd cannot record on an
@@ -121,14 +141,15 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
             if hook is not None:
                 functorch.set_leaf_hook(leaf, hook)
     args = replace(args, argnums, _tree.unflatten(treedef, inputs) if wrap is None else wrap(inputs))
-    with torch.enable_grad():
+    with torch.enable_grad(), bindings_kept():
         out = fn(*args, **kwargs)
         loss = loss_of(out, has_aux)
         grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
         if loss.requires_grad and inputs:  # nothing to differentiate: torch.func.grad returns {}
             if on_backward_start is not None:
                 loss.register_hook(on_backward_start)
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+            with reentrant_refused():
+                grads = torch.autograd.grad(loss, inputs, allow_unused=True)
     value = (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
     if hooks is not None:
         return list(grads), value
@@ -177,13 +198,14 @@ def local_grads_into(fn: Callable, has_aux: bool, args: tuple, kwargs: dict, lea
     ``reused`` keeps the autograd leaves from one call to the next. Autograd engine only."""
     inputs = (reused or Reused()).of(leaves, into)
     args = replace(args, 0, _tree.unflatten(treedef, inputs))
-    with torch.enable_grad():
+    with torch.enable_grad(), bindings_kept():
         out = fn(*args, **kwargs)
         loss = loss_of(out, has_aux)
         if loss.requires_grad and inputs:
             if on_backward_start is not None:
                 loss.register_hook(on_backward_start)
-            torch.autograd.backward(loss, inputs=inputs)
+            with reentrant_refused():
+                torch.autograd.backward(loss, inputs=inputs)
     return (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
 
 

@@ -70,8 +70,8 @@ OUTRO = """\
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
     ("Models as pure functions", "fdp", ["functionalize", "Apply", "units"]),
-    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "ShardedParams", "local_grad",
-                          "local_grad_and_value",
+    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "ShardedParams", "StepMemory",
+                          "local_grad", "local_grad_and_value",
                           "StepRecord", "Timeline", "BucketTimes",
                           "BucketPlan", "Bucket"]),
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
@@ -96,6 +96,7 @@ NOT_CONSTRUCTED: dict[str, str | None] = {
     "fdp.ReplicaCheck": None,  # returned by assert_replicas_equal(wait=False)
     "fdp.BucketPlan": None,  # built with BucketPlan.build
     "fdp.ShardedParams": None,  # returned by a fully sharded step (and FusedStep.shard)
+    "fdp.StepMemory": None,  # returned by FusedStep.memory
 }
 WIDTH = 100  # longer signatures get one parameter per line
 

@@ -22,7 +22,7 @@ from ._errors import ReplicaMismatchError as ReplicaMismatchError
 from ._functional import Apply as Apply
 from ._functional import functionalize as functionalize
 from ._functional import units as units
-from ._fused.sharded_params import ShardedParams as ShardedParams
+from ._fused.engine import StepMemory as StepMemory
 from ._fused.state import FusedState as FusedState
 from ._fused.step import FusedStep as FusedStep
 from ._plan.bucket import Bucket as Bucket
@@ -45,6 +45,7 @@ from ._step.record import StepRecord as StepRecord
 from ._step.record import Timeline as Timeline
 from ._sync import broadcast as broadcast
 from ._sync import sync_buffers as sync_buffers
+from ._units.params import ShardedParams as ShardedParams
 
 __version__ = "0.1.0"
 
@@ -65,6 +66,7 @@ __all__ = [
     "RngState",
     "Shard",
     "ShardedParams",
+    "StepMemory",
     "StepRecord",
     "Timeline",
     "any_rank",

@@ -16,6 +16,7 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 
 from . import _internals
+from ._protocols import UnitsView, units_of
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
@@ -161,9 +162,10 @@ class Apply:
         return out
 
     def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
-        units = getattr(params, "__fdp_units__", None)
-        if units is not None:  # fully sharded params: gathered unit by unit (fdp/_fused/units.py)
-            return self._call_units(units(), buffers, args, kwargs)
+        if type(params) is not dict:
+            view = units_of(params)
+            if view is not None:  # fully sharded params: gathered unit by unit (fdp/_units)
+                return self._call_units(view, buffers, args, kwargs)
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
         new_buffers = {k: v.clone() for k, v in buffers.items()}
@@ -182,7 +184,7 @@ class Apply:
         call = _Call(self._home, (params, new_buffers, self._constants))
         return self._home.run(call, self._forward, args, kwargs), new_buffers
 
-    def _call_units(self, view: Any, buffers: Tree, args: tuple, kwargs: dict) -> tuple[Any, Tree]:
+    def _call_units(self, view: UnitsView, buffers: Tree, args: tuple, kwargs: dict) -> tuple[Any, Tree]:
         """The forward over fully sharded params (``view``: their ``UnitsView``): every unit
         leaf's place holds a meta placeholder except while its unit's module runs, when the
         real leaf (its unit just gathered) is there; the root's leaves are there throughout."""

@@ -59,6 +59,18 @@ def in_functorch_transform() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def make_subclass(cls: type, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an instance of the tensor subclass ``cls`` (no copy, no grad): the way torch's
+    own subclasses are made. ``torch.Tensor._make_subclass`` (torch 2.4-2.13)."""
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
+def torch_function_subclass_disabled() -> Any:
+    """A context in which a subclass's ``__torch_function__`` is not called again (its own
+    fallback to the plain op). ``torch._C.DisableTorchFunctionSubclass`` (torch 2.4-2.13)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def at_backward_end(fn: Callable[[], None]) -> bool:
     """Run ``fn`` when the backward running on this thread finishes (autograd's own queue of
     end-of-graph callbacks, as FSDP uses); False when no backward is running here.

@@ -27,8 +27,7 @@ from . import _tree
 from ._comm.agree import count_and_check_active, verify_layout
 from ._comm.group import Group
 from ._comm.mesh import resolve_mesh
-from ._fused.step import FusedCores, FusedStep
-from ._fused.units import bucket_groups, unit_of_leaves
+from ._fused.step import Engines, FusedStep
 from ._log import debug_mode, log
 from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
@@ -38,6 +37,7 @@ from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
 from ._step.record import StepRecord
 from ._step.traced import traced_all_reduce
+from ._units.units import bucket_groups, unit_of_leaves
 from .cost._autocaps import AutoCaps
 from .hooks import CommHook, as_hook
 from .optim import Optimizer
@@ -217,7 +217,7 @@ class Reducer:
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
             overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward),
             param_dtype=param_dtype)
-        self._fused = FusedCores(self._config)
+        self._fused = Engines(self._config)
         with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
             self._use_plan(plan)
 

@@ -38,7 +38,9 @@ class RngState(NamedTuple):
 
     cpu: torch.Tensor
     cuda: torch.Tensor | None = None
-    __fdp_per_rank__ = True  # fdp.save: these leaves hold a row per rank
+    def per_rank(self) -> bool:
+        """``fdp._protocols.PerRank``: these leaves hold a row per rank (``fdp.save`` says so)."""
+        return True
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, str):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Shard"]
+__all__ = ["Shard", "elements"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,3 +125,16 @@ class Shard:
     def __repr__(self) -> str:
         return (f"Shard(shape={self.shape}, dtype={self.dtype}, ranges={list(self.ranges)}, "
                 f"data=<{self.data.numel()} elements on {self.data.device}>)")
+
+
+def elements(leaf: torch.Tensor | Shard, a: int, b: int) -> torch.Tensor | None:
+    """Elements ``a:b`` of a leaf's flattening, as a view: from a whole tensor, or from a Shard
+    one of whose ranges holds them all (None when none does). The one reader of a part of a
+    leaf, for every caller that takes a tensor or a Shard (sharded checkpoints, a fully
+    sharded step's params, a sharded optimizer state)."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().reshape(-1)[a:b]
+    for lo, hi, data in leaf.pieces():
+        if lo <= a and b <= hi:
+            return data[a - lo:b - lo]
+    return None

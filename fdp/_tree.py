@@ -125,11 +125,12 @@ def _format(accessor: optree.PyTreeAccessor) -> str:
     return accessor.codify("") or "<root>"  # e.g. "['a'][0]", "['n'].mu"
 
 
-def nodes_with(tree: Any, attr: str) -> list[tuple[str, Any]]:
-    """``(path, node)`` of every node of ``tree`` whose type defines ``attr`` (a protocol a
-    state type uses to tell ``fdp.save``/``fdp.load`` about itself), outermost first."""
+def nodes_with(tree: Any, protocol: type) -> list[tuple[str, Any]]:
+    """``(path, node)`` of every node of ``tree`` that implements ``protocol`` (a runtime
+    checkable ``typing.Protocol`` of ``fdp._protocols``, by which a state type tells
+    ``fdp.save``/``fdp.load`` about itself), outermost first."""
     def has(x: Any) -> bool:
-        return hasattr(type(x), attr)
+        return type(x) is not torch.Tensor and isinstance(x, protocol)
 
     found, spec = optree.tree_flatten(tree, is_leaf=has, namespace=NAMESPACE)
     return [(p, x) for p, x in zip(paths(spec), found) if has(x)]

@@ -71,7 +71,7 @@ def plot_timeline(timeline: Timeline, path: str | Path | None = None, *, ax: Any
     labelled = set()
     for b, name in zip(timeline.buckets, rows[1:]):
         row = y[name]
-        for issued, waited, done in b.gathers:  # fully sharded params: the unit's all-gathers
+        for issued, waited, done, _ in b.gathers:  # fully sharded params: the unit's all-gathers
             if waited > issued:
                 ax.barh(row + 0.3, (waited - issued) * ms, left=issued * ms, height=0.18, color="#b39ddb",
                         label=None if "gather" in labelled else "params all-gather (behind compute)")

@@ -52,7 +52,7 @@ def imports_of(name: str, path: pathlib.Path, top_level_only: bool):
     """(imported module, [names]) for each import statement of a file."""
     tree = ast.parse(path.read_text())
     is_package = path.stem == "__init__"
-    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    nodes = [*tree.body, *_type_checking_imports(tree)] if top_level_only else list(ast.walk(tree))
     out = []
     for node in nodes:
         if isinstance(node, ast.ImportFrom):
@@ -64,7 +64,18 @@ def imports_of(name: str, path: pathlib.Path, top_level_only: bool):
     return out
 
 
+def _type_checking_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The imports in the module's top-level ``if TYPE_CHECKING:`` blocks."""
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out += [n for n in node.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    return out
+
+
 def test_there_is_no_import_cycle_between_modules():
+    """Module-level imports, those under ``if TYPE_CHECKING:`` included (two files that import
+    each other for their types only are one idea, or a missing protocol)."""
     graph = {}
     for name, path in MODULES.items():
         deps = set()
@@ -101,12 +112,14 @@ def test_there_is_no_import_cycle_between_modules():
 # The layers, lowest first: a module imports only modules of its own layer or below, and
 # within a layer only its own folder. Names are module prefixes.
 LAYERS = [
-    ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp._internals", "fdp.kernels"),  # pytrees, errors, Shard, torch internals, the copy kernels
+    ("fdp._internals",),                                           # the private torch APIs, each once
+    ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp._protocols", "fdp.kernels"),  # pytrees, errors, Shard, seams, copy kernels
     ("fdp._comm",),                                                # groups, collectives, agreement, lifetime
     ("fdp._plan", "fdp.optim"),                                    # layouts in flat buckets; optimizers
     ("fdp.hooks", "fdp._sync", "fdp._replicas", "fdp._psum", "fdp._rng", "fdp._checkpoint",
-     "fdp._functional"),                                           # what users call beside the step
+     "fdp._functional", "fdp._slices"),                            # what users call beside the step; slices over ranks
     ("fdp._step",),                                                # one step over a plan
+    ("fdp._units",),                                               # fully sharded params: units gathered on demand
     ("fdp._fused", "fdp.cost"),                                    # the fused step; the cost model
     ("fdp._reducer",),                                             # the Reducer
     ("fdp", "fdp.testing", "fdp.viz", "fdp.bench"),                # the public face, tools
@@ -151,6 +164,7 @@ def test_every_module_imports_only_its_layer_or_below():
 @pytest.mark.parametrize("lower,higher", [
     ("fdp._plan", "fdp._step"), ("fdp._step", "fdp._reducer"), ("fdp._step", "fdp._fused"),
     ("fdp.cost", "fdp._fused"), ("fdp._comm", "fdp._plan"), ("fdp.optim", "fdp._fused"),
+    ("fdp._units", "fdp._fused"), ("fdp._slices", "fdp._units"), ("fdp._functional", "fdp._units"),
 ])
 def test_named_layering_rules(lower, higher):
     """The rules docs/architecture.md states by name (also implied by LAYERS)."""

@@ -31,7 +31,7 @@ def loss_of(apply, buffers):
 
 def train(group, shard, opt, *, steps=4, seed=0, acc=0, donate=False, mesh=None, **kw):
     """``steps`` fused steps of ``opt`` on a BlockNet (``acc`` micro-batches accumulated before
-    each): the params (whole), the per-leaf state, and the last step's record and core."""
+    each): the params (whole), the per-leaf state, and the last step's record."""
     net = block_net(seed=seed)
     apply, params, buffers = fdp.functionalize(net)
     units = fdp.units(net, Block) if shard == "params" else None
@@ -44,7 +44,7 @@ def train(group, shard, opt, *, steps=4, seed=0, acc=0, donate=False, mesh=None,
             step.accumulate(p, *tokens(group.rank, 100 * i + j))
         p, state, _ = step(p, state, *tokens(group.rank, i))
     whole = p.full() if isinstance(p, fdp.ShardedParams) else p
-    return whole, step.state_to_tree(state, p), step.last_step, step._core
+    return whole, step.state_to_tree(state, p), step.last_step
 
 
 def both(group, name, **kw):
@@ -174,28 +174,29 @@ def memory(group):
     net.to("meta")
     for i in range(3):
         params, state, _ = step(params, state, *tokens(group.rank, i))
-    core = step._core
-    held = [f.untyped_storage().nbytes() for f in core.units.fulls]
+    held = step.memory()
     slices = sum(t.numel() for t in params.local)
     state_numel = sum(t.numel() for ts in state.buffers.values() for t in ts)
-    whole = sum(s.numel for s in core.plan.slots)
-    nbytes = [(core.units.names[core.units.unit_of_bucket[b]], n) for b, n in enumerate(core.units.nbytes)]
-    return held, slices, state_numel, whole, core.units.peak_gathered, nbytes, step.last_step.timeline
+    whole = sum(t.numel() for t in params.template().values())
+    return held, slices, state_numel, whole, step.last_step.timeline
 
 
 def test_each_rank_holds_its_slice_and_gathers_at_most_two_units_beside_the_root(tmp_path):
-    for rank, (held, slices, state_numel, whole, peak, nbytes, timeline) in enumerate(
+    for rank, (held, slices, state_numel, whole, timeline) in enumerate(
             fdp.testing.run(memory, 2, backend="gloo", timeout=120)):
-        assert held == [0] * len(held), f"rank {rank}: gathered params left after the step: {held}"
-        assert slices <= whole / 2 + 2 * len(nbytes), (slices, whole)  # (+ each bucket's padding)
+        assert held.gathered == 0, f"rank {rank}: gathered params left after the step: {held}"
+        assert held.param_sets <= 2 and held.params <= 2 * 4 * slices, held  # this rank's slices only
+        assert slices <= whole / 2 + 2 * len(timeline.buckets), (slices, whole)  # (+ each bucket's padding)
         assert state_numel == 2 * slices  # AdamW's two moments of this rank's slice
-        units = sorted(n for name, n in nbytes if name)
-        root = sum(n for name, n in nbytes if not name)
-        assert peak <= root + units[-1] + units[-2], (peak, nbytes)
-        assert peak < root + sum(units), "every unit was gathered at once"
         # each block gathered twice (its forward, its backward), the root's buckets once
         gathers = {b.index: len(b.gathers) for b in timeline.buckets}
         assert sorted(gathers.values()) == [1, 1, 2, 2, 2], gathers  # (two root buckets: emb, ln)
+        units = sorted(b.gather_nbytes for b in timeline.buckets if len(b.gathers) == 2)
+        root = sum(b.gather_nbytes for b in timeline.buckets if len(b.gathers) == 1)
+        peak = timeline.peak_gathered
+        assert peak <= root + units[-1] + units[-2], (peak, root, units)
+        assert peak < root + sum(units), "every unit was gathered at once"
+        assert all(g.freed is not None for b in timeline.buckets for g in b.gathers), "a gather never freed"
         assert timeline.exposed_gather >= 0
     fig = fdp.viz.plot_timeline(timeline, tmp_path / "zero3.png")
     assert (tmp_path / "zero3.png").read_bytes().startswith(b"\x89PNG")
@@ -217,14 +218,13 @@ def inference(group):
         apply(params, buffers, x)
     with pytest.raises(fdp.CheckpointError, match="fully sharded"):
         fdp.save("/tmp/fdp-never-written.pt", {"params": params}, group)
-    held = [f.untyped_storage().nbytes() for f in step._core.units.fulls]
-    return torch.equal(out, want), held, repr(params)
+    return torch.equal(out, want), step.memory().gathered, repr(params)
 
 
 def test_inference_gathers_unit_by_unit_and_equals_the_whole_params():
     for rank, (same, held, text) in enumerate(fdp.testing.run(inference, 2, timeout=120)):
         assert same, f"rank {rank}"
-        assert held == [0] * len(held)
+        assert held == 0, f"rank {rank}: {held} bytes still gathered after inference"
         assert "ShardedParams(" in text and "slice" in text
 
 

@@ -290,11 +290,10 @@ def broadcast_then_step(group, donate):
     kept = {k: v.clone() for k, v in synced.items()}
     step = reducer.grad_and_update(loss, opt, donate=donate)
     state = step.init(synced)
-    core = step._core
     out, state, _ = step(synced, state, x, y)
     freed = bucket() is None
     unchanged = all(torch.equal(synced[k], kept[k]) for k in kept)
-    sets = len(core.params.sets)
+    sets = step.memory().param_sets
     return freed, unchanged, sets, all(torch.equal(out[k], want[k]) for k in want)
 
 

@@ -301,7 +301,7 @@ def tracks(group, dtype=torch.float32, steps=STEPS, donate=False, decay=0.95):
         ref.step(reducer.grad(loss)(ref.params, x, y))
     fs_tree, ss_tree = fused.state_to_tree(fs, fp), sharded.state_to_tree(ss, sp)
     return {"fused": (fp, fs_tree), "sharded": (sp, ss_tree), "plain": (pp, ps),
-            "reference": (ref.params, ref.ema), "buckets": len(fused._core.plan.buckets),
+            "reference": (ref.params, ref.ema), "buckets": len(fused.plan.buckets),
             "fields": sorted(fs.buffers)}
 
 

@@ -73,7 +73,7 @@ def against_ddp(group, steps=STEPS):
                 p, s = runs[key]
                 p, s, _ = step(p, fdp.optim.set_hyperparams(s, **values), x, y)
                 runs[key] = [p, s]
-                cores[key].add(id(step._core))
+                cores[key].add(next(iter(p.values())).data_ptr())  # (one engine: its two param sets)
             p, s = runs["plain"]
             s = fdp.optim.set_hyperparams(s, **values)
             runs["plain"] = list(opt.update(plain.grad(loss)(p, x, y), s, p))
@@ -82,7 +82,7 @@ def against_ddp(group, steps=STEPS):
         out[name] = {"theirs": theirs, **{k: v[0] for k, v in runs.items()},
                      "trees": (fused.state_to_tree(runs["fused"][1], runs["fused"][0]),
                                sharded.state_to_tree(runs["sharded"][1], runs["sharded"][0]), runs["plain"][1]),
-                     "cores": {k: len(v) for k, v in cores.items()}, "lr": float(hp["lr"]),
+                     "sets": {k: len(v) for k, v in cores.items()}, "lr": float(hp["lr"]),
                      "count": int(runs["fused"][1].step)}
     return out
 
@@ -94,7 +94,7 @@ def test_adamw_with_values_set_every_step_equals_ddp_torch_adamw_and_the_plain_p
         for name, r in out.items():
             what = f"rank {rank} {name}"
             assert r["count"] == STEPS and r["lr"] == lr_at(STEPS - 1), what
-            assert r["cores"] == {"fused": 1, "sharded": 1}, f"{what}: one core each over {STEPS} steps"
+            assert max(r["sets"].values()) <= 2, f"{what}: params in {r['sets']} flat sets over {STEPS} steps"
             for key in ("plain", "fused", "sharded"):
                 assert_equal(r[key], r["theirs"], f"{what}: {key} vs DDP + AdamW with group['lr'] set")
             assert_trees_equal(r["trees"][0], r["trees"][2], f"{what}: fused state vs plain state")
@@ -114,11 +114,13 @@ def every_optimizer(group, name, shard, steps=30):
     torch_opt = cls(list(ref.values()), **first)
     p, s = dict(params), step.init(params)
     pp, ps = dict(params), opt.init(params)
+    sets = set()
     for t in range(steps):
         values = values_at(t)
         x, y = batch(group.rank, t)
         x = x.double()
         p, s, _ = step(p, fdp.optim.set_hyperparams(s, **values), x, y)
+        sets.add(next(iter(p.values())).data_ptr())
         grads = reducer.grad(loss)(pp, x, y)
         pp, ps = opt.update(grads, fdp.optim.set_hyperparams(ps, **values), pp)
         for k, v in ref.items():
@@ -126,7 +128,7 @@ def every_optimizer(group, name, shard, steps=30):
         for k, v in values.items():
             torch_opt.param_groups[0][k] = v
         torch_opt.step()
-    return p, pp, {k: v.detach() for k, v in ref.items()}, step.state_to_tree(s, p), ps, len(reducer._fused)
+    return p, pp, {k: v.detach() for k, v in ref.items()}, step.state_to_tree(s, p), ps, len(sets)
 
 
 # `make quick` runs AdamW's two (the others: slow)
@@ -136,8 +138,8 @@ CASES = [pytest.param(n, sh, id=f"{n}-{'sharded' if sh else 'fused'}", marks=() 
 
 @pytest.mark.parametrize("name,shard", CASES)
 def test_every_injected_optimizer_runs_in_the_fused_step_as_the_plain_path(name, shard):
-    for rank, (p, pp, theirs, st, ps, cores) in enumerate(fdp.testing.run(every_optimizer, 2, args=(name, shard))):
-        assert cores == 1, f"rank {rank}: {cores} cores"
+    for rank, (p, pp, theirs, st, ps, sets) in enumerate(fdp.testing.run(every_optimizer, 2, args=(name, shard))):
+        assert sets <= 2, f"rank {rank}: the params were in {sets} flat sets (an engine per hyper-parameter value?)"
         assert_equal(p, pp, f"rank {rank} {name}: fused vs plain path")
         assert_trees_equal(st, ps, f"rank {rank} {name}: state")
         if name != "nadam":  # (nadam's changed betas[0]: docs/optim.md, the plain path's numbers)
@@ -298,12 +300,12 @@ def thousand_steps(group, steps):
     ref = {k: v.clone().requires_grad_() for k, v in params.items()}
     torch_opt = torch.optim.AdamW(list(ref.values()), lr=1e-3, weight_decay=0.1)
     p, s = dict(params), step.init(params)
-    rss, cores = {}, set()
+    rss, sets = {}, set()
     for t in range(steps):
         lr = 1e-3 * 0.999**t  # a new value every step
         x, y = batch(group.rank, t)
         p, s, _ = step(p, fdp.optim.set_hyperparams(s, lr=lr), x, y)
-        cores.add(id(step._core))
+        sets.add(next(iter(p.values())).data_ptr())
         grads = reducer.grad(loss)({k: v.detach() for k, v in ref.items()}, x, y)
         for k, v in ref.items():
             v.grad = grads[k]
@@ -312,15 +314,15 @@ def thousand_steps(group, steps):
         if t + 1 in (100, steps):
             rss[t + 1] = _rss_mib()
     return {"params": p, "torch": {k: v.detach() for k, v in ref.items()}, "rss": rss,
-            "cores": len(reducer._fused), "distinct": len(cores), "lr": float(s.hyperparams["lr"]),
+            "sets": len(sets), "lr": float(s.hyperparams["lr"]),
             "param_mib": sum(v.numel() * v.element_size() for v in params.values()) / 2**20}
 
 
 @pytest.mark.slow  # (1,000 steps)
-def test_a_thousand_fused_steps_with_a_new_lr_each_use_one_core_and_hold_memory_flat():
+def test_a_thousand_fused_steps_with_a_new_lr_each_use_one_engine_and_hold_memory_flat():
     (res,) = fdp.testing.run(thousand_steps, 1, args=(1000,), timeout=600)
     assert res["param_mib"] > 0.5, "params big enough that a core or a state per step would show"
-    assert res["cores"] == 1 and res["distinct"] == 1, f"{res['cores']} cores cached, {res['distinct']} used"
+    assert res["sets"] <= 2, f"the params were in {res['sets']} flat sets: an engine per lr?"
     assert res["lr"] == 1e-3 * 0.999**999
     grown = res["rss"][1000] - res["rss"][100]
     # A core (or a state) per step would hold the params, grads and moments again: ~4 x param_mib each.

@@ -330,7 +330,7 @@ def tracks(group, name, dtype=torch.float32, steps=STEPS, donate=False):
         ref.step(ref_grads)
     rp = {k: v.detach().clone() for k, v in ref.params.items()}
     return {"fused": (fp, fused.state_to_tree(fs, fp)), "sharded": (sp, sharded.state_to_tree(ss, sp)),
-            "plain": (pp, ps), "reference": (rp, None), "buckets": len(fused._core.plan.buckets)}
+            "plain": (pp, ps), "reference": (rp, None), "buckets": len(fused.plan.buckets)}
 
 
 def assert_tracks_equal(results, what, sharded_exact=True):

@@ -28,7 +28,7 @@ def both(group, name, *, steps=4, donate=False, mesh=None, hook=None, seed=0):
         p = {k: v.clone() for k, v in params.items()}
         for i in range(steps):
             p, state, _ = step(p, state, *batch(group.rank, i))
-        out.append((p, step.state_to_tree(state, p), state_numel(state), len(step._core.plan.buckets)))
+        out.append((p, step.state_to_tree(state, p), state_numel(state), len(step.plan.buckets)))
     return out
 
 
@@ -170,8 +170,8 @@ def test_the_clipping_test_model_has_leaves_across_the_slice_boundary():
 
 
 def nonfinite_in_one_slice(group):
-    # One bucket of two leaves: rank 0's slice is all of "a", rank 1's all of "b". Only rank 1
-    # sees the inf locally; no rank may update.
+    # One bucket of two leaves: each rank's slice is all of one of them ("b" comes first in the
+    # bucket: backward order). Only the rank holding "b"'s slice sees rank 1's inf; no rank may update.
     params = {"a": torch.zeros(8), "b": torch.zeros(8)}
     reducer = fdp.Reducer(params, group, shard=True, skip_nonfinite=True)
     step = reducer.grad_and_update(lambda p, s: (p["a"] * 2).sum() + (p["b"] * s).sum(), fdp.optim.adam(lr=0.1))
@@ -182,12 +182,14 @@ def nonfinite_in_one_slice(group):
     if group.rank == 1:
         s[3] = float("inf")
     params, state, _ = step(params, state, s)
-    return before, params, int(state.step), step.last_step.finite, step._core.shards.lo
+    ranges = [s.ranges for s in step.state_to_shards(state, params).exp_avg.values()]
+    return before, params, int(state.step), step.last_step.finite, ranges
 
 
 def test_a_nonfinite_gradient_in_one_ranks_slice_updates_nothing_on_any_rank():
-    for rank, (before, after, count, finite, lo) in enumerate(fdp.testing.run(nonfinite_in_one_slice, 2)):
-        assert lo == [8 * rank], "the layout this test relies on"
+    for rank, (before, after, count, finite, ranges) in enumerate(fdp.testing.run(nonfinite_in_one_slice, 2)):
+        held = [(), ((0, 8),)] if rank == 0 else [((0, 8),), ()]  # (a, b): rank 0 holds b, rank 1 holds a
+        assert ranges == held, f"the layout this test relies on: rank {rank} holds {ranges}"
         assert not finite and count == 1, f"rank {rank}"
         for k in before:
             assert torch.equal(before[k], after[k]), f"rank {rank}, param {k!r} moved on a skipped step"
@@ -364,19 +366,28 @@ def test_reduce_scatters_overlap_the_backward_and_elementwise_updates_run_on_arr
 
 def test_steady_state_reuses_the_staging_buffers_of_the_all_to_alls():
     # gloo's own all-gather makes a bucket-sized temporary per call; fdp's all-to-all path
-    # stages through pooled buffers, so after the first step no bucket-sized memory is new.
-    def steps(group):
-        apply, params, buffers = fdp.functionalize(mlp(seed=1, width=64))
-        step = fdp.Reducer(params, group, shard=True, **CAPS).grad_and_update(loss_of(apply, buffers),
-                                                                              fdp.optim.adamw(lr=1e-3))
-        state = step.init(params)
-        seen = []
-        for i in range(5):
-            params, state, _ = step(params, state, *batch(group.rank, i))
-            seen.append(sorted(t.data_ptr() for t in step._core.scatter.spare))
-        return seen, len(step._core.plan.buckets)
+    # (``fdp._slices.exchange.Scatter``) stages through pooled buffers, so after the first
+    # step no bucket-sized memory is new.
+    from fdp._slices.exchange import Scatter
+    from fdp._slices.geometry import Slices
 
-    for seen, nb in fdp.testing.run(steps, 2):
-        assert nb >= 3
+    def steps(group):
+        _, params, _ = fdp.functionalize(mlp(seed=1, width=64))
+        plan = fdp.Reducer(params, group, **CAPS).plan
+        scatter = Scatter(Slices(plan, group.size, group.rank), group)
+        flats = [torch.ones(-(-b.numel // group.size) * group.size) for b in plan.buckets]
+        seen = []
+        for _ in range(5):  # each step: every bucket reduce-scattered, then all-gathered, one in flight
+            for b, flat in enumerate(flats):
+                fdp._comm.collectives.wait(scatter.launch(b, flat), group, "test")
+                scatter.finish(b, flat)
+            for b, flat in enumerate(flats):
+                fdp._comm.collectives.wait(scatter.gather(b, flat), group, "test")
+                scatter.gathered(b)
+            seen.append(sorted(t.data_ptr() for t in scatter.spare))
+        return seen, len(plan.buckets), scatter.mode
+
+    for seen, nb, mode in fdp.testing.run(steps, 2):
+        assert mode == "all_to_all" and nb >= 3
         assert seen[1:] == seen[:1] * 4, "staging buffers were made anew after the first step"
         assert len(seen[0]) <= 2, f"{len(seen[0])} staging buffers for {nb} buckets"

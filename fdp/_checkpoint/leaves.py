@@ -2,10 +2,10 @@
 
 A train state's leaves are tensors or plain values (``PLAIN``); a leaf's content is checked
 by its CRC32 (``crc32``). The state types a checkpoint meets say what they are instead of
-being known here: ``__fdp_unsaveable__`` (one rank's part that must not be saved as it is:
-a sharded ``FusedState``), ``__fdp_per_rank__`` (a row per rank, tied to the world size:
-``RngState``), ``__fdp_check_load__`` (whether a loaded state fits where it is loaded: a
-``FusedState``'s layout).
+being known here, through the protocols of ``fdp._protocols``: ``Unsaveable`` (one rank's
+part that must not be saved as it is: a sharded ``FusedState``, ``ShardedParams``),
+``PerRank`` (a row per rank, tied to the world size: ``RngState``), ``ChecksLoad`` (whether
+a loaded state fits where it is loaded: a ``FusedState``'s layout).
 
 CRC32 is the zip format's own check; like every CRC of degree n it detects each burst error
 of up to n bits (Peterson and Brown, "Cyclic codes for error detection", Proc. IRE, 1961).
@@ -20,6 +20,7 @@ import torch
 
 from .. import _tree
 from .._errors import CheckpointError
+from .._protocols import ChecksLoad, PerRank, Unsaveable
 
 __all__ = ["PLAIN", "check_loaded", "crc32", "per_rank_paths", "refuse_unsaveable", "tensor_bytes"]
 
@@ -45,25 +46,24 @@ def crc32(value: Any) -> int:
 
 
 def refuse_unsaveable(tree: Any, who: str) -> None:
-    """Raise if a state in ``tree`` says it must not be saved as it is (``__fdp_unsaveable__``:
+    """Raise if a state in ``tree`` says it must not be saved as it is (``fdp._protocols.Unsaveable``:
     a sharded ``FusedState`` holds one rank's slices)."""
-    for p, node in _tree.nodes_with(tree, "__fdp_unsaveable__"):
-        reason = node.__fdp_unsaveable__()
+    for p, node in _tree.nodes_with(tree, Unsaveable):
+        reason = node.unsaveable_reason()
         if reason:
             raise CheckpointError(f"{who}: {p} cannot be saved as it is: {reason}")
 
 
 def per_rank_paths(tree: Any) -> list[str]:
-    """Paths of the leaves under a per-rank state (``__fdp_per_rank__``: an ``RngState``, one
+    """Paths of the leaves under a per-rank state (``fdp._protocols.PerRank``: an ``RngState``, one
     row per rank), which tie a checkpoint to its world size."""
-    return [p + q for p, node in _tree.nodes_with(tree, "__fdp_per_rank__")
+    return [p + q for p, node in _tree.nodes_with(tree, PerRank) if node.per_rank()
             for q in _tree.paths(_tree.structure(node)) if q != "<root>"]
 
 
 def check_loaded(loaded: Any, like: Any, where: str) -> None:
     """States that know their layout (a fused optimizer state) say whether they fit ``like``'s."""
-    for (p, got), (_, want) in zip(_tree.nodes_with(loaded, "__fdp_check_load__"),
-                                   _tree.nodes_with(like, "__fdp_check_load__")):
-        problem = got.__fdp_check_load__(want)
+    for (p, got), (_, want) in zip(_tree.nodes_with(loaded, ChecksLoad), _tree.nodes_with(like, ChecksLoad)):
+        problem = got.check_load(want)
         if problem:
             raise CheckpointError(f"{where}: {p}: {problem}")

@@ -1,4 +1,5 @@
-"""``ParamSets``: the fused step's flat param buffers, and which one holds the caller's params.
+"""``ParamSets``: the fused step's flat param buffers, and which one holds the caller's params
+(``SliceSets``: a fully sharded step's, this rank's slices only).
 
 A fused step keeps the params in one flat tensor per bucket (a *set*); the params it returns
 are views into a set. Pure by default: a step reads one set and writes another, and a set is
@@ -10,6 +11,10 @@ A tree passed in is "the one returned" only if every leaf is exactly the view fd
 view shares with its set, is the one recorded when the step returned). Anything else (a
 tree the caller changed in place, another view of the same memory such as ``w.t()`` of a
 square ``w``, a tree loaded or made by hand) is packed into a free set: one copy.
+
+A fully sharded step keeps only this rank's slice of every bucket in a set (``SliceSets``)
+and returns ``fdp.ShardedParams``: the set's slices and the ``Units`` that gather them; a
+whole params tree (the first step, a loaded checkpoint) is cut into a free set.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ import torch
 from .. import _tree, kernels
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._plan.buffers import held_elsewhere
+from .._shard import elements
+from .._slices.geometry import Slices
 from .._step.autodiff import Reused
+from .._units.params import ShardedParams
+from .._units.units import Units
 
 _version = operator.attrgetter("_version")
 
@@ -73,12 +82,19 @@ class ParamSet:
 
 
 class ParamSets:
-    """The sets of one fused core: at most two tracked, ``cur`` the one holding the params."""
+    """The sets of one fused engine: at most two tracked, ``cur`` the one holding the params;
+    each set holds whole (padded) buckets, of which this rank updates ``mine``."""
 
-    def __init__(self, plan: BucketPlan, padded: list[int], name: str) -> None:
-        self.plan, self.padded, self.name = plan, padded, name
+    def __init__(self, plan: BucketPlan, slices: Slices, name: str) -> None:
+        self.plan, self.slices, self.name = plan, slices, name
+        self.padded = slices.padded
         self.sets: list[ParamSet] = []
         self.cur: ParamSet | None = None
+
+    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        """The part of a set's flat tensor of bucket ``b`` this rank updates: its slice (the
+        whole bucket when unsharded)."""
+        return self.slices.mine(b, flat)
 
     def _new(self) -> ParamSet:
         flats = [torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)]
@@ -153,4 +169,75 @@ class ParamSets:
         return self.plan.leaves_of(tree, f"{self.name} {what}")
 
 
-__all__ = ["ParamSet", "ParamSets"]
+class SliceSet:
+    """One set of slice buffers (one per bucket) of a fully sharded step."""
+
+    __slots__ = ("flats",)
+
+    def __init__(self, flats: list[torch.Tensor]) -> None:
+        self.flats = flats
+
+    def held(self) -> bool:
+        """Whether anything outside fdp refers to this set's memory (``ParamSet.held``)."""
+        return any(map(held_elsewhere, self.flats))
+
+
+class SliceSets(ParamSets):
+    """The slice sets of one fully sharded engine: param sets whose flats are this rank's slices
+    (at most two tracked, ``cur`` holding the params; see the module docstring)."""
+
+    def __init__(self, units: Units, plan: BucketPlan, slices: Slices, name: str) -> None:
+        super().__init__(plan, slices, name)
+        self.units = units
+        self.padded = [slices.numel(b.index) for b in plan.buckets]
+
+    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
+        return flat  # (the set holds this rank's slices only)
+
+    def _new(self) -> SliceSet:
+        new = SliceSet([torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)])
+        self.sets.append(new)
+        return new
+
+    def leaves_of(self, params: Any, what: str) -> Any:
+        return params  # (checked in ``current``)
+
+    def current(self, params: Any, donate: bool) -> tuple[SliceSet, bool]:
+        """The set holding ``params`` and whether it is a fresh copy: the current set when
+        ``params`` are the ``ShardedParams`` the step returned, unchanged; else a free set they
+        are copied into (``ShardedParams`` of another step with the same layout, or a whole
+        params tree, or Shards holding at least this rank's elements of each leaf)."""
+        if isinstance(params, ShardedParams):
+            if self.cur is not None and params.flats is self.cur.flats and params.units is self.units \
+                    and params.unchanged():
+                return self.cur, False
+            theirs = params.units
+            if theirs.plan != self.plan or theirs.slices.padded != self.slices.padded:
+                raise ValueError(f"{self.name}: these ShardedParams were made by a step with another layout "
+                                 "(units, params or sharding); convert them with params.full()")
+            target = self.free(avoid=self.cur)
+            torch._foreach_copy_(target.flats, params.flats)
+        else:
+            leaves = self.plan.leaves_of(params, f"{self.name} params")
+            target = self.free(avoid=self.cur)
+            s = self.slices
+            for b, flat in zip(self.plan.buckets, target.flats):
+                lo, hi = s.lo[b.index], s.hi[b.index]
+                for i, off, n in zip(b.leaves, b.offsets, b.numels):
+                    a, z = max(off, lo), min(off + n, hi)
+                    if a < z:
+                        got = elements(leaves[i], a - off, z - off)
+                        if got is None:
+                            raise ValueError(
+                                f"{self.name}: params{self.plan.slots[i].path} is a Shard of ranges "
+                                f"{list(leaves[i].ranges)}; this rank needs its elements {a - off}:{z - off} (load it "
+                                "with this step's params.shards() as like)")
+                        flat[a - lo:z - lo].copy_(got)
+        self.cur = target
+        return target, True
+
+    def views(self, ps: SliceSet) -> ShardedParams:
+        return ShardedParams(self.units, ps.flats)
+
+
+__all__ = ["ParamSet", "ParamSets", "SliceSet", "SliceSets"]

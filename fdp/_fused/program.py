@@ -12,7 +12,7 @@ leaf gets a key ``(part, group)``: its part, and its hyper-parameter group in th
 kernel (the mask's); a bucket's update is one kernel call per key over its leaves' runs.
 A part whose kernel has a separate decay (``LeafKernel.decay``: AdamW's) and leaves of both
 mask groups is *decayed apart*: its group-0 runs are decayed first, then one kernel call
-without decay covers the runs of both groups (``FusedCore.decays``).
+without decay covers the runs of both groups (``Buckets.decays``).
 
 An ``inject_hyperparams`` optimizer keeps its values in the state (``FusedState.hyperparams``):
 the layout is that of the optimizer bound to the values it was made with, and each step
@@ -54,7 +54,7 @@ class Program:
       suffix: the indices of the transforms each bucket's update applies, after the
         whole-tree ones.
       decayed_apart: the parts decayed apart (the module docstring).
-      core_key: what a fused core's layout depends on (keys, whole parts, parts decayed apart).
+      engine_key: what a fused core's layout depends on (keys, whole parts, parts decayed apart).
     """
 
     def __init__(self, opt: Optimizer, params: Any, name: str, *, sharded: bool) -> None:
@@ -88,7 +88,7 @@ class Program:
         self.whole_parts = frozenset(k for k, part in enumerate(self.parts) if part.kernel.whole_leaves)
         self.decayed_apart = frozenset(k for k, part in enumerate(self.parts) if part.kernel.decay is not None
                                        and {(k, 0), (k, 1)} <= set(self.keys))
-        self.core_key = (self.keys, self.whole_parts, self.decayed_apart)
+        self.engine_key = (self.keys, self.whole_parts, self.decayed_apart)
         t = self.transforms
         self.prefix = next((i for i, x in enumerate(t) if x.reach == "tree"), len(t))
         self.last_tree = max((i for i, x in enumerate(t) if x.reach == "tree"), default=-1)

@@ -9,52 +9,52 @@ while the backward goes on, when nothing needs every bucket first (*early*); oth
 every bucket has arrived, after the whole-tree transforms and the finite check. Sharded,
 each bucket's params are then *gathered* from every rank.
 
+When each of these happens is the step's ``StepMode`` (``fdp/_fused/mode.py``), decided once
+per program; what the run reads about the buckets is its engine's ``Buckets``
+(``fdp/_fused/buckets.py``); where params, gradients and state live is the engine's store.
+
 Failures. Every collective of a step is issued on every rank, in the same order, whatever
 happened locally: a rank whose backward, transform or kernel failed skips its own work, goes
 on issuing the step's collectives (zeros where it has nothing), and the step's status, issued
-after the updates and gathers (``StepSpec.closes``), tells every rank. When the updates wait
-for every bucket, a rank whose backward failed stops every rank before any update, and the
-state stays usable: unsharded, the failed rank's buckets come back NaN on every rank and only
-then is a status exchanged before the updates (``StepSpec.status_on_nan``: no second
-collective in the common step); sharded (each rank sees its slice only) or with a hook that
-does not sum in place, the buckets' own status comes first every step
-(``StepSpec.bucket_status``). A step that fails after its buckets were reduced is refused
-afterwards on every rank (some rank may have updated its state in place), and so is one in
-which this rank had updated anything, or whose status could not be exchanged
-(``FusedCore.broken``).
+after the updates and gathers, tells every rank. When the updates wait for every bucket, a
+rank whose backward failed stops every rank before any update, and the state stays usable
+(``StepMode.status``: NaN buckets, or a status with the buckets). A step that fails after its
+buckets were reduced is refused afterwards on every rank (some rank may have updated its state
+in place), and so is one in which this rank had updated anything, or whose status could not be
+exchanged: the run's ``Verdict`` says so, and the engine keeps the refusal.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .._comm.agree import count_ranks
 from .._comm.collectives import wait
 from .._errors import CollectiveError
+from .._slices.exchange import Replicas
+from .._slices.geometry import Span, pieces
 from .._step.machine import Step, StepSpec, all_finite
 from ..optim import GradientTransform
+from .buckets import Buckets
+from .mode import StepMode, Verdict, VerdictTiming, refused
 from .params import ParamSet
 from .program import Program
-from .shard import Replicas
-from .spans import Span
 from .state import FusedState, StateLayout
-
-if TYPE_CHECKING:  # (core.py makes runs: a type-only import, no cycle)
-    from .core import FusedCore
 
 
 class Run:
-    """One fused step (see the module docstring). ``FusedCore`` makes one per call."""
+    """One fused step (see the module docstring). The engine makes one per call; ``finish``
+    returns its ``Verdict``."""
 
-    def __init__(self, core: FusedCore, program: Program, layout: StateLayout, state: FusedState, src: ParamSet,
-                 dst: ParamSet, *,
-                 kind: str, acc: list[torch.Tensor] | None, acc_owned: bool, scale: float | None,
-                 active: bool) -> None:
-        nb = len(core.plan.buckets)
-        self.core, self.program, self.state, self.src, self.dst = core, program, state, src, dst
+    def __init__(self, buckets: Buckets, mode: StepMode, program: Program, layout: StateLayout, state: FusedState,
+                 src: ParamSet, dst: ParamSet, *, kind: str, acc: list[torch.Tensor] | None, acc_owned: bool,
+                 scale: float | None, active: bool) -> None:
+        bk = self.bk = buckets
+        nb = len(bk.plan.buckets)
+        self.mode, self.program, self.state, self.src, self.dst = mode, program, state, src, dst
         self.layout = layout
         # Each part's kernel for this step: an injected optimizer's bound to the state's values
         # (read here, once per step, before anything starts; the kernels then run in the hooks).
@@ -64,15 +64,7 @@ class Run:
         # each part's count in its optimizer's dtype (a partition of SGD, int64, and Adam, float)
         self.counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
                        for part in program.parts]
-        # Updates run on arrival (during the backward) when nothing needs every bucket first and,
-        # unsharded, some bucket can land while the backward goes on (hooked buckets); else once
-        # every bucket has landed. (Sharded whole leaves are updated by their owners then.)
-        self.early = (not program.whole_tree and not core.config.skip_nonfinite and core.owners is None
-                      and (core.scatter is not None or core.machine.hooked_buckets > 0))
-        # Unsharded, when the updates wait for every bucket, this step's status is read at the
-        # start of the next call instead of now (``close``): a rank whose update fails raises
-        # at once, and the next call restores its params and state from a healthy rank.
-        self.deferred = not self.early and core.scatter is None and core.machine.status
+        self.early = mode.on_arrival
         self.slices: list[torch.Tensor | None] = [None] * nb  # reduced (slices of) buckets, wire dtype
         self.grads: list[torch.Tensor | None] = [None] * nb   # ... in the params' dtype
         self.updated = bytearray(nb)
@@ -82,18 +74,12 @@ class Run:
         self.error: BaseException | None = None   # this rank's first failure
         self.skipped: str | None = None           # why nothing was updated: "nonfinite" or "scale"
         self.shown: int | None = None             # the global scale a rejected step was shown (its new state is kept)
-        self.replicas = Replicas(core.mesh.replicate, nb) if core.sharded and core.mesh.replicate is not None else None
+        self.replicas = Replicas(bk.mesh.replicate, nb) if bk.sharded and bk.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
         self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
-        # The step's status comes after the updates (and gathers). When the updates wait for
-        # every bucket, a backward failure stops every rank before them: told by NaN buckets
-        # where every rank sees the whole sum of each bucket from an elementwise sum, else by
-        # the buckets' own status every step.
-        told_by_nan = not self.early and core.scatter is None and core.machine.hook.in_place
-        self.step: Step = core.machine.start(StepSpec(
-            kind, what=core.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
-            closes=True, bucket_status=not self.early and not told_by_nan, status_on_nan=told_by_nan,
-            on_filled=core.on_filled))
+        self.step: Step = bk.machine.start(StepSpec(
+            kind, what=bk.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
+            status=mode.status, on_filled=bk.store.on_filled))
 
     # ------------------------------------------------------------------ arrival
     def fail(self, e: BaseException) -> None:
@@ -103,10 +89,10 @@ class Run:
     def arrive(self, b: int, flat: torch.Tensor) -> None:
         """``StepSpec.on_ready``: bucket ``b``'s collective has landed in ``flat``. Runs inside
         the backward's hooks: it never raises (a failure is kept for the status)."""
-        core = self.core
+        store = self.bk.store
         try:
-            mine = core.reduced(b, core.scatter.finish(b, flat) if core.scatter is not None else flat,
-                                keep=not self.early or self.replicas is not None)
+            mine = store.keep(b, store.scatter.finish(b, flat) if store.scatter is not None else flat,
+                              keep=not self.early or self.replicas is not None)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
             mine = self._wire_zeros(b)
@@ -123,7 +109,7 @@ class Run:
             return
         program = self.program
         try:
-            g = self.grads[b] = self.core.grad_of(b, mine) if self.core.cast[b] else mine
+            g = self.grads[b] = self.bk.views.grad_of(b, mine) if self.bk.cast[b] else mine
             for i in range(program.prefix):
                 self._apply(i, b, g)
             if self.early:
@@ -136,51 +122,49 @@ class Run:
 
     def _measurable(self, b: int, g: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """The leaves of bucket ``b`` this rank measures, as views of its gradient ``g``."""
-        core = self.core
-        if core.straddles is not None:
-            return core.straddles.inside_views(b, g)
-        bucket = core.plan.buckets[b]
-        return list(bucket.leaves), core.leaf_views(b, g)
+        bk = self.bk
+        if bk.store.straddles is not None:
+            return bk.store.straddles.inside_views(b, g)
+        return list(bk.plan.buckets[b].leaves), bk.views.leaf_views(b, g)
 
     def _apply(self, i: int, b: int, g: torch.Tensor) -> None:
         t: GradientTransform = self.program.transforms[i]
-        tensors = [g] if t.reach == "element" else self.core.leaf_views(b, g)
+        tensors = [g] if t.reach == "element" else self.bk.views.leaf_views(b, g)
         self.tstates[i] = t.apply(tensors, self.tstates[i])
 
     def grad(self, b: int) -> torch.Tensor:
         """Bucket ``b``'s (slice of the) gradient in the params' dtype (a cast wire is cast once)."""
         g = self.grads[b]
         if g is None:
-            g = self.grads[b] = self.core.grad_of(b, self.slices[b])
+            g = self.grads[b] = self.bk.views.grad_of(b, self.slices[b])
         return g
 
     # ------------------------------------------------------------------ update
     def update(self, b: int) -> None:
         """Bucket ``b``'s (slice of the) params, with its optimizer state, by the kernel."""
-        core, step, state, kernels = self.core, self.step, self.state, self.kernels
+        bk, step, state, kernels = self.bk, self.step, self.state, self.kernels
         t0 = time.perf_counter()
         g = self.grads[b]
         if self.coef is not None:
             g.mul_(self.coef)
         for i in self.program.suffix:
             self._apply(i, b, g)
-        p, src = self.dst.flats[b], self.src.flats[b]
-        if core.sharded and core.gathers_params:  # (fully sharded: the sets hold the slices only)
-            p, src = core.shards.mine(b, p), core.shards.mine(b, src)
+        sets = bk.store.params  # this rank's part of the (padded) bucket: the slice, or all of it
+        p, src = sets.mine(b, self.dst.flats[b]), sets.mine(b, self.src.flats[b])
         if self.dst is not self.src:
             p.copy_(src)
         buffers, keys = state.buffers, self.layout.keys
         self.updated[b] = 1  # from the first kernel call on, the state may be changed in place
-        for part, spans in core.decays[b]:  # (a part decayed apart: its group-0 runs first)
+        for part, spans in bk.decays[b]:  # (a part decayed apart: its group-0 runs first)
             kernels[part].decay(pieces(p, spans, False), self.counts[part])
-        if core.whole[b]:  # one key, one span, one kernel call: the tensors themselves
-            (part, group), _ = core.spans.by_key[b][0]
+        if bk.whole[b]:  # one key, one span, one kernel call: the tensors themselves
+            (part, group), _ = bk.spans.by_key[b][0]
             kernels[part].step(group, [p], [g], [[buffers[k][b]] for k in keys[part]], self.counts[part])
         else:
             # Per key, over its spans: in chunks (each chunk's passes stay in cache, and the
             # kernel's temporaries are chunk-sized: fdp.optim._flat.CHUNK's comment), or each
             # leaf whole, in its shape (Muon).
-            for (part, group), spans in core.spans.by_key[b]:
+            for (part, group), spans in bk.spans.by_key[b]:
                 states = [buffers[k][b] for k in keys[part]]
                 if spans and spans[0].owned:  # whole leaves this rank owns: in the whole bucket
                     ps = self._owned(b, spans)
@@ -204,7 +188,7 @@ class Run:
         return out
 
     # ------------------------------------------------------------------ after the buckets
-    def reduced(self) -> None:
+    def await_replicas(self) -> None:
         """The step machine has every bucket: wait for the replica sums still in flight."""
         if self.replicas is not None:
             for b in self.replicas.wait_all():
@@ -216,17 +200,18 @@ class Run:
         if self.replicas is not None:
             self.replicas.drain(self._wire_zeros)
 
-    def finish(self) -> bool:
+    def finish(self) -> Verdict:
         """Everything after the buckets: the finite check, the whole-tree transforms, the
-        updates left, the gathers, and the step's verdict. Returns whether the step updated
-        (False: a non-finite step, or a global scale that skipped it); raises this rank's
-        error, or ``CollectiveError`` when another rank failed."""
-        core = self.core
+        updates left, the gathers, and the step's ``Verdict``: whether it updated (False: a
+        non-finite step, or a global scale that skipped it), a refusal of the state from now
+        on, and the error to raise (this rank's, or a ``CollectiveError`` when another rank
+        failed)."""
+        bk = self.bk
         finite = True
-        if core.config.skip_nonfinite:
+        if bk.skip_nonfinite:
             finite = self._guarded(lambda: all_finite(self.slices), True)
-            if core.sharded:  # each rank checked its slices: the verdict is every rank's
-                finite = count_ranks(not finite, core.mesh.shard, f"{core.name}: finite check") == 0
+            if bk.sharded:  # each rank checked its slices: the verdict is every rank's
+                finite = count_ranks(not finite, bk.mesh.shard, f"{bk.name}: finite check") == 0
             if not finite:
                 self.skipped = "nonfinite"
         if not self.early:
@@ -234,9 +219,9 @@ class Run:
             # non-finite gradients itself and backs off on them (only a scale that skips keeps
             # its new state; the same verdict on every rank, so the same collectives).
             finite = self._whole_tree(rejected=not finite) and finite
-        if finite and core.owners is not None:
+        if finite and bk.owners is not None:
             self._sharded_whole_leaves()
-            return self._close_after(finite)
+            return self.close(finite)
         if finite:
             for b in range(len(self.slices)):
                 if not self.updated[b] and self.error is None:
@@ -244,27 +229,23 @@ class Run:
                         self.update(b)
                     except Exception as e:  # noqa: BLE001 - reported through the step's status
                         self.fail(e)
-                if core.gathers_params:  # bucket b's params gather while bucket b + 1 updates
+                if bk.store.gathers_params:  # bucket b's params gather while bucket b + 1 updates
                     if self.gathers:  # one in flight at a time: its staging buffer serves the next
                         self._gathered(*self.gathers.pop())
-                    self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+                    self.gathers.append((b, bk.store.scatter.gather(b, self.dst.flats[b], apart=True)))
             for b, work in self.gathers:
                 self._gathered(b, work)
-        return self._close_after(finite)
-
-    def _close_after(self, finite: bool) -> bool:
-        self.close()
-        return finite
+        return self.close(finite)
 
     def _sharded_whole_leaves(self) -> None:
         """A sharded step with whole leaves (Muon): each owner gets its leaves' gradients whole,
         every bucket is updated (the owners their whole leaves), the new params of the whole
         leaves go back to the ranks whose slices hold them, then the all-gathers: every
         collective issued on every rank, also after a failure here."""
-        core, shard = self.core, self.core.mesh.shard
+        bk, shard = self.bk, self.bk.mesh.shard
         grads = [self.grads[b] if self.error is None and self.grads[b] is not None else self._zeros(b)
                  for b in range(len(self.slices))]
-        wholes = core.owners.to_owners(grads, shard)
+        wholes = bk.owners.to_owners(grads, shard)
         if self.error is None:
             try:
                 if self.coef is not None and wholes:
@@ -276,11 +257,11 @@ class Run:
                     self.update(b)
             except Exception as e:  # noqa: BLE001 - reported through the step's status
                 self.fail(e)
-        core.owners.to_holders(self.dst.flats, shard)
+        bk.owners.to_holders(self.dst.flats, shard)
         for b in range(len(self.slices)):  # one all-gather in flight at a time (its staging buffer)
             if self.gathers:
                 self._gathered(*self.gathers.pop())
-            self.gathers.append((b, core.scatter.gather(b, self.dst.flats[b])))
+            self.gathers.append((b, bk.store.scatter.gather(b, self.dst.flats[b], apart=True)))
         for b, work in self.gathers:
             self._gathered(b, work)
 
@@ -313,7 +294,7 @@ class Run:
                 self._guarded(lambda i=i: [self._apply(i, b, self.grad(b)) for b in range(len(self.slices))], None)
                 continue
             stats = self._leaf_stats(t, measured=i == program.prefix)
-            if self.error is not None and not self.core.sharded:
+            if self.error is not None and not self.bk.sharded:
                 continue
             try:
                 factor, new = t.scale(stats, self.tstates[i])
@@ -338,7 +319,7 @@ class Run:
     def _leaf_stats(self, t: GradientTransform, measured: bool) -> list[torch.Tensor]:
         """Every leaf's statistic for the global scale ``t``, in leaf order (sharded: each
         leaf measured on one rank, then gathered: collectives every rank issues)."""
-        core = self.core
+        bk = self.bk
         own: dict[int, torch.Tensor] = {}
         if self.error is None:
             try:
@@ -351,91 +332,85 @@ class Run:
             except Exception as e:  # noqa: BLE001 - reported through the step's status
                 self.fail(e)
                 own = {}
-        if core.straddles is None:
-            return [own[i] for i in range(len(core.plan.slots))] if self.error is None else []
+        straddles = bk.store.straddles
+        if straddles is None:
+            return [own[i] for i in range(len(bk.plan.slots))] if self.error is None else []
         grads = [self.grad(b) if self.error is None else self._zeros(b) for b in range(len(self.slices))]
-        leaves, wholes = core.straddles.exchange(grads, core.mesh.shard)
+        leaves, wholes = straddles.exchange(grads, bk.mesh.shard)
         if self.error is None and leaves:
             try:
                 own.update(zip(leaves, t.stats(wholes)))
             except Exception as e:  # noqa: BLE001 - reported through the step's status
                 self.fail(e)
-        return core.straddles.gather(own if self.error is None else {}, core.mesh.shard)
+        return straddles.gather(own if self.error is None else {}, bk.mesh.shard)
 
     def _wire_zeros(self, b: int) -> torch.Tensor:
         """Zeros for bucket ``b``'s (slice of the) reduced gradient, in its wire dtype."""
-        bucket = self.core.plan.buckets[b]
-        return torch.zeros(self.core.shards.numel(b), dtype=self.core.machine.buffers.wire_dtypes[b],
-                           device=bucket.device)
+        bk = self.bk
+        return torch.zeros(bk.store.slices.numel(b), dtype=bk.machine.buffers.wire_dtypes[b],
+                           device=bk.plan.buckets[b].device)
 
     def _zeros(self, b: int) -> torch.Tensor:
-        bucket = self.core.plan.buckets[b]
-        return torch.zeros(self.core.shards.numel(b), dtype=bucket.dtype, device=bucket.device)
+        bucket = self.bk.plan.buckets[b]
+        return torch.zeros(self.bk.store.slices.numel(b), dtype=bucket.dtype, device=bucket.device)
 
     def _gathered(self, b: int, work: Any) -> None:
-        core = self.core
-        wait(work, core.mesh.shard, f"all-gather of bucket {b}'s params")
-        core.scatter.gathered(b)
+        bk = self.bk
+        wait(work, bk.mesh.shard, f"all-gather of bucket {b}'s params")
+        bk.store.scatter.gathered(b)
         self.step.times[b].gathered = time.perf_counter() - self.step.t0
 
-    def close(self) -> None:
-        """The step's verdict on every rank: raise this rank's error, or ``CollectiveError``
-        if another rank failed; every rank then refuses the state (some rank may have updated
-        its state, or part of it, before the failure was known: the replicas' states differ).
-        Refusing on every rank, not only on those that updated, keeps the ranks in step: a
-        rank that went on alone would wait in the next step's collectives for the timeout.
+    def close(self, updated: bool) -> Verdict:
+        """The step's verdict on every rank: this rank's error, or ``CollectiveError`` if another
+        rank failed; every rank then refuses the state (some rank may have updated its state, or
+        part of it, before the failure was known: the replicas' states differ). Refusing on
+        every rank, not only on those that updated, keeps the ranks in step: a rank that went on
+        alone would wait in the next step's collectives for the timeout.
 
-        A ``deferred`` step leaves its status in flight: this rank raises its own error at
-        once, and every rank reads the verdict at the start of its next call
-        (``FusedCore.repair`` sets the failed ranks right then). Its updates waited for every
-        bucket, and a backward failure has stopped every rank before them, so a failure here
-        is in this rank's own update only: the others' updates are whole and exact."""
-        core = self.core
-        if self.deferred:
-            core.machine.close(self.step, self.error is not None, wait=False)
+        When the verdict comes at the next call (``VerdictTiming.NEXT_CALL``) the status is left
+        in flight: this rank's own error is returned at once, and every rank reads the verdict
+        at the start of its next call (``Engine.repair`` sets the failed ranks right then). Its
+        updates waited for every bucket, and a backward failure has stopped every rank before
+        them, so a failure here is in this rank's own update only: the others' updates are whole
+        and exact."""
+        bk, rank, n = self.bk, self.bk.group.rank, self.step.n
+        if self.mode.verdict is VerdictTiming.NEXT_CALL:
+            bk.machine.close(self.step, self.error is not None, wait=False)
             if self.error is None:
-                return
-            core.broken = (f"this rank's part of step {self.step.n} failed after its buckets were reduced (the "
-                           "error raised then), leaving its params and optimizer state behind or partly updated; "
-                           "the next call of the step restores them from a rank whose update succeeded, on this "
-                           "rank and the others alike")
+                return Verdict(updated)
             self.error.add_note(
-                f"fdp: rank {core.group.rank}'s part of step {self.step.n} failed after its buckets were reduced; "
-                "the other ranks' updates are whole. The next call of the step (on every rank) restores this "
-                "rank's params and optimizer state from a rank whose update succeeded, and goes on from there.")
-            raise self.error
+                f"fdp: rank {rank}'s part of step {n} failed after its buckets were reduced; the other ranks' "
+                "updates are whole. The next call of the step (on every rank) restores this rank's params and "
+                "optimizer state from a rank whose update succeeded, and goes on from there.")
+            return Verdict(updated, (
+                f"this rank's part of step {n} failed after its buckets were reduced (the error raised then), "
+                "leaving its params and optimizer state behind or partly updated; the next call of the step "
+                "restores them from a rank whose update succeeded, on this rank and the others alike"), self.error)
         try:
-            n = core.machine.close(self.step, self.error is not None)
+            failed = bk.machine.close(self.step, self.error is not None)
         except CollectiveError as e:  # the ranks ran different steps together, or the group broke
-            core.refuse_after_status(f"step {self.step.n}", e)
-            raise
-        if not n:
-            return
-        rank = core.group.rank
+            return Verdict(updated, status_failed(f"step {n}", e), e)
+        if not failed:
+            return Verdict(updated)
         mine = (f"rank {rank} had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer "
                 "state in place (and with donate=True the params)" if any(self.updated) else
                 f"rank {rank} updated nothing, but other ranks may have updated their optimizer state in place "
                 "(and with donate=True the params)")
-        core.broken = (f"step {self.step.n} failed on {n} rank(s) after its buckets were reduced, and {mine}, so "
-                       "the replicas' states differ now; load a saved state (step.state_from_tree, fdp.load) or "
-                       "make a new one (step.init) on every rank to go on")
-        if self.error is not None:
-            raise self.error
-        raise CollectiveError(
-            f"fdp: step {self.step.n} of {core.name} failed on {n} other rank(s) of {core.group.size} after "
-            f"the backward (in a transform, the optimizer's kernel or a gather); this is rank {core.group.rank}. "
+        refusal = refused(f"step {n} failed on {failed} rank(s) after its buckets were reduced, and {mine}, so "
+                          "the replicas' states differ now")
+        error = self.error or CollectiveError(
+            f"fdp: step {n} of {bk.name} failed on {failed} other rank(s) of {bk.group.size} after the backward "
+            f"(in a transform, the optimizer's kernel or a gather); this is rank {rank}. "
             + ("This rank's state was updated" if any(self.updated) else "Other ranks may have updated their state")
             + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
+        return Verdict(updated, refusal, error)
 
 
-def pieces(t: torch.Tensor, spans: list[Span], state: bool) -> list[torch.Tensor]:
-    """``t``'s elements in ``spans`` (each at most one kernel call's worth, or one leaf), as
-    views: of the (slice of the) bucket, or (``state``) of a part's state buffer; shaped like
-    its leaf for a kernel that takes whole leaves."""
-    if state:
-        return [t[s.at:s.at + (s.hi - s.lo)] if s.shape is None else t[s.at:s.at + (s.hi - s.lo)].view(s.shape)
-                for s in spans]
-    return [t[s.lo:s.hi] if s.shape is None else t[s.lo:s.hi].view(s.shape) for s in spans]
+def status_failed(which: str, e: CollectiveError) -> str:
+    """The refusal after ``which`` step's status, issued after its updates, failed with ``e``
+    (the ranks ran different steps together, or the group broke): its updates may differ
+    between the replicas."""
+    return refused(f"{which}'s status failed after its updates ({e}), so the replicas' states may differ")
 
 
-__all__ = ["Run", "pieces"]
+__all__ = ["Run", "status_failed"]

@@ -2,7 +2,7 @@
 
 ``FusedState`` holds, per state field, one flat tensor per bucket; under a sharded step
 (``Reducer(shard=True)``) one per bucket *slice*, this rank's (for a partition, per label and
-field, the label's elements only: ``fdp/_fused/spans.py``). ``StateLayout`` makes,
+field, the label's elements only: ``fdp._slices.geometry``). ``StateLayout`` makes,
 checks and converts it: ``to_tree`` gives the per-leaf layout of ``opt.init(params)`` (a
 collective when sharded: the slices are gathered), which loads into the plain path, another
 bucket plan, another world size or the unsharded step; ``from_tree`` takes it back.
@@ -25,10 +25,9 @@ from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
 from .._shard import Shard
+from .._slices.geometry import Slices, Spans
 from ..optim import ChainState, InjectHyperparamsState, PartitionState
 from .program import Program
-from .shard import Shards
-from .spans import Spans
 
 __all__ = ["FusedState", "StateLayout"]
 
@@ -71,7 +70,7 @@ class FusedState(NamedTuple):
         """Whether ``buffers`` holds one rank's slices of a sharded state (``Reducer(shard=True)``)."""
         return int(self.layout[2]) > 1
 
-    def __fdp_unsaveable__(self) -> str | None:
+    def unsaveable_reason(self) -> str | None:
         """Why ``fdp.save`` must not write this state as it is (None: it may)."""
         if not self.sharded:
             return None
@@ -103,7 +102,7 @@ class FusedState(NamedTuple):
             "size; after dcp.load, opt_state = step.state_from_tree(loaded, params)), or save with fdp.save, or "
             "with no gather: fdp.save_sharded of step.state_to_shards(opt_state, params)")
 
-    def __fdp_check_load__(self, like: Any) -> str | None:
+    def check_load(self, like: Any) -> str | None:
         """Why a loaded state cannot stand where ``like`` stood (None: it can)."""
         if isinstance(like, FusedState) and not torch.equal(self.layout.cpu(), like.layout.cpu()):
             return (f"the checkpoint's fused optimizer state has layout {describe_layout(self.layout)}, the "
@@ -116,13 +115,13 @@ class FusedState(NamedTuple):
 LAYOUT_VERSION = 1
 
 
-def layout_tensor(plan: BucketPlan, shards: Shards, keys: tuple | None = None) -> torch.Tensor:
-    """The ``FusedState.layout`` of a state in ``plan``'s buckets cut by ``shards`` (and, for a
+def layout_tensor(plan: BucketPlan, slices: Slices, keys: tuple | None = None) -> torch.Tensor:
+    """The ``FusedState.layout`` of a state in ``plan``'s buckets cut by ``slices`` (and, for a
     partition, split by its per-leaf ``keys``: the digest covers them too)."""
     fp = plan.fingerprint if keys is None else hashlib.sha256(
         (plan.fingerprint + repr(keys)).encode()).hexdigest()
     words = [int(fp[i:i + 15], 16) for i in (0, 15, 30)]  # 60 bits each: positive int64s
-    return torch.tensor([LAYOUT_VERSION, shards.rank, shards.size, *words], dtype=torch.int64)
+    return torch.tensor([LAYOUT_VERSION, slices.rank, slices.size, *words], dtype=torch.int64)
 
 
 def describe_layout(layout: torch.Tensor) -> str:
@@ -138,23 +137,23 @@ class StateLayout:
 
     ``FusedState.buffers`` holds, per state field of each part (``"exp_avg"``; for a
     partition ``"label:exp_avg"``), one tensor per bucket: the part's compact state of this
-    rank's slice (``fdp/_fused/spans.py``). ``to_tree`` gives ``opt.init(params)``'s per-leaf
+    rank's slice (``fdp._slices.geometry``). ``to_tree`` gives ``opt.init(params)``'s per-leaf
     layout (a collective when sharded: every rank's state is gathered), ``from_tree`` takes it
     back.
     """
 
-    def __init__(self, program: Program, plan: BucketPlan, shards: Shards, group: Group, name: str,
+    def __init__(self, program: Program, plan: BucketPlan, slices: Slices, group: Group, name: str,
                  spans_of: Callable[[int], Spans]) -> None:
-        self.program, self.plan, self.shards, self.group, self.name = program, plan, shards, group, name
+        self.program, self.plan, self.slices, self.group, self.name = program, plan, slices, group, name
         self.opt, self.transforms, self.parts = program.opt, program.transforms, program.parts
-        self.mine, self.spans_of = spans_of(shards.rank), spans_of
+        self.mine, self.spans_of = spans_of(slices.rank), spans_of
         # per part: the buffers' keys of its fields, in its kernel's order
         self.keys = [[f if not program.partitioned else f"{part.label}:{f}" for f in part.kernel.fields]
                      for part in self.parts]
-        self.layout = layout_tensor(plan, shards, program.keys if program.partitioned else None)
-        # Whether the state buffers are compact (spans.py): a partition's, or a sharded state
+        self.layout = layout_tensor(plan, slices, program.keys if program.partitioned else None)
+        # Whether the state buffers are compact (``Spans``): a partition's, or a sharded state
         # with whole leaves owned by one rank each (Muon); else each is the bucket's (slice's) layout.
-        self.compact = len(self.parts) > 1 or (shards.sharded and any(p.kernel.whole_leaves for p in self.parts))
+        self.compact = len(self.parts) > 1 or (slices.sharded and any(p.kernel.whole_leaves for p in self.parts))
 
     # ------------------------------------------------------------------ make and check
     def init(self, params: Any) -> FusedState:
@@ -249,7 +248,7 @@ class StateLayout:
                 if len(flats) != len(self.plan.buckets) or any(
                         t.numel() != self.mine.sizes[b.index][k] or t.dtype != b.dtype or t.device != b.device
                         for t, b in zip(flats, self.plan.buckets)):
-                    what = "slices" if self.shards.sharded else "buckets"
+                    what = "slices" if self.slices.sharded else "buckets"
                     raise ValueError(f"{self.name}: opt_state.buffers[{key!r}] does not match this step's "
                                      f"{len(self.plan.buckets)} {what} (a state made for another plan, world "
                                      "size or sharding? convert it with step.state_to_tree / step.state_from_tree)")
@@ -386,15 +385,15 @@ class StateLayout:
             if lo <= at.start and at.stop <= hi:
                 flats[at.bucket][at.at:at.at + (at.stop - at.start)].copy_(data[at.start - lo:at.stop - lo])
                 return
-        where = "slice" if self.shards.sharded else "state"
+        where = "slice" if self.slices.sharded else "state"
         raise ValueError(f"{what}{slot.path} holds elements {[list(r) for r in leaf.ranges]} of the leaf, but this "
-                         f"rank's {where} ({self.shards.rank} of {self.shards.size}) needs its elements "
+                         f"rank's {where} ({self.slices.rank} of {self.slices.size}) needs its elements "
                          f"{at.start}:{at.stop} (load it with step.state_to_shards(step.init(params), params) as like)")
 
     def _whole(self, b: int, k: int, mine: torch.Tensor) -> torch.Tensor:
         """Bucket ``b``'s whole state of part ``k`` in the bucket's layout, from this rank's
         (compact) part: an all-gather when sharded; other parts' elements are zeros."""
-        s, bucket = self.shards, self.plan.buckets[b]
+        s, bucket = self.slices, self.plan.buckets[b]
         one_part = not self.compact
         if not s.sharded and one_part:
             return mine
@@ -453,7 +452,7 @@ class StateLayout:
 
     def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
         """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
-        s = self.shards
+        s = self.slices
         if not self.compact:
             if not s.sharded:
                 return whole.clone()

@@ -1,10 +1,10 @@
-"""``FusedStep``, what ``reducer.grad_and_update`` returns, and the Reducer's cache of cores.
+"""``FusedStep``, what ``reducer.grad_and_update`` returns, and the Reducer's cache of engines.
 
-A ``FusedStep`` is cheap: it holds the loss function, the optimizer and its ``Program``.
-What is expensive (flat param sets, gradient buffers, the step machine) lives in a
-``FusedCore``, which the Reducer keeps in a small cache (``FusedCores``) keyed by layout, so
-a step made anew each call (for a new ``accumulate=``, or a new ``adamw(lr=...)`` object)
-reuses the core of the step before it, and the cache never holds more than ``MAX`` cores.
+A ``FusedStep`` is cheap: it holds the loss function, the optimizer, its ``Program`` and its
+``StepMode``. What is expensive (flat param sets, gradient buffers, the step machine) lives in
+an ``Engine``, which the Reducer keeps in a small cache (``Engines``) keyed by layout, so a
+step made anew each call (for a new ``accumulate=``, or a new ``adamw(lr=...)`` object)
+reuses the engine of the step before it, and the cache never holds more than ``MAX`` engines.
 """
 
 from __future__ import annotations
@@ -15,16 +15,18 @@ from typing import Any
 
 from .. import _tree
 from .._plan.bucket import BucketPlan
+from .._protocols import template_of
 from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
 from ..optim import Optimizer
 from ..optim._flat import split_chain
 from . import eager
-from .core import FusedCore
+from .engine import Engine, StepMemory
+from .mode import StepMode
 from .program import Program
 from .state import FusedState, StateLayout
-from .units_core import UnitCore
+from .stores import StoreKind
 
 NAME = "fdp.Reducer.grad_and_update"
 
@@ -39,47 +41,39 @@ EAGER_ONLY = (f"{NAME}'s step cannot be traced by torch.compile (its per-bucket 
 eager_only = eager.eager_only(EAGER_ONLY)
 
 
-def template(params: Any) -> Any:
-    """``params``, or for fully sharded ``ShardedParams`` their tree of meta tensors (the
-    shapes and dtypes masks and ``opt.init`` read)."""
-    make = getattr(params, "__fdp_template__", None)
-    return make() if make is not None else params
-
-
-class FusedCores:
-    """A Reducer's fused cores, by (plan, param groups); the least recently used goes first
+class Engines:
+    """A Reducer's fused engines, by (plan, param groups); the least recently used goes first
     once there are ``MAX``."""
 
     MAX = 4
 
     def __init__(self, config: StepConfig) -> None:
         self.config = config
-        self._cores: OrderedDict[tuple, FusedCore] = OrderedDict()
+        self._engines: OrderedDict[tuple, Engine] = OrderedDict()
 
-    def get(self, plan: BucketPlan, program: Program) -> FusedCore:
-        key = (plan.fingerprint, program.core_key)
-        core = self._cores.get(key)
-        if core is None:
-            kind = FusedCore if self.config.units is None else UnitCore
-            core = self._cores[key] = kind(self.config, plan, program.keys, program.whole_parts, NAME,
-                                           program.decayed_apart)
-            while len(self._cores) > self.MAX:
-                self._cores.popitem(last=False)
+    def get(self, plan: BucketPlan, program: Program) -> Engine:
+        key = (plan.fingerprint, program.engine_key)
+        engine = self._engines.get(key)
+        if engine is None:
+            engine = self._engines[key] = Engine(self.config, plan, program.keys, program.whole_parts, NAME,
+                                                 program.decayed_apart)
+            while len(self._engines) > self.MAX:
+                self._engines.popitem(last=False)
         else:
-            self._cores.move_to_end(key)
-        return core
+            self._engines.move_to_end(key)
+        return engine
 
-    def current(self, program: Program, core: FusedCore) -> bool:
-        """Whether ``core`` is still the cached core of ``program``'s layout (it is then the most
-        recently used again)."""
-        key = (core.plan.fingerprint, program.core_key)
-        if self._cores.get(key) is not core:
+    def current(self, program: Program, engine: Engine) -> bool:
+        """Whether ``engine`` is still the cached engine of ``program``'s layout (it is then the
+        most recently used again)."""
+        key = (engine.plan.fingerprint, program.engine_key)
+        if self._engines.get(key) is not engine:
             return False
-        self._cores.move_to_end(key)
+        self._engines.move_to_end(key)
         return True
 
     def __len__(self) -> int:
-        return len(self._cores)
+        return len(self._engines)
 
 
 class FusedStep:
@@ -124,43 +118,45 @@ class FusedStep:
     ``state_from_tree``, a loaded state).
     """
 
-    def __init__(self, cores: FusedCores, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
+    def __init__(self, engines: Engines, plan: BucketPlan, opt: Optimizer, fn: Callable, has_aux: bool,
                  accumulate: Any, donate: bool, uneven: bool = False) -> None:
-        split_chain(opt, NAME, sharded=cores.config.sharded)  # refuse an unsupported optimizer now
-        self._cores, self._plan, self.opt = cores, plan, opt
+        split_chain(opt, NAME, sharded=engines.config.sharded)  # refuse an unsupported optimizer now
+        self._engines, self._plan, self.opt = engines, plan, opt
         self.fn, self.has_aux, self.donate, self.uneven = fn, has_aux, donate, bool(uneven)
         self._acc_tree = accumulate  # (grad_and_update's accumulate=: a gradient tree, bound here)
         self._program: Program | None = None
-        self._core: FusedCore | None = None
+        self._engine: Engine | None = None
         self._layout: StateLayout | None = None
+        self._mode: StepMode | None = None
         self._last: StepRecord | None = None
 
-    def _bind(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
-        core, program = self._core, self._program
-        if core is not None and self._cores.current(program, core):  # (every call after the first)
-            return core, program, self._layout
-        # What a core keeps across calls is made as ordinary tensors, also when the first
+    def _bind(self, params: Any) -> tuple[Engine, Program, StateLayout, StepMode]:
+        engine, program = self._engine, self._program
+        if engine is not None and self._engines.current(program, engine):  # (every call after the first)
+            return engine, program, self._layout, self._mode
+        # What an engine keeps across calls is made as ordinary tensors, also when the first
         # call is inside torch.inference_mode() (the step updates them in place outside it).
         with autograd_on():
             return self._bind_now(params)
 
-    def _bind_now(self, params: Any) -> tuple[FusedCore, Program, StateLayout]:
+    def _bind_now(self, params: Any) -> tuple[Engine, Program, StateLayout, StepMode]:
         if self._program is None:  # (read on params in the plan's leaf order)
-            params = template(params)
+            params = template_of(params)
             ordered = _tree.unflatten(self._plan.treedef, self._plan.leaves_of(params, f"{NAME} params"))
-            self._program = Program(self.opt, ordered, NAME, sharded=self._cores.config.sharded)
-        core = self._cores.get(self._plan, self._program)
-        if core is not self._core or self._layout is None:
-            self._core, self._layout = core, core.state_layout(self._program)
-        return core, self._program, self._layout
+            self._program = Program(self.opt, ordered, NAME, sharded=self._engines.config.sharded)
+        engine = self._engines.get(self._plan, self._program)
+        if engine is not self._engine or self._layout is None:
+            self._engine, self._layout = engine, engine.state_layout(self._program)
+            self._mode = engine.mode_of(self._program)
+        return engine, self._program, self._layout, self._mode
 
     def init(self, params: Any) -> FusedState:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
         checked across ranks)."""
-        core, _, layout = self._bind(params)
+        engine, _, layout, _ = self._bind(params)
         with autograd_on():  # (an inference tensor could not be updated in place by the step)
-            state = layout.init(template(params))
-        core.broken = None  # a fresh state: a failed step's partial update is behind us
+            state = layout.init(template_of(params))
+        engine.fresh_state()
         return state
 
     def shard(self, params: Any) -> Any:
@@ -174,12 +170,13 @@ class FusedStep:
         Raises:
           TypeError: the Reducer does not shard its params.
         """
-        core, _, _ = self._bind(params)
-        if not isinstance(core, UnitCore):
+        engine, _, _, _ = self._bind(params)
+        if engine.store.kind is not StoreKind.UNITS:
             raise TypeError(f"{NAME}: step.shard(params) is for fully sharded params (Reducer(shard='params')); "
                             "this step's params are whole on every rank")
-        pset, _ = core.params.current(params, False)
-        return core.params.views(pset)
+        sets = engine.store.params
+        pset, _ = sets.current(params, False)
+        return sets.views(pset)
 
     @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
@@ -211,12 +208,12 @@ class FusedStep:
         return self._grad_step(params, opt_state, rest, kwargs, False)
 
     def _grad_step(self, params: Any, opt_state: Any, rest: tuple, kwargs: dict, active: bool) -> tuple:
-        core, program, layout = self._bind(params)
+        engine, program, layout, mode = self._bind(params)
         try:
-            return core.run_grad(program, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
-                                 self._acc_tree, self.donate, active=active if self.uneven else None)
+            return engine.run_grad(program, mode, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
+                                   self._acc_tree, self.donate, active=active if self.uneven else None)
         finally:
-            self._last = self._cores.config.steps.last
+            self._last = self._engines.config.steps.last
 
     @eager_only
     def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -234,8 +231,8 @@ class FusedStep:
         then averaged); no gradient tree is built or summed per micro-batch. Returns what
         ``fn`` returns (the loss, or ``(loss, aux)``), detached.
         """
-        core, _, _ = self._bind(params)
-        return core.accumulate(self.fn, self.has_aux, params, rest, kwargs)
+        engine, _, _, _ = self._bind(params)
+        return engine.accumulate(self.fn, self.has_aux, params, rest, kwargs)
 
     @eager_only
     def update(self, grads: Any, opt_state: FusedState, params: Any, *, active: bool | None = None
@@ -243,26 +240,26 @@ class FusedStep:
         """Average ``grads`` computed any other way over the ranks and apply the fused update
         (uneven inputs: ``active=False`` ranks pass ``grads=None`` and contribute zeros, as
         ``reducer.all_reduce``)."""
-        core, program, layout = self._bind(params)
+        engine, program, layout, mode = self._bind(params)
         try:
-            return core.run_update(program, layout, grads, opt_state, params, active, self.donate)
+            return engine.run_update(program, mode, layout, grads, opt_state, params, active, self.donate)
         finally:
-            self._last = self._cores.config.steps.last
+            self._last = self._engines.config.steps.last
 
     def state_to_tree(self, opt_state: FusedState, params: Any) -> Any:
         """The per-leaf optimizer state, as ``opt.init(params)`` lays it out, in ``params``'
         own structure (a copy). Sharded (``Reducer(shard=True)``), a collective: every rank's
         slices are gathered, and every rank gets the whole state (save it with ``fdp.save``;
         it loads into any world size, plan, or the unsharded step)."""
-        core, _, layout = self._bind(params)
-        return layout.to_tree(core.check_state(layout, opt_state), template(params))
+        engine, _, layout, _ = self._bind(params)
+        return layout.to_tree(engine.check_state(layout, opt_state), template_of(params))
 
     def state_from_tree(self, tree_state: Any, params: Any) -> FusedState:
         """A ``FusedState`` from a per-leaf state (``opt.init``'s layout, e.g. loaded)."""
-        core, _, layout = self._bind(params)
+        engine, _, layout, _ = self._bind(params)
         with autograd_on():
-            state = layout.from_tree(tree_state, template(params))
-        core.broken = None
+            state = layout.from_tree(tree_state, template_of(params))
+        engine.fresh_state()
         return state
 
     def state_to_shards(self, opt_state: FusedState, params: Any) -> Any:
@@ -282,8 +279,8 @@ class FusedStep:
 
         ``like = {..., "opt": opt.init(params)}`` loads the plain per-leaf tensors instead.
         """
-        core, _, layout = self._bind(params)
-        return layout.to_shards(core.check_state(layout, opt_state), template(params))
+        engine, _, layout, _ = self._bind(params)
+        return layout.to_shards(engine.check_state(layout, opt_state), template_of(params))
 
     def state_from_shards(self, tree_state: Any, params: Any) -> FusedState:
         """This rank's ``FusedState`` from ``state_to_shards``'s layout (e.g. loaded by
@@ -295,11 +292,32 @@ class FusedStep:
           ValueError: a Shard lacks some of this rank's elements, or a leaf's shape or
             dtype is not the param's (names the leaf and the elements needed).
         """
-        core, _, layout = self._bind(params)
+        engine, _, layout, _ = self._bind(params)
         with autograd_on():
-            state = layout.from_shards(tree_state, template(params))
-        core.broken = None
+            state = layout.from_shards(tree_state, template_of(params))
+        engine.fresh_state()
         return state
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket plan the step runs on (its Reducer's)."""
+        return self._plan
+
+    def memory(self) -> StepMemory:
+        """What this step holds besides the optimizer state, in bytes (``fdp.StepMemory``):
+        its flat param sets, gradient buffers, accumulation buffers and (fully sharded) the
+        units' params gathered right now. Made on the first call of the step (or ``init``).
+
+        Example::
+
+            held = step.memory()
+            print(held.param_sets, held.params / 2**20, held.gradients / 2**20)
+        """
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError(f"{NAME}: step.memory() before the step was bound to its params (call step.init "
+                               "or the step first)")
+        return engine.memory()
 
     @property
     def last_step(self) -> StepRecord | None:

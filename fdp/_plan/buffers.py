@@ -148,6 +148,13 @@ class BucketBuffers:
             for b in range(len(self._lent)):
                 self.release(b)
 
+    def nbytes(self) -> int:
+        """Bytes of every buffer held (each storage once)."""
+        held = [*self._wire, *self._results, *(t for p in (*self._handed, *self._casts) for t in p.held),
+                *(t for ts in self._free.values() for t in ts), *self._lent]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held if t is not None}
+        return sum(storages.values())
+
     def grads(self, results: list[torch.Tensor], flats: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per bucket, the flat tensor in the gradients' dtype that the returned gradients view."""
         outs = []

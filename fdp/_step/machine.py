@@ -31,10 +31,10 @@ collective because any change to a bucket's size changes how gloo's ring splits 
 it the summation order that makes fdp's results equal DDP's bit for bit.
 
 A caller that does its own work between the buckets and the status (the fused step's
-updates) issues the status after that work (``StepSpec.closes``); a rank whose backward
+updates) issues the status after that work (``StatusMode.closes``); a rank whose backward
 failed must still stop every rank *before* that work. Either the usual status goes out with
-the last bucket as well (``StepSpec.bucket_status``: a second collective every step), or the
-failure travels in the buckets themselves (``StepSpec.status_on_nan``): the failed rank fills
+the last bucket as well (``StatusMode.AFTER_AND_WITH_BUCKETS``: a second collective every step), or the
+failure travels in the buckets themselves (``StatusMode.AFTER_AND_ON_NAN``): the failed rank fills
 the buckets it drains with NaN, and since the hook sums elementwise in place, every rank's
 last bucket then comes back NaN. Every rank checks one element of it; only when that is NaN
 (a failure, or a gradient that is NaN there) is the status exchanged before the caller's
@@ -44,6 +44,7 @@ last bucket sends no NaN: its failure is told by the caller's status, after the 
 
 from __future__ import annotations
 
+import enum
 import functools
 import operator
 import time
@@ -93,6 +94,39 @@ def hooked_count(buckets: Sequence[tuple[int, int]], hook_threshold_bytes: int) 
     return worth[-1] + 1 if worth else 0
 
 
+class StatusMode(enum.Enum):
+    """When a step's status (which ranks failed, their step numbers) is exchanged.
+
+    * ``WITH_BUCKETS``: issued with the last bucket, checked with the buckets; the step ends
+      there (``reducer.grad``, ``all_reduce``).
+    * ``AFTER``: the caller ends the step with ``StepMachine.close`` after its own work
+      between the buckets and the status (the fused step's updates on arrival): every rank
+      learns of a failure there, in the step or (``wait=False``) at its next call.
+    * ``AFTER_AND_WITH_BUCKETS``: also with the last bucket, checked with the buckets: a rank
+      whose backward failed stops every rank before the caller's work (a second status every
+      step).
+    * ``AFTER_AND_ON_NAN`` (the hook must sum elementwise in place): the same stop without a
+      collective in the common step: a rank whose backward failed fills the buckets it drains
+      with NaN, and the status is exchanged with the buckets only when the last bucket comes
+      back NaN (the module docstring).
+    """
+
+    WITH_BUCKETS = "with the buckets"
+    AFTER = "after the caller's work"
+    AFTER_AND_WITH_BUCKETS = "with the buckets and after the caller's work"
+    AFTER_AND_ON_NAN = "after the caller's work, and with the buckets when the last comes back NaN"
+
+    @property
+    def closes(self) -> bool:
+        """Whether the caller ends the step (``StepMachine.close``)."""
+        return self is not StatusMode.WITH_BUCKETS
+
+    @property
+    def with_buckets(self) -> bool:
+        """Whether a status is issued with the last bucket and checked with the buckets."""
+        return self is StatusMode.WITH_BUCKETS or self is StatusMode.AFTER_AND_WITH_BUCKETS
+
+
 @dataclass(frozen=True)
 class StepSpec:
     """How one step runs, given once when it starts (``StepMachine.start``); nothing changes
@@ -112,18 +146,7 @@ class StepSpec:
       on_ready: called as ``on_ready(b, reduced)`` once per bucket as soon as its result is
         known (the fused step's per-bucket update); for ``in_place`` hooks as soon as fdp
         sees the collective complete, during the backward.
-      closes: the caller ends the step with ``StepMachine.close(step, failed)``: a status is
-        issued then, after whatever the caller does between the buckets and the status (the
-        fused step's updates and gathers), so every rank learns of a failure there: in the
-        step, or (``wait=False``) at the start of its next call.
-      bucket_status: with ``closes``, also issue the usual status with the last bucket
-        (checked when the buckets are): a rank whose backward failed then stops every rank
-        before the caller's own work, and the close's status is a second one, for that work.
-      status_on_nan: with ``closes`` (instead of ``bucket_status``; the hook must sum
-        elementwise in place): a rank whose backward failed fills the buckets it drains with
-        NaN, and the status is exchanged with the buckets only when the last bucket comes
-        back NaN (the module docstring): the same stop before the caller's work, without a
-        collective in the common step.
+      status: when the step's status is exchanged (``StatusMode``).
       on_filled: called as ``on_filled(b)`` once bucket ``b``'s gradients are in its flat
         buffer (just before its collective is launched): nothing needs the bucket's params
         for this backward any more (fully sharded params free their gathered copy then).
@@ -137,15 +160,8 @@ class StepSpec:
     active: bool = True
     defer: bool = False
     on_ready: Callable[[int, torch.Tensor], None] | None = None
-    closes: bool = False
-    bucket_status: bool = False
-    status_on_nan: bool = False
+    status: StatusMode = StatusMode.WITH_BUCKETS
     on_filled: Callable[[int], None] | None = None
-
-    @property
-    def buckets_status(self) -> bool:
-        """Whether the status is issued with the last bucket (and checked with the buckets)."""
-        return not self.closes or self.bucket_status
 
 
 class Pending(NamedTuple):
@@ -299,14 +315,14 @@ class StepMachine:
 
     def finish(self, step: Step) -> list[torch.Tensor]:
         """Launch what is left, wait for every bucket, and return the reduced flats (wire
-        dtype). A step whose spec ``closes`` stays in flight until ``close``."""
+        dtype). A step whose status ``closes`` stays in flight until ``close``."""
         try:
             return step.finish()
         except BaseException as e:
             self.abort(step, e)
             raise
         finally:
-            if not step.spec.closes:
+            if not step.spec.status.closes:
                 self._end(step)
 
     def abort(self, step: Step, exc: BaseException | None = None) -> None:
@@ -315,10 +331,10 @@ class StepMachine:
         nothing: this rank's next call pairs with the others' current step (unless the caller
         issued some of the step's collectives itself: ``Step.issued_elsewhere``). After a
         ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
-        another rank's and every rank already knows. A step whose spec ``closes`` and that was
+        another rank's and every rank already knows. A step whose status ``closes`` and that was
         drained stays in flight when its only status is the close's: that status comes from
         ``close(step, failed=True)``, after the caller's own collectives (also one whose failure
-        the buckets could not tell: ``status_on_nan`` after the last bucket was launched)."""
+        the buckets could not tell: ``AFTER_AND_ON_NAN`` after the last bucket was launched)."""
         drained = told = False
         try:
             if (step.next > 0 or step.issued_elsewhere) and not isinstance(exc, CollectiveError):
@@ -331,7 +347,7 @@ class StepMachine:
                 self._end(step)
 
     def close(self, step: Step, failed: bool, wait: bool = True) -> int:
-        """End a step whose spec ``closes``: issue its status (``failed``: this rank's part of
+        """End a step whose status ``closes``: issue its status (``failed``: this rank's part of
         the step failed) and return how many ranks failed. Raises ``CollectiveError`` when
         the ranks ran different steps together, or when the status cannot be exchanged.
         ``wait=False``: leave the status in flight and return 0; every rank reads it at the
@@ -408,7 +424,7 @@ class Step:
         # The caller issued collectives of this step outside the machine (fully sharded params'
         # all-gathers): a failure before any bucket launched must still drain them all.
         self.issued_elsewhere = False
-        self.signalled = False  # (status_on_nan) this rank failed and filled a bucket with NaN
+        self.signalled = False  # (AFTER_AND_ON_NAN) this rank failed and filled a bucket with NaN
         self.summed: list[torch.Tensor] | None = None  # per bucket, its gradients' flat sum (``summed_into``)
 
     # ------------------------------------------------------------------ during the backward
@@ -467,7 +483,7 @@ class Step:
 
     def _fill(self, b: int, flat: torch.Tensor) -> None:
         bucket = self.plan.buckets[b]
-        if self.failed and self.spec.status_on_nan:  # every rank's sum of this bucket shows it
+        if self.failed and self.spec.status is StatusMode.AFTER_AND_ON_NAN:  # every rank's sum of this bucket shows it
             flat.zero_()  # (a padded buffer's padding stays zero)
             flat[:bucket.numel].fill_(float("nan"))
             self.signalled = True
@@ -522,7 +538,7 @@ class Step:
             self._landed(b, flat)
         else:
             self.in_flight.append(b)
-        if bucket.last and self.status and self.hook.in_place and self.spec.buckets_status:
+        if bucket.last and self.status and self.hook.in_place and self.spec.status.with_buckets:
             self._start_status()  # overlaps the last bucket's all-reduce
 
     def _start_status(self) -> None:
@@ -585,9 +601,9 @@ class Step:
             self.stamp_done()  # this bucket, and any later one already complete
             if self.times[b].done is None:  # a hook's future may still be running its callbacks
                 self.times[b].done = time.perf_counter() - self.t0
-        if self.spec.buckets_status:
+        if self.spec.status.with_buckets:
             self._check_status()
-        elif self.spec.status_on_nan and results and results[-1].numel() and bool(results[-1][0].isnan()):
+        elif self.spec.status is StatusMode.AFTER_AND_ON_NAN and results and results[-1].numel() and bool(results[-1][0].isnan()):
             self._check_status()  # some rank failed (raises), or a gradient is NaN there: go on
         if self.on_ready is not None:
             for b, r in enumerate(results):
@@ -597,7 +613,7 @@ class Step:
     def drain(self) -> bool:
         """Issue the rest of this failed step's collectives, marked as failed, and wait for them.
         Returns whether every rank knows of the failure now (False: the caller's status will
-        tell them, ``StepSpec.closes``)."""
+        tell them, ``StatusMode.closes``)."""
         self.failed = True
         self.launch_ready(force=True)
         for b, handle in enumerate(self.handles):
@@ -605,7 +621,7 @@ class Step:
                 self.hook.collect(handle, self.plan.buckets[b], self.flats[b], self.group, self.what(b))
             except (CollectiveError, TypeError):
                 pass
-        told = self.spec.buckets_status or self.signalled
+        told = self.spec.status.with_buckets or self.signalled
         if self.status and told:
             if self.status_work is None:
                 self._start_status()
@@ -613,11 +629,11 @@ class Step:
         return told
 
     def close(self, failed: bool) -> int:
-        """The status of a step whose spec ``closes`` (see ``StepMachine.close``)."""
+        """The status of a step whose status ``closes`` (see ``StepMachine.close``)."""
         self.failed = self.failed or failed
         if not self.status:
             return int(self.failed)
-        self._start_status()  # (with bucket_status, the second one: the first was checked already)
+        self._start_status()  # (AFTER_AND_WITH_BUCKETS: the second one; the first was checked already)
         return self._check_status(raise_failed=False)
 
     def _check_status(self, raise_failed: bool = True) -> int:

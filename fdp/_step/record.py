@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Gather(NamedTuple):
+    """One all-gather of a unit's params (fully sharded), in seconds since the step started:
+    when it was issued, when the compute started waiting for it, when it was complete, and
+    when its memory was freed (None: still held when the record was made)."""
+
+    issued: float
+    waited: float
+    done: float
+    freed: float | None = None
 
 
 @dataclass
@@ -34,9 +46,11 @@ class BucketTimes:
     update_end: float | None = None
     # The sharded fused step: when this bucket's params all-gather was seen complete.
     gathered: float | None = None
-    # Fully sharded params: each all-gather of this bucket's (its unit's) params in the step,
-    # as (issued, waited for from, complete); the wait is what the compute did not hide.
-    gathers: list[tuple[float, float, float]] = field(default_factory=list)
+    # Fully sharded params: each all-gather of this bucket's (its unit's) params in the step
+    # (``Gather``: issued, waited for from, complete, freed; the wait is what the compute did
+    # not hide), and the bytes one gather holds (the unit's params in ``param_dtype``).
+    gathers: list[Gather] = field(default_factory=list)
+    gather_nbytes: int = 0
 
 
 @dataclass
@@ -88,7 +102,19 @@ class Timeline:
     def exposed_gather(self) -> float:
         """Fully sharded params: seconds the step waited for its units' params all-gathers
         (what the compute and the prefetch did not hide; 0 otherwise)."""
-        return sum(done - waited for b in self.buckets for _, waited, done in b.gathers)
+        return sum(g.done - g.waited for b in self.buckets for g in b.gathers)
+
+    @property
+    def peak_gathered(self) -> int:
+        """Fully sharded params: the most bytes of gathered unit params held at once in the step
+        (from each gather's issue to its free; 0 otherwise)."""
+        events = sorted((t, sign * b.gather_nbytes) for b in self.buckets for g in b.gathers
+                        for t, sign in ((g.issued, 1), (self.end if g.freed is None else g.freed, -1)))
+        peak = now = 0
+        for _, delta in events:  # (at one instant a free sorts before an issue: -n < +n)
+            now += delta
+            peak = max(peak, now)
+        return peak
 
     @property
     def exposed_update(self) -> float:

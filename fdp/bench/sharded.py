@@ -170,13 +170,14 @@ def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
         k.step(t, cfg.batch)
     out: dict[str, Any] = {"peak_mib": (rss()[1] - base) / 2**20}
     if kind == "zero3":
-        core = k.step_fn._core  # the bound: (params + grads + state) / world + two largest units + the root
-        units = core.units
-        blocks = sorted(n for b, n in enumerate(units.nbytes) if units.unit_of_bucket[b] != 0)
-        root = sum(n for b, n in enumerate(units.nbytes) if units.unit_of_bucket[b] == 0)
-        whole = sum(b.nbytes for b in core.plan.buckets)
+        # the bound: (params + grads + state) / world + the two largest units + the root (a unit
+        # is gathered twice a step, the root's buckets once)
+        timeline = k.timeline
+        blocks = sorted(b.gather_nbytes for b in timeline.buckets if len(b.gathers) == 2)
+        root = sum(b.gather_nbytes for b in timeline.buckets if len(b.gathers) == 1)
+        whole = sum(b.nbytes for b in k.step_fn.plan.buckets)
         out["bound_mib"] = (4 * whole / group.size + sum(blocks[-2:]) + root) / 2**20
-        out["gathered_mib"] = units.peak_gathered / 2**20
+        out["gathered_mib"] = timeline.peak_gathered / 2**20
     return out
 
 

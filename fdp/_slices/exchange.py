@@ -1,37 +1,26 @@
-"""Sharding the fused step over its buckets (ZeRO-1/2): layout, groups and collectives.
+"""What sharded steps exchange over the shard group, slice by slice: the reduce-scatter and the
+all-gather (``Scatter``), the replica all-reduces of a 2-D mesh (``Replicas``), the leaves that
+cross a slice boundary for an exact norm (``Straddles``), and whole leaves to and from their
+owner rank (``Owners``: Muon's matrices). The slices themselves are ``fdp._slices.geometry``.
 
-``Reducer(params, group, shard=True)``: each bucket of the fused step is padded to a multiple
-of the shard group's size ``n`` and cut into ``n`` equal slices; rank ``r`` owns slice ``r``::
-
-    bucket b, padded:  [ leaf 0 | leaf 1 | leaf 2 ...      | pad ]
-    slices:            [ rank 0     | rank 1     | rank 2     ]
-                         S elements   S elements   S elements    (S = padded / n)
-
-A step fills the bucket as the unsharded step does (local gradients, prescaled by 1/world),
-then *reduce-scatters* it: rank ``r`` receives the sum of slice ``r`` over the ranks. It
-updates only its slice of the flat params, with only its slice of the optimizer state (one
-kernel call per chunk of the slice), and then *all-gathers* the params: every rank ends the
-step with the whole updated params, and holds ``1/n`` of the optimizer state. A
-reduce-scatter plus an all-gather move the bytes of one all-reduce.
-
-Leaves may straddle slices (a slice is a byte range of the bucket, not a set of leaves), as
-in Megatron's distributed optimizer. The padding's params, gradients and state are zeros
-and stay zeros under every fdp optimizer (a zero gradient on a zero param changes nothing).
-
-A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP) reduce-scatters within
-``shard``, all-reduces the slice over ``replicate``, updates, and all-gathers within
-``shard``; the optimizer state is ``1/shard`` of the whole on every rank.
+A step fills a bucket as the unsharded step does (local gradients, prescaled by 1/world), then
+*reduce-scatters* it: rank ``r`` receives the sum of slice ``r`` over the ranks. It updates
+only its slice, with only its slice of the optimizer state, and then (``shard=True``)
+*all-gathers* the params: a reduce-scatter plus an all-gather move the bytes of one
+all-reduce. A 2-D ``DeviceMesh`` with dims ``("replicate", "shard")`` (HSDP) reduce-scatters
+within ``shard``, all-reduces the slice over ``replicate``, updates, and all-gathers within
+``shard``.
 
 Order of collectives: a process group needs every rank to issue the same collectives in the
 same order. The reduce-scatters are issued in bucket order from the backward's hooks; the
-all-gathers are issued only after the last reduce-scatter (and the step's status), in bucket
-order, so no rank interleaves them differently from another, however its backward and its
-updates are timed. The replicate all-reduces (2-D) have a process group of their own and are
-issued in bucket order too.
+all-gathers only after the last reduce-scatter (and the step's status), in bucket order, so
+no rank interleaves them differently from another, however its backward and its updates are
+timed. The replicate all-reduces (2-D) have a process group of their own and are issued in
+bucket order too.
 
 How the slices move depends on the backend (``Scatter``): NCCL's own reduce-scatter and
-all-gather; point-to-point exchanges on gloo; ``all_to_all_single`` elsewhere. The figures
-behind the choice are in docs/performance.md ("The sharded step").
+all-gather; point-to-point exchanges on gloo; ``all_to_all_single`` elsewhere (the figures
+behind the choice: docs/performance.md, "The sharded step").
 """
 
 from __future__ import annotations
@@ -43,43 +32,11 @@ import torch
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
+from .geometry import Slices
 
-__all__ = ["Scatter", "Shards"]
-
-
-class Shards:
-    """How each bucket of ``plan`` is cut over ``size`` ranks, from ``rank``'s point of view.
-
-    ``padded[b]``: the bucket's length rounded up to a multiple of ``size``; ``lo[b]:hi[b]``:
-    this rank's slice of it. ``Shards(plan, 1, 0)`` is the unsharded layout (the whole bucket).
-    """
-
-    __slots__ = ("size", "rank", "padded", "lo", "hi")
-
-    def __init__(self, plan: BucketPlan, size: int, rank: int) -> None:
-        self.size, self.rank = size, rank
-        self.padded = [-(-b.numel // size) * size for b in plan.buckets]
-        per = [p // size for p in self.padded]
-        self.lo = [rank * s for s in per]
-        self.hi = [(rank + 1) * s for s in per]
-
-    @property
-    def sharded(self) -> bool:
-        return self.size > 1
-
-    def numel(self, b: int) -> int:
-        """Elements of bucket ``b``'s slice (the per-rank optimizer state's length)."""
-        return self.hi[b] - self.lo[b]
-
-    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of bucket ``b``'s padded flat tensor (a view; ``flat`` itself when
-        unsharded)."""
-        if self.size == 1 and flat.numel() == self.hi[b]:
-            return flat
-        return flat[self.lo[b]:self.hi[b]]
+__all__ = ["Owners", "Replicas", "Scatter", "Straddles"]
 
 
-# ---------------------------------------------------------------------------- collectives
 class Scatter:
     """The reduce-scatter of a bucket over the shard group, and the all-gather back.
 
@@ -95,18 +52,23 @@ class Scatter:
     faults per 32 MiB gather, measured), so fdp exchanges the slices point to point: each
     rank sends slice ``j`` of its bucket to rank ``j`` and receives the others' copies of its
     own slice (a staging buffer of ``world - 1`` slices), then adds them; for the gather it
-    sends its updated slice to every rank and receives theirs straight into the bucket (no
-    staging). Other backends (the threaded test group has no point-to-point): one
-    ``all_to_all_single`` each way through a bucket-sized staging buffer. Staging buffers
-    are pooled, each the largest bucket's size, as many as are ever in flight at once.
+    sends its updated slice to every rank and receives theirs straight into the bucket, or,
+    ``apart=True``, through a staging buffer copied into the bucket when the gather is done:
+    gloo keeps references to the tensors of its last point-to-point exchanges long after they
+    completed, and a bucket of a param set with references that fdp cannot account for is one
+    the pure sharded step may not write again (it would make a new set each step). Other
+    backends (the threaded test group has no point-to-point): one ``all_to_all_single`` each
+    way through a bucket-sized staging buffer. Staging buffers are pooled, each the largest
+    bucket's size, as many as are ever in flight at once.
     """
 
-    def __init__(self, shards: Shards, group: Group) -> None:
-        self.shards, self.group = shards, group
+    def __init__(self, slices: Slices, group: Group) -> None:
+        self.slices, self.group = slices, group
         self.mode = {"nccl": "native", "gloo": "p2p"}.get(group.backend, "all_to_all")
-        self.peers = [j for j in range(shards.size) if j != shards.rank]
-        self.staged: list[torch.Tensor | None] = [None] * len(shards.padded)  # per bucket in flight
+        self.peers = [j for j in range(slices.size) if j != slices.rank]
+        self.staged: list[torch.Tensor | None] = [None] * len(slices.padded)  # per bucket in flight
         self.spare: list[torch.Tensor] = []
+        self.into: list[torch.Tensor | None] = [None] * len(slices.padded)  # (apart) where a gather lands
 
     def _stage(self, b: int, like: torch.Tensor) -> torch.Tensor:
         """A staging buffer shaped like ``like`` for bucket ``b`` (a view of a pooled one)."""
@@ -115,7 +77,7 @@ class Scatter:
         if fits:  # the smallest that fits (popped by index: tensors compare elementwise)
             buf = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
         else:  # the largest bucket's size: any bucket can use it later
-            buf = torch.empty(max(self.shards.padded), dtype=like.dtype, device=like.device)
+            buf = torch.empty(max(self.slices.padded), dtype=like.dtype, device=like.device)
         self.staged[b] = buf
         return buf[:n]
 
@@ -126,11 +88,11 @@ class Scatter:
         return buf[:n]
 
     def _slice(self, b: int, flat: torch.Tensor, j: int) -> torch.Tensor:
-        size = self.shards.numel(b)
+        size = self.slices.numel(b)
         return flat[j * size:(j + 1) * size]
 
     def launch(self, b: int, flat: torch.Tensor) -> Any:
-        group, s = self.group, self.shards
+        group, s = self.group, self.slices
         what = f"reduce-scatter of bucket {b}"
         if group.process_group is None:
             return comm.DONE
@@ -144,7 +106,7 @@ class Scatter:
 
     def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
         """This rank's reduced slice (in ``flat``), once ``launch``'s work has completed."""
-        s = self.shards
+        s = self.slices
         mine = s.mine(b, flat)
         if self.mode == "native" or self.group.process_group is None:
             return mine
@@ -157,8 +119,10 @@ class Scatter:
             mine.add_(part)
         return mine
 
-    def gather(self, b: int, flat: torch.Tensor) -> Any:
-        group, s = self.group, self.shards
+    def gather(self, b: int, flat: torch.Tensor, apart: bool = False) -> Any:
+        """Start the all-gather of bucket ``b`` into ``flat``; ``apart``: the backend never holds
+        ``flat`` itself (gloo: through a staging buffer; see the class docstring)."""
+        group, s = self.group, self.slices
         what = f"all-gather of bucket {b}'s params"
         if group.process_group is None:
             return comm.DONE
@@ -169,10 +133,18 @@ class Scatter:
             send = self._stage(b, flat)
             send.view(s.size, -1).copy_(mine.expand(s.size, -1))  # this rank's slice, for every rank
             return comm.all_to_all(flat, send, group, what)
-        return comm.exchange([(mine, j) for j in self.peers], [(self._slice(b, flat, j), j) for j in self.peers],
-                              group, what, tag=2 * b + 1)
+        target = flat
+        if apart:
+            target = self._stage(b, flat)
+            s.mine(b, target).copy_(mine)
+            self.into[b] = flat
+        return comm.exchange([(s.mine(b, target), j) for j in self.peers],
+                             [(self._slice(b, target, j), j) for j in self.peers], group, what, tag=2 * b + 1)
 
     def gathered(self, b: int) -> None:
+        into, self.into[b] = self.into[b], None
+        if into is not None:  # (apart) the staging buffer holds the whole bucket now
+            into.copy_(self.staged[b][:into.numel()])
         if self.staged[b] is not None:
             self._unstage(b, 0)
 
@@ -247,15 +219,15 @@ class Straddles:
     all-reduce in which each leaf has one non-zero contribution (exact: ``x + 0 = x``).
     """
 
-    def __init__(self, plan: BucketPlan, shards: Shards) -> None:
-        self.plan, self.shards = plan, shards
-        n, me = shards.size, shards.rank
+    def __init__(self, plan: BucketPlan, slices: Slices) -> None:
+        self.plan, self.slices = plan, slices
+        n, me = slices.size, slices.rank
         self.inside: list[list[tuple[int, int]]] = []  # per bucket: (leaf, its offset in my slice)
         self.mine: list[tuple[int, int]] = []     # straddling leaves I own: (bucket, leaf)
         self.sends: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # to rank j: (b, leaf, lo, hi)
         self.recvs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # from rank k
         for b in plan.buckets:
-            per = shards.padded[b.index] // n
+            per = slices.padded[b.index] // n
             inside = []
             for i, off, numel in zip(b.leaves, b.offsets, b.numels):
                 if numel == 0:
@@ -276,7 +248,7 @@ class Straddles:
             self.inside.append(inside)
         # Every rank knows every rank's plan: is there any straddling leaf at all?
         self.any = any(
-            (off // (shards.padded[b.index] // n)) != ((off + numel - 1) // (shards.padded[b.index] // n))
+            (off // (slices.padded[b.index] // n)) != ((off + numel - 1) // (slices.padded[b.index] // n))
             for b in plan.buckets for off, numel in zip(b.offsets, b.numels) if numel)
 
     def inside_views(self, b: int, mine: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
@@ -286,15 +258,15 @@ class Straddles:
         views = [mine[o:o + slots[i].numel].view(slots[i].shape) for i, o in self.inside[b]]
         return leaves, views
 
-    def exchange(self, slices: list[torch.Tensor], group: Group) -> tuple[list[int], list[torch.Tensor]]:
-        """The straddling leaves this rank owns, whole (``slices``: every bucket's reduced
+    def exchange(self, grads: list[torch.Tensor], group: Group) -> tuple[list[int], list[torch.Tensor]]:
+        """The straddling leaves this rank owns, whole (``grads``: every bucket's reduced
         slice, in the params' dtype). A collective over the shard group."""
         if not self.any or group.process_group is None:
             return [], []
-        s, slots = self.shards, self.plan.slots
+        s, slots = self.slices, self.plan.slots
 
         def part(b: int, lo: int, hi: int) -> torch.Tensor:
-            return slices[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8)
+            return grads[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8)
 
         out_parts = [part(b, lo, hi) for j in range(s.size) for b, i, lo, hi in self.sends[j]]
         send = torch.cat(out_parts) if out_parts else torch.empty(0, dtype=torch.uint8, device=group.device)
@@ -313,7 +285,7 @@ class Straddles:
         leaves, wholes = [], []
         for b, i in self.mine:
             off = self.plan.buckets[b].offsets[self.plan.buckets[b].leaves.index(i)]
-            own = slices[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
+            own = grads[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
             leaves.append(i)
             wholes.append(torch.cat([own, *got[i]]).view(slots[i].shape))
         return leaves, wholes
@@ -345,9 +317,9 @@ class Owners:
     (``to_holders``), before the params' all-gather.
     """
 
-    def __init__(self, plan: BucketPlan, shards: Shards, leaves: list[int]) -> None:
-        self.plan, self.shards = plan, shards
-        n, me = shards.size, shards.rank
+    def __init__(self, plan: BucketPlan, slices: Slices, leaves: list[int]) -> None:
+        self.plan, self.slices = plan, slices
+        n, me = slices.size, slices.rank
         slots = plan.slots
         load = [0] * n
         self.owner: dict[int, int] = {}
@@ -360,7 +332,7 @@ class Owners:
         for i in leaves:
             s = slots[i]
             b = s.bucket
-            per = shards.padded[b] // n
+            per = slices.padded[b] // n
             self.parts[i] = [(b, max(s.offset, r * per), min(s.offset + s.numel, (r + 1) * per), r)
                              for r in range(n) if max(s.offset, r * per) < min(s.offset + s.numel, (r + 1) * per)]
         self.mine = sorted(i for i, r in self.owner.items() if r == me)
@@ -372,7 +344,7 @@ class Owners:
     def to_owners(self, grads: list[torch.Tensor], group: Group) -> dict[int, torch.Tensor]:
         """Every leaf this rank owns, whole, in its shape, from the ranks' reduced slices
         (``grads``: this rank's slice of each bucket, the params' dtype). A collective."""
-        s, me, slots = self.shards, self.shards.rank, self.plan.slots
+        s, me, slots = self.slices, self.slices.rank, self.plan.slots
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
         for i, parts in sorted(self.parts.items()):
@@ -398,7 +370,7 @@ class Owners:
     def to_holders(self, flats: list[torch.Tensor], group: Group) -> None:
         """The owners' updated leaves (in their whole buckets ``flats``) into the slices of the
         ranks that hold their parts, before the all-gather. A collective."""
-        s, me, slots = self.shards, self.shards.rank, self.plan.slots
+        s, me, slots = self.slices, self.slices.rank, self.plan.slots
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
         for i, parts in sorted(self.parts.items()):

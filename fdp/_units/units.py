@@ -3,11 +3,13 @@ freed right after.
 
 At rest each rank holds only its slice of every bucket's params; a *unit* (the leaves under
 one module prefix, such as a transformer block, or the *root*: every leaf under no prefix)
-is one bucket per dtype, so a unit's slices are a bucket's slices (``fdp/_fused/shard.py``).
+is one bucket per dtype, so a unit's slices are a bucket's slices (``fdp._slices``).
 
 ``Units`` owns, per bucket, the gathered params (a flat tensor whose storage is allocated
-only while the unit is gathered) and, once for the core's life, each leaf as a tensor on
-that storage. Through a step:
+only while the unit is gathered: ``alloc_storage`` / ``free_storage``) and, once for its
+life, each leaf as a tensor on that storage. A bucket is ``FREE``, ``UNSHARDING`` (its
+all-gather in flight) or ``UNSHARDED``; the verbs are FSDP2's: ``unshard`` (issue the
+all-gather), ``wait_for_unshard``, ``reshard`` (free). Through a step:
 
 * **forward**: ``fdp.Apply`` (given the ``Gathering`` a step passes to the loss, or
   ``ShardedParams`` for inference) puts a meta placeholder in each unit leaf's place in the
@@ -15,14 +17,15 @@ that storage. Through a step:
   for its prefetch, and prefetch the next unit of the last step's order; the real leaves go
   into their places) and ``exit`` (placeholders back; the gathered copy freed unless
   ``reshard_after_forward=False``; a hook on the unit's outputs for the backward). Code that
-  reads a unit's param outside its module's forward sees the placeholder (a meta tensor: an
-  error, never a read of freed memory), except through ``Gathering[key]``, which gathers
-  the unit and keeps it for the rest of the step. The root is gathered when the forward
-  starts and kept.
+  reads a unit's param outside its module's forward sees the placeholder (an error, never a
+  read of freed memory), except through ``Gathering[key]``, which gathers the unit and keeps
+  it for the rest of the step. The root is gathered when the forward starts and kept.
 * **backward**: the first gradient reaching a unit's outputs gathers the unit again (the
   autograd graph saved its leaves, whose storage is filled again) and prefetches the unit
-  that ran before it; once the step machine has copied a bucket's gradients into its flat
-  buffer (``StepSpec.on_filled``), nothing needs the bucket's params: they are freed.
+  that ran before it; a recomputation inside the backward (activation checkpointing) finds
+  its unit gathered or gathers it (``recomputing``); once the step machine has copied a
+  bucket's gradients into its flat buffer (``StepSpec.on_filled``), nothing needs the
+  bucket's params: they are freed.
 * **end**: every gather in flight is waited for, everything is freed, and this step's
   forward order becomes the next step's prefetch order.
 
@@ -33,6 +36,7 @@ one deterministic order).
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -43,11 +47,30 @@ from .. import _tree
 from .._comm.collectives import DONE, exchange, wait
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan, contiguous_strides
-from .._step.record import BucketTimes
-from .shard import Scatter, Shards
+from .._slices.exchange import Scatter
+from .._slices.geometry import Slices
+from .._step.record import BucketTimes, Gather
+from .placeholder import Placeholder
 
 ROOT = ""
-_FREE, _GATHERING, _READY = 0, 1, 2
+
+
+class UnitState(enum.Enum):
+    """Where one bucket's gathered params are (FSDP2's ``ShardedState``, per bucket)."""
+
+    FREE = "free"                # no storage; only this rank's slice exists
+    UNSHARDING = "unsharding"    # storage allocated, the all-gather in flight
+    UNSHARDED = "unsharded"      # gathered: the leaves on its storage may be read
+
+
+def alloc_storage(t: torch.Tensor, nbytes: int) -> None:
+    """Give ``t``'s storage its ``nbytes`` again (the leaves made on it see the memory)."""
+    t.untyped_storage().resize_(nbytes)
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Free ``t``'s storage, keeping the tensor and every tensor made on it (FSDP's own way)."""
+    t.untyped_storage().resize_(0)
 
 
 def unit_of_leaves(keys: Sequence[Any], units: Sequence[str], what: str) -> tuple[tuple[str, ...], list[int]]:
@@ -76,49 +99,6 @@ def unit_of_leaves(keys: Sequence[Any], units: Sequence[str], what: str) -> tupl
     return names, out
 
 
-# What code may ask of a unit's param outside its module's forward: its metadata.
-_METADATA = frozenset({"shape", "dtype", "device", "ndim", "requires_grad", "is_leaf", "layout", "size", "dim",
-                       "numel", "nelement", "is_floating_point", "is_complex", "element_size", "stride",
-                       "is_contiguous", "names", "grad_fn", "__len__"})
-
-
-def _name(func: Any) -> str:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property's getter: the property's name
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
-class Placeholder(torch.Tensor):
-    """What stands in a unit's param's place in the module while the unit is not gathered: a
-    tensor with the param's shape and dtype and no memory (meta), whose metadata may be read
-    but which raises on any computation, naming the param and its unit (a meta tensor alone
-    would not: ``cpu_tensor @ meta_tensor`` returns a CPU tensor of garbage)."""
-
-    what: str
-
-    @staticmethod
-    def make(shape: Sequence[int], dtype: torch.dtype, what: str) -> Placeholder:
-        t = torch.Tensor._make_subclass(Placeholder, torch.empty(shape, dtype=dtype, device="meta"), False)
-        t.what = what
-        return t
-
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if _name(func) in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        what = next((a.what for a in (*args, *(kwargs or {}).values()) if isinstance(a, Placeholder)), "a param")
-        raise RuntimeError(
-            f"fdp: {what} was used outside its unit's forward; with shard='params' a unit's params are gathered "
-            "only while its module runs. Use it inside that module, read it through the params the step "
-            "passes to the loss (params[key] gathers its unit for the step), or leave it out of units (the "
-            "root is gathered for the whole step)")
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:
-        return f"fdp.Placeholder({self.what}, shape={tuple(self.shape)})"
-
-
 def bucket_groups(unit_of: Sequence[int], n_units: int) -> list[int]:
     """Per leaf, its bucket group: its unit's index, or for the root's leaves, one group per
     run of consecutive root leaves (``n_units``, ``n_units + 1``, ...). So the embedding before
@@ -137,9 +117,9 @@ def bucket_groups(unit_of: Sequence[int], n_units: int) -> list[int]:
 
 
 class UnitsView:
-    """What ``fdp.Apply`` needs to run a forward unit by unit (``__fdp_units__``): per leaf its
-    key, its real tensor and its meta placeholder, per unit its module name, and the two
-    calls around a unit's forward."""
+    """What ``fdp.Apply`` needs to run a forward unit by unit (``fdp._protocols.UnitsView``):
+    per leaf its key, its real tensor and its meta placeholder, per unit its module name,
+    and the calls around a unit's forward."""
 
     __slots__ = ("units", "keys", "tensors", "placeholders", "unit_of", "names", "root", "layout", "_finish")
 
@@ -172,12 +152,22 @@ class UnitsView:
 
 
 class Units:
-    """The gathered params of every unit of one fused core (see the module docstring)."""
+    """The gathered params of every unit of one fully sharded step (see the module docstring).
 
-    def __init__(self, plan: BucketPlan, shards: Shards, scatter: Scatter | None, group: Group,
-                 names: tuple[str, ...], reshard_after_forward: bool, param_dtype: torch.dtype | None = None) -> None:
-        self.plan, self.shards, self.scatter, self.group = plan, shards, scatter, group
-        self.names, self.reshard = names, reshard_after_forward
+    Args:
+      plan: the step's plan (one bucket per unit and dtype). slices: the slices of it over
+      the shard group. scatter: the all-gathers (None: a world of one). group: the shard
+      group. names: the units' module names, the root's first. reshard_after_forward: free a
+      unit after its forward. param_dtype: the dtype units are gathered and computed in.
+      check_idle: raises while a step of the same Reducer is in flight (an inference forward
+      must not gather into a step's buffers).
+    """
+
+    def __init__(self, plan: BucketPlan, slices: Slices, scatter: Scatter | None, group: Group,
+                 names: tuple[str, ...], reshard_after_forward: bool, param_dtype: torch.dtype | None,
+                 check_idle: Callable[[str], None]) -> None:
+        self.plan, self.slices, self.scatter, self.group = plan, slices, scatter, group
+        self.names, self.reshard_after_forward, self.check_idle = names, reshard_after_forward, check_idle
         self.keys = list(_tree.keys(plan.treedef))
         self.unit_of_bucket = [b.group if b.group < len(names) else 0 for b in plan.buckets]  # (bucket_groups)
         self.unit_of = [self.unit_of_bucket[s.bucket] for s in plan.slots]
@@ -186,7 +176,7 @@ class Units:
             self.buckets_of[u].append(b)
         # gathered (and computed) in ``param_dtype``, kept in the params' own (mixed precision)
         dtype = [param_dtype or b.dtype for b in plan.buckets]
-        self.fulls = [torch.empty(n, dtype=d, device=b.device) for b, n, d in zip(plan.buckets, shards.padded, dtype)]
+        self.fulls = [torch.empty(n, dtype=d, device=b.device) for b, n, d in zip(plan.buckets, slices.padded, dtype)]
         self.nbytes = [f.untyped_storage().nbytes() for f in self.fulls]
         self.leaves = [torch.empty(0, dtype=dtype[s.bucket], device=s.device).set_(
             self.fulls[s.bucket].untyped_storage(), s.offset, s.shape, contiguous_strides(s.shape))
@@ -195,8 +185,8 @@ class Units:
             Placeholder.make(s.shape, dtype[s.bucket], f"param {k!r} of unit {names[self.unit_of[i]] or '(root)'!r}")
             for i, (k, s) in enumerate(zip(self.keys, plan.slots))]
         for f in self.fulls:
-            f.untyped_storage().resize_(0)
-        self.state = bytearray(len(plan.buckets))
+            free_storage(f)
+        self.state = [UnitState.FREE] * len(plan.buckets)
         self.works: list[Any] = [None] * len(plan.buckets)
         self.issued = [0.0] * len(plan.buckets)
         self.count = [0] * len(plan.buckets)  # gathers issued this step, per bucket
@@ -212,8 +202,6 @@ class Units:
         self.filled = bytearray(len(plan.buckets))
         self.backward = False
         self.training = False
-        self.peak_gathered = 0  # the most bytes gathered at once (this core's life)
-        self._gathered_now = 0
 
     # ------------------------------------------------------------------ a step
     def begin(self, src: list[torch.Tensor], training: bool, tensors: list[torch.Tensor] | None = None,
@@ -222,7 +210,7 @@ class Units:
         """Start a forward over the param slices ``src`` (one per bucket); ``training``: a
         backward follows (the units' outputs get hooks, a unit is freed once its gradients
         are in their bucket). ``tensors``: the leaves the forward uses (a step's autograd
-        leaves on the gathered storage; default: the core's own). ``finish``: what the
+        leaves on the gathered storage; default: the units' own). ``finish``: what the
         view's ``done`` calls. ``times``: the step's ``BucketTimes`` (since ``t0``), where
         each gather is recorded."""
         self.src, self.training, self.times, self.t0 = src, training, times, t0
@@ -230,6 +218,17 @@ class Units:
         self.count = [0] * len(self.fulls)
         self.filled = bytearray(len(self.plan.buckets))
         return UnitsView(self, self.leaves if tensors is None else tensors, finish)
+
+    def inference(self, src: list[torch.Tensor]) -> UnitsView:
+        """A forward over ``src`` without a backward (``ShardedParams`` under ``torch.no_grad``):
+        units gathered one at a time, everything freed when it returns."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "fdp: ShardedParams gather each unit only while it runs, so autograd cannot keep them for a "
+                "backward: run inference under torch.no_grad() (or torch.inference_mode()), and train "
+                "through the step (reducer.grad_and_update), which gathers them again for its backward")
+        self.check_idle("a forward on ShardedParams")
+        return self.begin(src, training=False, finish=self.end)
 
     def drain(self) -> bool:
         """This rank's forward or backward failed: issue, without waiting, the all-gathers the
@@ -246,14 +245,14 @@ class Units:
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for b in range(len(self.fulls)):
             u = self.unit_of_bucket[b]
-            expected = 1 if u == 0 or u in self.kept or not self.reshard else 2
+            expected = 1 if u == 0 or u in self.kept or not self.reshard_after_forward else 2
             for _ in range(expected - self.count[b]):
                 # this rank's slice goes out; what comes in is not looked at (one slice-sized
                 # buffer takes every such receive)
                 mine = self.src[b].to(self.fulls[b].dtype)
                 buf = scratch.get(mine.dtype)
                 if buf is None:
-                    buf = scratch[mine.dtype] = mine.new_empty(max(self.shards.numel(c) for c in range(len(self.fulls))))
+                    buf = scratch[mine.dtype] = mine.new_empty(max(self.slices.numel(c) for c in range(len(self.fulls))))
                 work = exchange([(mine, j) for j in scatter.peers], [(buf[:mine.numel()], j) for j in scatter.peers],
                                 self.group, f"all-gather of bucket {b}'s params (a failed step's)", tag=2 * b + 1)
                 self.drained.append((b, (work, mine, buf)))
@@ -269,23 +268,37 @@ class Units:
             except Exception:  # noqa: BLE001 - the step's own error is the one to raise
                 pass
         for b in range(len(self.fulls)):
-            self._free(b)
+            self.reshard(b)
         if self.entered:
             rest = [u for u in self.order if u not in self.entered]
             self.order = self.entered + rest
         self.src, self.times = None, None
 
+    def whole(self, src: list[torch.Tensor], what: str) -> Any:
+        """The whole params tree on every rank from the slices ``src`` (a collective: every
+        bucket is all-gathered into a new tensor)."""
+        scatter, slices, plan = self.scatter, self.slices, self.plan
+        flats = []
+        for b, (bucket, n) in enumerate(zip(plan.buckets, slices.padded)):
+            out = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
+            out[slices.lo[b]:slices.hi[b]].copy_(src[b])
+            if scatter is not None:
+                wait(scatter.gather(b, out), self.group, f"{what}: gathering bucket {b}'s params")
+                scatter.gathered(b)
+            flats.append(out)
+        return plan.views(flats)
+
     # ------------------------------------------------------------------ forward hooks
     def enter(self, u: int) -> None:
         if u not in self.entered:
             self.entered.append(u)
-        self.ensure(u)
+        self.unshard_unit(u)
         if not self.backward:  # prefetch the unit that ran next last time
             order = self.order
             if u in order:
                 i = order.index(u) + 1
                 if i < len(order):
-                    self._prefetch(order[i])
+                    self.prefetch(order[i])
 
     def exit(self, u: int, output: Any) -> None:
         if self.backward:  # (a recomputation inside the backward: activation checkpointing)
@@ -295,15 +308,15 @@ class Units:
             for t in _tree.leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
-        if u != 0 and u not in self.kept and (self.reshard or not self.training):
+        if u != 0 and u not in self.kept and (self.reshard_after_forward or not self.training):
             for b in self.buckets_of[u]:
-                self._free(b)
+                self.reshard(b)
 
     def keep(self, u: int) -> None:
         """Unit ``u`` was read outside its module's forward: gather it and keep it for the
         rest of the step."""
         self.kept.add(u)
-        self.ensure(u)
+        self.unshard_unit(u)
 
     def _pre_backward_hook(self, u: int) -> Any:
         def hook(grad: torch.Tensor) -> None:
@@ -317,54 +330,55 @@ class Units:
         self.backward = True
         if all(self.filled[b] for b in self.buckets_of[u]):
             return
-        self.ensure(u)
+        self.unshard_unit(u)
         if u in self.entered:
             for v in reversed(self.entered[:self.entered.index(u)]):
                 if any(not self.filled[b] for b in self.buckets_of[v]):
-                    self._prefetch(v)
+                    self.prefetch(v)
                     break
 
     def on_filled(self, b: int) -> None:
         """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer."""
         self.filled[b] = 1
-        self._free(b)
+        self.reshard(b)
 
-    # ------------------------------------------------------------------ gathers
+    # ------------------------------------------------------------------ per unit
     def gathered(self, u: int) -> bool:
-        return all(self.state[b] == _READY for b in self.buckets_of[u])
+        return all(self.state[b] is UnitState.UNSHARDED for b in self.buckets_of[u])
 
-    def ensure(self, u: int) -> None:
+    def unshard_unit(self, u: int) -> None:
         """Unit ``u``'s params gathered (waits for a prefetch in flight)."""
         for b in self.buckets_of[u]:
-            if self.state[b] == _FREE:
-                self._start(b)
+            if self.state[b] is UnitState.FREE:
+                self.unshard(b)
         for b in self.buckets_of[u]:
-            if self.state[b] == _GATHERING:
-                self._wait(b)
+            if self.state[b] is UnitState.UNSHARDING:
+                self.wait_for_unshard(b)
 
-    def _prefetch(self, u: int) -> None:
+    def prefetch(self, u: int) -> None:
+        """Issue unit ``u``'s all-gathers (a unit whose gradients are in is not gathered again)."""
         for b in self.buckets_of[u]:
-            if self.state[b] == _FREE and not self.filled[b]:
-                self._start(b)
+            if self.state[b] is UnitState.FREE and not self.filled[b]:
+                self.unshard(b)
 
-    def _start(self, b: int) -> None:
+    # ------------------------------------------------------------------ per bucket
+    def unshard(self, b: int) -> None:
+        """Allocate bucket ``b``'s storage and issue its all-gather."""
         if self.src is None:
             raise RuntimeError("fdp: a unit of fully sharded params ran outside a step (its params are not "
                                "gathered); call apply inside the step's loss, or with ShardedParams under torch.no_grad()")
         full = self.fulls[b]
-        full.untyped_storage().resize_(self.nbytes[b])
-        self._gathered_now += self.nbytes[b]
-        self.peak_gathered = max(self.peak_gathered, self._gathered_now)
-        s = self.shards
+        alloc_storage(full, self.nbytes[b])
+        s = self.slices
         full[s.lo[b]:s.hi[b]].copy_(self.src[b])
         self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
         self.count[b] += 1
         self.issued[b] = time.perf_counter()
-        self.state[b] = _GATHERING
+        self.state[b] = UnitState.UNSHARDING
 
-    def _wait(self, b: int) -> None:
+    def wait_for_unshard(self, b: int) -> None:
         work, self.works[b] = self.works[b], None
-        self.state[b] = _READY  # (allocated: freed by ``end`` even when the wait fails)
+        self.state[b] = UnitState.UNSHARDED  # (allocated: freed by ``end`` even when the wait fails)
         waited = time.perf_counter()
         wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
                                f"(bucket {b})")
@@ -372,21 +386,26 @@ class Units:
             self.scatter.gathered(b)
         if self.times is not None:
             t0 = self.t0
-            self.times[b].gathers.append((self.issued[b] - t0, waited - t0, time.perf_counter() - t0))
+            times = self.times[b]
+            times.gather_nbytes = self.nbytes[b]
+            times.gathers.append(Gather(self.issued[b] - t0, waited - t0, time.perf_counter() - t0))
 
-    def _free(self, b: int) -> None:
-        if self.state[b] == _GATHERING:
-            self._wait(b)
-        if self.state[b] == _READY:
-            self.fulls[b].untyped_storage().resize_(0)
-            self._gathered_now -= self.nbytes[b]
-            self.state[b] = _FREE
+    def reshard(self, b: int) -> None:
+        """Free bucket ``b``'s gathered params (after its all-gather, if one is in flight)."""
+        if self.state[b] is UnitState.UNSHARDING:
+            self.wait_for_unshard(b)
+        if self.state[b] is UnitState.UNSHARDED:
+            free_storage(self.fulls[b])
+            self.state[b] = UnitState.FREE
+            times = self.times
+            if times is not None and times[b].gathers and times[b].gathers[-1].freed is None:
+                times[b].gathers[-1] = times[b].gathers[-1]._replace(freed=time.perf_counter() - self.t0)
 
 
 class Gathering(Mapping):
     """The params a fully sharded step passes to the loss function: a read-only mapping
     from each key to its leaf. ``fdp.Apply`` runs the forward unit by unit through it
-    (``__fdp_units__``); reading a leaf directly (``params[key]``) gathers its unit and keeps
+    (``units_view``); reading a leaf directly (``params[key]``) gathers its unit and keeps
     it gathered until the step's backward is done with it."""
 
     __slots__ = ("_view", "_index")
@@ -406,11 +425,12 @@ class Gathering(Mapping):
     def __len__(self) -> int:
         return len(self._view.keys)
 
-    def __fdp_units__(self) -> UnitsView:
+    def units_view(self) -> UnitsView:
         return self._view
 
     def __repr__(self) -> str:
         return f"fdp.Gathering({len(self)} params in {len(self._view.names)} units)"
 
 
-__all__ = ["ROOT", "Gathering", "Placeholder", "Units", "UnitsView", "bucket_groups", "unit_of_leaves"]
+__all__ = ["ROOT", "Gathering", "UnitState", "Units", "UnitsView", "alloc_storage", "bucket_groups", "free_storage",
+           "unit_of_leaves"]

@@ -1,0 +1,347 @@
+"""Where a fused step keeps the params, gradients and optimizer state: a ``Store``, one of three,
+chosen when the engine is built (``store_for``).
+
+* ``ReplicatedStore`` (no ``shard``): every rank holds whole flat buckets of params,
+  gradients and state (DDP's layout, flat).
+* ``SlicedStore`` (``shard=True``, ZeRO-1/2): each bucket is reduce-scattered, a rank keeps
+  and updates its slice of the state, and the updated params are all-gathered at the end of
+  the step, so every rank holds whole params between steps.
+* ``UnitStore`` (``shard="params"``, ZeRO-3): a rank keeps only its slices of the params,
+  gradients and state; units are gathered on demand around their forward and backward
+  (``fdp._units``), the wire buffers are transient, and nothing is gathered after the update.
+
+The engine (``fdp/_fused/engine.py``) and its runs are written once against the ``Store``
+protocol: what differs between the three is what a store answers.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from .. import _tree
+from .._comm.group import Group
+from .._plan.bucket import BucketPlan
+from .._plan.buffers import BucketBuffers
+from .._slices.exchange import Scatter, Straddles
+from .._slices.geometry import Slices
+from .._step.autodiff import autograd_on, local_grads, local_grads_into
+from .._step.config import StepConfig
+from .._step.machine import Step, StepMachine
+from .._units.units import Gathering, Units
+from ..hooks import CommHook
+from .params import ParamSet, ParamSets, SliceSets
+
+__all__ = ["Accumulation", "ReplicatedStore", "SlicedStore", "Store", "StoreKind", "UnitStore", "store_for"]
+
+# Wire buffers a fully sharded step's buckets in flight share (each the largest bucket's size):
+# one being filled while one reduce-scatter is still on the wire.
+TRANSIENT = 2
+
+
+class StoreKind(enum.Enum):
+    REPLICATED = "replicated"
+    SLICED = "sliced over the ranks"
+    UNITS = "units gathered on demand"
+
+
+class Accumulation:
+    """This rank's local gradients of the micro-batches since the last step (``step.accumulate``),
+    summed in place: per leaf (``grads``), and where they lie in flat per-bucket buffers, those
+    (``flats``); ``count`` micro-batches so far."""
+
+    __slots__ = ("grads", "flats", "count")
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] | None = None
+        self.flats: list[torch.Tensor] | None = None
+        self.count = 0
+
+
+class Store(Protocol):
+    """What the fused engine asks of where its params, gradients and state live.
+
+    Attributes:
+      kind: which of the three stores. slices: how each bucket is cut over the shard group
+      (one slice, the whole bucket, when replicated). scatter: the reduce-scatter and
+      all-gather (None: the buckets are all-reduced whole). straddles: the leaves that cross
+      a slice boundary, for exact per-leaf statistics (None when unsliced). params: the
+      param sets. gathers_params: the updated slices are all-gathered at the end of the step.
+      hook_threshold: the step machine's ``hook_threshold_bytes``.
+    """
+
+    kind: StoreKind
+    slices: Slices
+    scatter: Scatter | None
+    straddles: Straddles | None
+    params: ParamSets
+    gathers_params: bool
+    hook_threshold: int
+
+    def comm_hook(self, hook: CommHook) -> CommHook:
+        """The hook each bucket's collective goes through (the configured one, or the scatter)."""
+        ...
+
+    def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
+        """The flat buffers buckets are filled and reduced in."""
+        ...
+
+    def attach(self, machine: StepMachine) -> None:
+        """The engine's step machine is built."""
+        ...
+
+    def keep(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Bucket ``b``'s reduced (slice of the) gradient ``mine``, as a run keeps it (``keep``:
+        the run needs it after the bucket's collective has landed, not only while it lands)."""
+        ...
+
+    def on_filled(self, b: int) -> None:
+        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer."""
+        ...
+
+    def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
+        """The leaves a step's loss is differentiated in, over the params in ``src``, and what
+        makes the loss's argument from them (None: the tree of them)."""
+        ...
+
+    def failed(self) -> bool:
+        """This rank's forward or backward failed: issue what the other ranks still expect of it
+        outside the step machine; returns whether it had issued any such collective."""
+        ...
+
+    def ended(self) -> None:
+        """The step is over (or failed)."""
+        ...
+
+    def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
+                   kwargs: dict) -> Any:
+        """Add this rank's gradients of one micro-batch into ``acc`` (no communication)."""
+        ...
+
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered params held now, beyond this rank's own (0 but for units)."""
+        ...
+
+
+def store_for(config: StepConfig, plan: BucketPlan, name: str) -> Store:
+    """The store of a Reducer's fused steps: units with ``shard="params"``, sliced with
+    ``shard=True`` over more than one rank, else replicated."""
+    if config.units is not None:
+        return UnitStore(config, plan, name)
+    if config.sharded:
+        return SlicedStore(config, plan, name)
+    return ReplicatedStore(config, plan, name)
+
+
+def _scattering(scatter: Scatter, hook: CommHook) -> CommHook:
+    """The configured hook's wire dtype, with the bucket's reduce-scatter as its collective."""
+    return CommHook(lambda bucket, flat, group: scatter.launch(bucket.index, flat), dtype=hook.dtype,
+                    name=f"{hook.name}, sharded", in_place=True)
+
+
+class ReplicatedStore:
+    """Whole flat buckets of params, gradients and state on every rank."""
+
+    kind = StoreKind.REPLICATED
+    scatter: Scatter | None = None
+    straddles: Straddles | None = None
+    gathers_params = False
+
+    def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
+        self.config, self.plan, self.name = config, plan, name
+        self.slices = Slices(plan, 1, 0)
+        self.params = ParamSets(plan, self.slices, name)
+        self.hook_threshold = config.hook_threshold_bytes
+
+    def comm_hook(self, hook: CommHook) -> CommHook:
+        return hook
+
+    def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
+        return BucketBuffers(self.plan, wires, reuse=True, padded=self.slices.padded)
+
+    def attach(self, machine: StepMachine) -> None:
+        pass
+
+    def keep(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
+        return mine  # (a view of the bucket's own buffer, which is reused only next step)
+
+    def on_filled(self, b: int) -> None:
+        pass
+
+    def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
+        return src.inner(self.plan), None  # (the padding of a sliced step's flats is left out)
+
+    def failed(self) -> bool:
+        return False
+
+    def ended(self) -> None:
+        pass
+
+    def gathered_bytes(self) -> int:
+        return 0
+
+    def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
+                   kwargs: dict) -> Any:
+        return _accumulate_flat(self.plan, self.params, self.config.engine, acc, fn, has_aux, params, rest, kwargs,
+                                self.name)
+
+
+class SlicedStore(ReplicatedStore):
+    """Whole flat buckets of params on every rank between steps; each bucket reduce-scattered,
+    each rank's slice of the state and of the update, the params all-gathered after it."""
+
+    kind = StoreKind.SLICED
+    gathers_params = True
+
+    def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
+        super().__init__(config, plan, name)
+        shard: Group = config.mesh.shard
+        self.slices = Slices(plan, shard.size, shard.rank)
+        self.params = ParamSets(plan, self.slices, name)
+        self.scatter = Scatter(self.slices, shard)
+        self.straddles = Straddles(plan, self.slices)
+
+    def comm_hook(self, hook: CommHook) -> CommHook:  # (the Reducer has checked that it sums in place)
+        return _scattering(self.scatter, hook)
+
+
+class UnitStore:
+    """Only this rank's slices of params, gradients and state; each unit gathered on demand."""
+
+    kind = StoreKind.UNITS
+    gathers_params = False
+    hook_threshold = 0  # every bucket hooked: a bucket launched only when the backward returns keeps its unit
+
+    def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
+        if config.engine != "autograd":
+            raise ValueError(f"{name}: shard='params' computes gradients with autograd (engine='auto'); "
+                             f"engine={config.engine!r} cannot gather units inside torch.func's transform")
+        self.config, self.plan, self.name = config, plan, name
+        shard = config.mesh.shard
+        self.slices = Slices(plan, shard.size, shard.rank) if config.sharded else Slices(plan, 1, 0)
+        self.scatter = Scatter(self.slices, shard) if config.sharded else None
+        self.straddles = Straddles(plan, self.slices) if config.sharded else None
+        self.machine: StepMachine | None = None
+        self.units = Units(plan, self.slices, self.scatter, shard, config.units, config.reshard_after_forward,
+                           config.param_dtype, self._check_idle)
+        self.params = SliceSets(self.units, plan, self.slices, name)
+        self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
+
+    def _check_idle(self, what: str) -> None:
+        if self.machine is not None:
+            self.machine.check_idle(what)
+
+    def comm_hook(self, hook: CommHook) -> CommHook:
+        return _scattering(self.scatter, hook) if self.scatter is not None else hook
+
+    def bucket_buffers(self, wires: list[torch.dtype]) -> BucketBuffers:
+        return BucketBuffers(self.plan, wires, reuse=True, padded=self.slices.padded, transient=TRANSIENT)
+
+    def attach(self, machine: StepMachine) -> None:
+        self.machine = machine
+
+    def keep(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Copied out of the transient wire buffer into a slice-sized buffer of its own when the
+        run needs it after it has landed (a whole-tree transform, the finite check, a replica
+        sum); else the wire buffer's own slice, updated from before the buffer goes back."""
+        if not keep:
+            return mine
+        buf = self.kept[b]
+        if buf is None:
+            buf = self.kept[b] = torch.empty(self.slices.numel(b), dtype=mine.dtype, device=mine.device)
+        return buf.copy_(mine)
+
+    def on_filled(self, b: int) -> None:
+        self.units.on_filled(b)
+
+    def differentiated(self, src: Any, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
+        units = self.units
+
+        def gathering(inputs: list[torch.Tensor]) -> Gathering:
+            return Gathering(units.begin(src.flats, training=True, tensors=inputs, times=step.times, t0=step.t0))
+
+        return units.leaves, gathering
+
+    def failed(self) -> bool:
+        return self.units.drain()
+
+    def ended(self) -> None:
+        self.units.end()
+
+    def gathered_bytes(self) -> int:
+        return sum(f.untyped_storage().nbytes() for f in self.units.fulls)
+
+    def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
+                   kwargs: dict) -> Any:
+        """This rank's gradients added in place into whole per-leaf accumulation buffers (the sum
+        of the micro-batches, unsharded until the step averages it: the numbers of DDP's
+        ``no_sync``, at the memory of one set of gradients), each unit gathered and freed as in
+        a step."""
+        self._check_idle(f"{self.name}.accumulate")
+        units, plan = self.units, self.plan
+        with autograd_on():
+            src, _ = self.params.current(params, False)
+            if acc.grads is None:
+                acc.grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in plan.slots]
+            first = not acc.count
+            grads, got = acc.grads, bytearray(len(plan.slots))
+            pending = [len(b.leaves) for b in plan.buckets]
+
+            def hook_for(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+                b = plan.slots[i].bucket
+
+                def hook(grad: torch.Tensor) -> torch.Tensor:
+                    if not got[i]:
+                        got[i] = 1
+                        grads[i].copy_(grad) if first else grads[i].add_(grad)
+                        pending[b] -= 1
+                        if pending[b] == 0:
+                            units.on_filled(b)
+                    return grad.new_zeros(()).expand(grad.shape)
+                return hook
+
+            def gathering(inputs: list[torch.Tensor]) -> Gathering:
+                return Gathering(units.begin(src.flats, training=True, tensors=inputs))
+
+            try:
+                _, value = local_grads("autograd", fn, 0, has_aux, (None, *rest), kwargs, units.leaves, plan.treedef,
+                                       [hook_for(i) for i in range(len(plan.slots))], None, wrap=gathering)
+            finally:
+                units.end()
+            if first:
+                for i in range(len(plan.slots)):
+                    if not got[i]:
+                        grads[i].zero_()  # (unused this micro-batch: its gradient is zero)
+            acc.count += 1
+        return value
+
+
+def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumulation, fn: Callable, has_aux: bool,
+                     params: Any, rest: tuple, kwargs: dict, name: str) -> Any:
+    """One micro-batch's local gradients added in place into flat per-bucket buffers (the first
+    one copied); after the first, by autograd's own ``.grad`` accumulation on leaves kept from
+    call to call (the params the step returned: their set's views and autograd leaves)."""
+    with autograd_on():
+        leaves = plan.leaves_of(params, f"{name}.accumulate params")
+        if acc.count and engine == "autograd":  # added in place by autograd itself
+            cur = sets.cur
+            reused = None
+            if type(cur) is ParamSet and cur.holds(leaves):
+                leaves, reused = cur.inner(plan), cur.reused
+            value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, plan.treedef, acc.grads,
+                                     reused=reused)
+            acc.count += 1
+            return value
+        grads, value = local_grads(engine, fn, 0, has_aux, (params, *rest), kwargs, leaves, plan.treedef, None, None)
+        if acc.grads is None:
+            acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
+            acc.grads = _tree.leaves(plan.views(acc.flats))
+        if acc.count:
+            torch._foreach_add_(acc.grads, grads)
+        else:
+            torch._foreach_copy_(acc.grads, grads)
+        acc.count += 1
+    return value

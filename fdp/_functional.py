@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,15 +19,6 @@ from ._protocols import UnitsView, units_of
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is what torch.compile(module) returns: a wrapper holding the module as
-    ``_orig_mod`` (its names get that prefix). Public as ``torch._dynamo.eval_frame.OptimizedModule``
-    only, which is not imported here: importing torch._dynamo costs about a second, and a
-    process that never imported it holds no compiled module."""
-    frame = sys.modules.get("torch._dynamo.eval_frame")
-    return frame is not None and isinstance(module, frame.OptimizedModule)
 
 
 class Apply:
@@ -410,7 +400,7 @@ def _may_checkpoint(module: nn.Module) -> bool:
     for m in module.modules():
         if _class_may_checkpoint(type(m)):
             return True
-        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+        for hook in _internals.module_hooks(m):
             if "checkpoint" in getattr(hook, "__module__", ""):
                 return True
     return False
@@ -579,14 +569,14 @@ def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[s
     slots: dict[int, list[tuple[dict, str]]] = {}
     first: dict[int, str] = {}
     alias: dict[str, str] = {}
-    for kind in ("_parameters", "_buffers"):
-        named = (module.named_parameters(remove_duplicate=False) if kind == "_parameters"
-                 else module.named_buffers(remove_duplicate=False))
+    for buffers, named in enumerate((module.named_parameters(remove_duplicate=False),
+                                     module.named_buffers(remove_duplicate=False))):
         for name, t in named:
             owner, _, key = name.rpartition(".")
             name = clean_name(name)
             alias[name] = first.setdefault(id(t), name)
-            slots.setdefault(id(t), []).append((getattr(module.get_submodule(owner), kind), key))
+            held = _internals.tensor_dicts(module.get_submodule(owner))[buffers]  # (params', or buffers')
+            slots.setdefault(id(t), []).append((held, key))
     return {first[i]: s for i, s in slots.items()}, alias
 
 
@@ -628,7 +618,7 @@ def _non_persistent(module: nn.Module) -> set[str]:
     """Full names of the buffers registered with ``persistent=False`` (not in a state dict)."""
     return {clean_name(f"{prefix}.{b}" if prefix else b)
             for prefix, m in module.named_modules(remove_duplicate=False)
-            for b in m._non_persistent_buffers_set}
+            for b in _internals.non_persistent_buffers(m)}
 
 
 def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[Apply, Tree, Tree]:
@@ -680,8 +670,9 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     if not isinstance(module, nn.Module):
         raise TypeError(f"fdp.functionalize expects an nn.Module, got {type(module).__name__}")
     forward = None
-    if _compiled(module):  # torch.compile(model): name and swap in the model itself
-        forward, module = module, module._orig_mod
+    inner = _internals.compiled_inner(module)
+    if inner is not None:  # torch.compile(model): name and swap in the model itself
+        forward, module = module, inner
     frozen = tuple(frozen) if not isinstance(frozen, str) else (frozen,)
     # tied parameters appear once (first name); wrappers' segments left out of the names
     named = [(clean_name(n), p) for n, p in module.named_parameters()]
@@ -748,8 +739,7 @@ def units(module: nn.Module, *types: type) -> list[str]:
     """
     if not types or not all(isinstance(t, type) for t in types):
         raise ValueError(f"fdp.units: give one or more module classes (e.g. fdp.units(model, Block)), got {types!r}")
-    if _compiled(module):
-        module = module._orig_mod
+    module = _internals.compiled_inner(module) or module
     names = [clean_name(name) for name, m in module.named_modules() if name and isinstance(m, types)]
     if not names:
         raise ValueError(f"fdp.units: {type(module).__name__} has no submodule of type "

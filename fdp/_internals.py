@@ -1,17 +1,120 @@
-"""The private torch APIs fdp leans on, each behind one function of this module.
+"""The private torch APIs fdp leans on, each behind one name of this module.
 
-Each entry says what it is for and the torch versions it was checked on; docs/architecture.md
-lists them.
+No other module of fdp (nor ``fdp.kernels``) reaches into torch's private names:
+``tests/test_architecture.py`` checks it, and that ``CATALOGUE`` (what each is, where fdp
+uses it, why, and the torch versions it was checked on) lists every one;
+docs/architecture.md's table is generated from ``CATALOGUE`` (``python docs/gen_api.py``).
+Where an API may be missing on a supported torch, its function says what fdp does instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import sys
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from importlib.abc import MetaPathFinder
+from importlib.machinery import ModuleSpec
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as _checkpoint_module
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Use:
+    """One private torch API: ``api`` as torch spells it, ``name`` the fdp name behind which it
+    is used, ``why`` fdp needs it, ``checked`` the torch versions it was checked on."""
+
+    api: str
+    name: str
+    why: str
+    checked: str = "2.4, 2.13"
+
+
+CATALOGUE: list[Use] = []
+
+
+def _use(api: str, why: str, checked: str = "2.4, 2.13", name: str | None = None) -> Callable[[Any], Any]:
+    def register(obj: Any) -> Any:
+        CATALOGUE.append(Use(api, name or obj.__name__, why, checked))
+        return obj
+    return register
+
+
+def _constant(api: str, name: str, why: str, checked: str = "2.4, 2.13") -> None:
+    CATALOGUE.append(Use(api, name, why, checked))
+
+
+# ---------------------------------------------------------------------------- autograd and functorch
+try:
+    from torch._C._functorch import (
+        get_unwrapped,
+        is_functorch_wrapped_tensor,
+        peek_interpreter_stack,
+    )
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    FUNCTORCH = True
+except ImportError:  # pragma: no cover - exercised only on a torch without these APIs
+    FUNCTORCH = False
+_constant("torch._C._functorch.{get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack}, "
+          "torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack", "FUNCTORCH",
+          "leaf hooks inside torch.func.grad (the overlapped functorch engine); without them the Reducer uses "
+          "its non-overlapped path: torch.func.grad first, then a bucketed all-reduce")
+
+
+@_use("Tensor._backward_hooks", "a leaf's tensor hooks live in this dict; assigning a one-entry dict to a fresh "
+      "leaf is what Tensor.register_hook does, without its Python bookkeeping (most of a hook's per-leaf cost: "
+      "python -m fdp.bench micro, row \"hook\")")
+def set_leaf_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Make ``hook`` the only backward hook of ``t``, a fresh leaf that requires grad."""
+    t._backward_hooks = {0: hook}
+
+
+def unwrap(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under any number of functorch wrappers (a hook inside ``torch.func.grad``
+    receives a wrapped gradient)."""
+    while FUNCTORCH and is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, ...) is running on this thread."""
+    return FUNCTORCH and peek_interpreter_stack() is not None
+
+
+@contextlib.contextmanager
+def outside_transforms() -> Iterator[None]:
+    """Run plain-tensor code (bucket copies, collectives) as if no transform were active: writing
+    into a buffer made outside the transform raises "mutate a captured Tensor" otherwise."""
+    if in_functorch_transform():
+        with temporarily_clear_interpreter_stack():
+            yield
+    else:
+        yield
+
+
+@_use("torch._C._autograd._top_saved_tensors_default_hooks", "fdp's saved-tensor hooks call a user's own "
+      "(save_on_cpu around apply keeps working)")
+def saved_tensors_hooks_top() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) pair of the innermost ``torch.autograd.graph.saved_tensors_hooks``
+    active on this thread, or None."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@_use("torch._C._autograd._saved_tensors_hooks_is_enabled", "torch.func's grad transforms refuse saved-tensor "
+      "hooks: apply pushes none there")
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be pushed now."""
+    return torch._C._autograd._saved_tensors_hooks_is_enabled()
+
 
 # The file whose frames run a checkpointed region again inside the backward (torch 2.4-2.13:
 # ``_checkpoint_hook.unpack_hook`` -> ``_CheckpointFrame.get_inputs``, or ``ctx.saved_tensors``
@@ -19,65 +122,264 @@ import torch.utils.checkpoint as _checkpoint_module
 _CHECKPOINT_FILE = _checkpoint_module.noop_context_fn.__code__.co_filename
 
 
-# The segments wrapper modules add to the names of what they wrap: ``checkpoint_wrapper``'s
-# ``_checkpoint_wrapped_module`` (torch.distributed.algorithms._checkpoint.checkpoint_wrapper,
-# whose state-dict hooks drop it; torch 2.4-2.13) and torch.compile's ``_orig_mod``
-# (``OptimizedModule``).
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
-
-
-def saved_tensors_hooks_top() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    """The (pack, unpack) pair of the innermost ``torch.autograd.graph.saved_tensors_hooks``
-    active on this thread (``save_on_cpu``'s, say), or None: a pair fdp pushes calls them, so a
-    user's offloading keeps working inside fdp's own hooks.
-    ``torch._C._autograd._top_saved_tensors_default_hooks`` (torch 2.4-2.13)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
-def saved_tensors_hooks_enabled() -> bool:
-    """Whether saved-tensor hooks may be pushed now (torch.func's grad transforms disable them).
-    ``torch._C._autograd._saved_tensors_hooks_is_enabled`` (torch 2.4-2.13)."""
-    return torch._C._autograd._saved_tensors_hooks_is_enabled()
-
-
+@_use("sys._getframe on torch/utils/checkpoint.py's frames", "the unpack of a checkpointed region's inputs is "
+      "the moment before torch runs it again: apply binds the call's tensors then (activation checkpointing)")
 def unpacked_for_recompute(_frame: Callable[[int], Any] = sys._getframe, _file: str = _CHECKPOINT_FILE) -> bool:
     """Called from a saved-tensor unpack hook: whether the tensor being unpacked is an input of
-    a checkpointed region that ``torch.utils.checkpoint`` is about to run again (its
-    recomputation inside the backward): the hook is then called from checkpoint's own Python
-    frames. Checked on torch 2.4 (``_NoopSaveInputs``, reentrant ``CheckpointFunction``) and
-    2.13 (``_CheckpointFrame.get_inputs``); ``sys._getframe`` is CPython's. Runs once per saved
-    tensor: kept to one frame lookup (the defaults are bound once)."""
+    a checkpointed region that ``torch.utils.checkpoint`` is about to run again (the hook is then
+    called from checkpoint's own Python frames). Runs once per saved tensor: kept to one frame
+    lookup (the defaults are bound once)."""
     try:
         return _frame(2).f_code.co_filename == _file
     except ValueError:  # no Python frame under the hook (an autograd worker thread)
         return False
 
 
-def in_functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, ...) is running on this thread.
-    ``torch._C._functorch.peek_interpreter_stack`` (torch 2.4-2.13)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def make_subclass(cls: type, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as an instance of the tensor subclass ``cls`` (no copy, no grad): the way torch's
-    own subclasses are made. ``torch.Tensor._make_subclass`` (torch 2.4-2.13)."""
-    return torch.Tensor._make_subclass(cls, t, False)
-
-
-def torch_function_subclass_disabled() -> Any:
-    """A context in which a subclass's ``__torch_function__`` is not called again (its own
-    fallback to the plain op). ``torch._C.DisableTorchFunctionSubclass`` (torch 2.4-2.13)."""
-    return torch._C.DisableTorchFunctionSubclass()
-
-
+@_use("torch._C._current_graph_task_id, Variable._execution_engine.queue_callback", "put the module's own "
+      "tensors back when the backward that recomputed with a call's tensors ends (as FSDP's end-of-backward)")
 def at_backward_end(fn: Callable[[], None]) -> bool:
-    """Run ``fn`` when the backward running on this thread finishes (autograd's own queue of
-    end-of-graph callbacks, as FSDP uses); False when no backward is running here.
-    ``torch._C._current_graph_task_id``, ``Variable._execution_engine.queue_callback``
-    (torch 2.4-2.13)."""
+    """Run ``fn`` when the backward running on this thread finishes; False when no backward is
+    running here."""
     if torch._C._current_graph_task_id() == -1:
         return False
     torch.autograd.Variable._execution_engine.queue_callback(fn)
     return True
 
+
+# ---------------------------------------------------------------------------- tensors and storages
+@_use("Tensor._make_subclass", "placeholders of unit params (a meta tensor of the param's shape that raises on use)")
+def make_subclass(cls: type, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an instance of the tensor subclass ``cls`` (no copy, no grad)."""
+    return torch.Tensor._make_subclass(cls, t, False)
+
+
+@_use("torch._C.DisableTorchFunctionSubclass", "a placeholder's metadata read without calling its "
+      "__torch_function__ again")
+def torch_function_subclass_disabled() -> Any:
+    """A context in which a subclass's ``__torch_function__`` is not called again."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+_constant("Tensor._version (a view shares its base's)", "version",
+          "whether the params passed to a fused step are the views it handed out, unchanged")
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+_constant("torch._C._storage_Use_Count, UntypedStorage._cdata", "storage_use_count",
+          "whether a flat buffer is still referred to outside fdp (fdp writes only free ones); without it "
+          "nothing is reused")
+
+
+def storage_use_count(t: torch.Tensor) -> int | None:
+    """torch's count of references to ``t``'s storage (every tensor or view on it holds one), or
+    None on a torch without it. The storage object is kept alive across the call: on torch 2.4
+    a temporary one is freed (and its reference dropped) as soon as ``._cdata`` is read."""
+    if _use_count is None:
+        return None
+    storage = t.untyped_storage()
+    return _use_count(storage._cdata)
+
+
+@_use("torch._amp_foreach_non_finite_check_and_unscale_", "AMP's fused finite check (skip_nonfinite, loss scale)")
+def non_finite_check(tensors: list[torch.Tensor], found: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """Set ``found`` to 1 if any element of ``tensors`` is not finite (and multiply them by
+    ``inv_scale``, 1.0 to leave them as they are): one pass per list of one dtype."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale)
+
+
+@_use("torch._amp_update_scale_", "GradScaler.update's own backoff/growth kernel (loss_scale's numbers are "
+      "GradScaler's)")
+def amp_update_scale(scale: torch.Tensor, tracker: torch.Tensor, found_inf: torch.Tensor, growth_factor: float,
+                     backoff_factor: float, growth_interval: int) -> None:
+    torch._amp_update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+
+
+chunk_cat: Callable[..., torch.Tensor] = torch._chunk_cat  # (an alias: no frame in the copy's hot path)
+_constant("torch._chunk_cat", "chunk_cat", "one-call multi-tensor flatten (fdp.kernels' torch path)")
+
+
+unflatten_dense_tensors: Callable[[torch.Tensor, list[torch.Tensor]], list[torch.Tensor]] = \
+    torch._C._nn.unflatten_dense_tensors
+_constant("torch._C._nn.unflatten_dense_tensors", "unflatten_dense_tensors",
+          "one C++ call makes every leaf's view of a flat buffer (fdp.kernels.views)")
+
+
+# ---------------------------------------------------------------------------- torch.optim and its utilities
+@_use("torch.utils._foreach_utils._group_tensors_by_device_and_dtype", "clip_grad_norm_'s own grouping and "
+      "order (fdp's norm is torch's, bit for bit)")
+def group_by_device_and_dtype(tensors: list[torch.Tensor], with_indices: bool = False) -> dict:
+    from torch.utils import _foreach_utils
+
+    return _foreach_utils._group_tensors_by_device_and_dtype([tensors], with_indices=with_indices)
+
+
+@_use("torch.utils._foreach_utils._has_foreach_support", "clip_grad_norm_'s choice of the foreach norm")
+def has_foreach_support(tensors: list[torch.Tensor], device: torch.device) -> bool:
+    from torch.utils import _foreach_utils
+
+    return _foreach_utils._has_foreach_support(tensors, device)
+
+
+@_use("torch.optim._adafactor.adafactor", "torch.optim.Adafactor's own kernel (fdp.optim.adafactor's numbers); "
+      "None before torch 2.5", checked="2.5, 2.13")
+def torch_adafactor() -> Callable | None:
+    try:
+        from torch.optim._adafactor import adafactor
+    except ImportError:  # pragma: no cover - torch 2.4
+        return None
+    return adafactor
+
+
+@_use("torch.optim._muon.muon", "torch.optim.Muon's own kernel (fdp.optim.muon's numbers); torch >= 2.9",
+      checked="2.9, 2.13")
+def torch_muon() -> Callable:
+    from torch.optim._muon import muon
+
+    return muon
+
+
+# ---------------------------------------------------------------------------- torch.distributed
+@_use("torch.distributed._functional_collectives", "collectives torch.compile can trace (public by convention)")
+def functional_collectives() -> Any:
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+@_use("ProcessGroup._get_backend(device).options._timeout", "the timeout a process group was made with")
+def backend_timeout(pg: Any, device: torch.device) -> timedelta | None:
+    """The timeout ``pg``'s backend for ``device`` was made with (None: it does not say)."""
+    try:
+        t = pg._get_backend(device).options._timeout
+    except Exception:  # noqa: BLE001 - backends without options (the threaded test group)
+        return None
+    return t if isinstance(t, timedelta) else None
+
+
+FUTURE: type = torch._C.Future
+_constant("torch._C.Future", "FUTURE", "what a comm hook's Future is (torch.futures.Future and c10d's own)")
+
+
+@_use("torch._C._distributed_c10d._set_thread_isolation_mode", "threads as ranks (fdp.testing's threaded group)")
+def thread_isolation(on: bool) -> None:
+    torch._C._distributed_c10d._set_thread_isolation_mode(on)
+
+
+# ---------------------------------------------------------------------------- nn.Module
+def tensor_dicts(module: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The dicts that hold ``module``'s own parameters and buffers (``apply`` puts a call's
+    tensors into them: torch.func.functional_call's own way, without its bookkeeping)."""
+    return module._parameters, module._buffers
+
+
+_constant("Module._parameters, Module._buffers", "tensor_dicts",
+          "apply binds a call's tensors into the module's own dicts (functional_call's way, minus its bookkeeping)")
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers registered with ``persistent=False``."""
+    return module._non_persistent_buffers_set
+
+
+_constant("Module._non_persistent_buffers_set", "non_persistent_buffers",
+          "non-persistent buffers (a causal mask) are constants of apply, not state")
+
+
+def module_hooks(module: nn.Module) -> list[Callable]:
+    """``module``'s own forward pre-hooks and forward hooks."""
+    return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+
+
+_constant("Module._forward_pre_hooks, Module._forward_hooks", "module_hooks",
+          "whether torch's composable checkpoint(module) is on a module (apply's saved-tensor hooks)")
+
+
+def compiled_inner(module: nn.Module) -> nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper wraps, or None when ``module`` is not one.
+    ``OptimizedModule`` is read from ``sys.modules``: importing torch._dynamo costs about a
+    second, and a process that never imported it holds no compiled module."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    if frame is not None and isinstance(module, frame.OptimizedModule):
+        return module._orig_mod
+    return None
+
+
+_constant("torch._dynamo.eval_frame.OptimizedModule, OptimizedModule._orig_mod (read from sys.modules: never "
+          "imported by fdp)", "compiled_inner", "functionalize(torch.compile(model)): the model's own keys")
+
+# The segments wrapper modules add to the names of what they wrap: ``checkpoint_wrapper``'s
+# ``_checkpoint_wrapped_module`` (whose state-dict hooks drop it) and torch.compile's ``_orig_mod``.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
+_constant("checkpoint_wrapper's _checkpoint_wrapped_module and torch.compile's _orig_mod name segments",
+          "WRAPPER_SEGMENTS", "keys, units and state dicts named as the unwrapped model's")
+
+# torch.distributed.checkpoint's ``_Checkpointable`` hook, looked up on every value it saves
+# (``planner_helpers._create_write_items``, with hasattr): a sharded FusedState answers it with a refusal.
+DCP_WRITE_ITEMS = "__create_write_items__"
+_constant("DCP's _Checkpointable hook __create_write_items__ (planner_helpers._create_write_items)",
+          "DCP_WRITE_ITEMS", "a sharded FusedState refuses dcp.save at any depth of the state dict", checked="2.13")
+
+
+# ---------------------------------------------------------------------------- torch._dynamo, lazily
+class _Watcher(MetaPathFinder):
+    """Runs callbacks once a module is imported (at once if it is already). On the import's way
+    through ``sys.meta_path`` it finds the module's spec with the other finders and wraps that
+    loader's ``exec_module``, so the callbacks run after the module's code, then leaves."""
+
+    def __init__(self, module: str) -> None:
+        self.module = module
+        self.callbacks: list[Callable[[], None]] = []
+        self.lock = threading.Lock()
+
+    def when_imported(self, callback: Callable[[], None]) -> None:
+        with self.lock:
+            if self.module not in sys.modules:
+                self.callbacks.append(callback)
+                if self not in sys.meta_path:
+                    sys.meta_path.insert(0, self)
+                return
+        callback()
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+        if fullname != self.module:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader, run = spec.loader, spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            self._imported(loader)
+
+        loader.exec_module = exec_module  # (this loader object serves this module only)
+        return spec
+
+    def _imported(self, loader: Any) -> None:
+        with self.lock:
+            callbacks, self.callbacks = self.callbacks, []
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+        loader.__dict__.pop("exec_module", None)
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception as e:  # pragma: no cover - never seen; the import must not fail for it
+                warnings.warn(f"fdp: a callback on the import of {self.module} failed ({e!r})", RuntimeWarning,
+                              stacklevel=2)
+
+
+_DYNAMO = _Watcher("torch._dynamo")
+_constant("a sys.meta_path watcher that wraps torch._dynamo's loader's exec_module once", "when_dynamo_imported",
+          "the fused step's torch.compiler.disable is made right after torch._dynamo's import, not at import fdp "
+          "(about a second per process), and keeps its reason")
+
+
+def when_dynamo_imported(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once torch._dynamo is imported (at once if it already is)."""
+    _DYNAMO.when_imported(callback)

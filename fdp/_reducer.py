@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _tree
+from . import _internals, _tree
 from ._comm.agree import count_and_check_active, verify_layout
 from ._comm.group import Group
 from ._comm.mesh import resolve_mesh
@@ -31,7 +31,6 @@ from ._fused.step import Engines, FusedStep
 from ._log import debug_mode, log
 from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
-from ._step import functorch
 from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
 from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
@@ -231,7 +230,7 @@ class Reducer:
             plan, self.group, self.hook, BucketBuffers(plan, self._wire, reuse=config.grad_views),
             debug=config.debug, hook_threshold_bytes=config.hook_threshold_bytes, steps=config.steps,
         )
-        self._buffers = self._machine.buffers
+        self._bucket_buffers = self._machine.buffers
         # Everything that decides which collectives a step issues, and in which dtype, must
         # agree across ranks: the plan, the hook, the wire dtype, debug's fingerprint checks.
         wire_name = "the gradients' dtype" if wire is None else str(wire).replace("torch.", "")
@@ -461,7 +460,7 @@ class Reducer:
     def _grad_step_recording(self, fn: Callable, argnums: Any, has_aux: bool, accumulate: Any,
                              args: tuple, kwargs: dict) -> Any:
         self._machine.check_idle("grad")
-        if functorch.in_transform():
+        if _internals.in_functorch_transform():
             raise RuntimeError("fdp.Reducer.grad cannot run inside another torch.func transform "
                                "(vmap/grad/jvp); call it at the top level of the train step")
         plan = self.plan
@@ -472,7 +471,7 @@ class Reducer:
         leaves = plan.leaves_of(select(args, argnums), "reducer.grad params")
         plan.check_devices(leaves, "reducer.grad params")
         engine = self._config.engine
-        if not self.overlap or (engine == "functorch" and not functorch.AVAILABLE):
+        if not self.overlap or (engine == "functorch" and not _internals.FUNCTORCH):
             grads, value = local_grads(engine, fn, argnums, has_aux, args, kwargs, leaves, plan.treedef,
                                        None, None)
             if acc is not None:
@@ -515,7 +514,7 @@ class Reducer:
         if self.skip_nonfinite:
             finite = all_finite(results)
             steps.nonfinite += not finite
-        flats = self._buffers.grads(results, step.flats)
+        flats = self._bucket_buffers.grads(results, step.flats)
         last = steps.last = StepRecord(step.n, step.kind, finite, step.timeline())
         if self.tuning is not None and not self.tuning.frozen:
             caps = self.tuning.observe(self.plan, step.kind, last.timeline, self.group,

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from . import _internals
 from ._comm import collectives as comm
 from ._comm.group import Group
 from ._plan.bucket import Bucket
@@ -120,7 +121,7 @@ class CommHook:
     def launch(self, bucket: Bucket, flat: torch.Tensor, group: Group) -> Any:
         """Start the reduction of one bucket: a work handle (``in_place``) or a Future."""
         handle = self.fn(bucket, flat, group)
-        if not self.in_place and not isinstance(handle, torch._C.Future):
+        if not self.in_place and not isinstance(handle, _internals.FUTURE):
             raise TypeError(
                 f"fdp: comm hook {self.name} returned {type(handle).__name__} for bucket {bucket.index}; "
                 "it must return a torch.futures.Future whose value is the reduced flat tensor"

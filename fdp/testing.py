@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _internals
 from ._comm.group import Group
 from ._comm.lifetime import tune_malloc
 
@@ -215,7 +216,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
         for (owner, name), orig in zip(patched, originals):
             setattr(owner, name, turns.waiting(orig))
         world = _install_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(True)
+        _internals.thread_isolation(True)
         store = dist.HashStore()
         results: list[Any] = [None] * world_size
         errors: dict[int, BaseException] = {}
@@ -267,7 +268,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
             for (owner, name), orig in zip(patched, originals):
                 setattr(owner, name, orig)
             torch.set_rng_state(turns.start)  # the caller's stream is not consumed (as with gloo)
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            _internals.thread_isolation(False)
             _uninstall_threaded_pg()
             ProcessLocalGroup.reset()
 

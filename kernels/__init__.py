@@ -34,7 +34,7 @@ import torch
 
 from . import _torch
 
-__all__ = ["flatten", "flattener", "unflatten", "views", "select", "triton_available"]
+__all__ = ["block_size", "flatten", "flattener", "unflatten", "views", "select", "triton_available"]
 
 _IMPLS = ("torch", "triton")
 
@@ -60,6 +60,14 @@ def _triton_problem(device: torch.device | None) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device is available (and TRITON_INTERPRET=1 was not set at import)"
     return None
+
+
+def block_size() -> int:
+    """Elements one Triton program of the copy kernels handles (its ``BLOCK``): a leaf several
+    blocks long exercises the kernels' inner loop (the GPU bench's correctness cases)."""
+    from . import _triton
+
+    return _triton.BLOCK
 
 
 def triton_available(device: torch.device | None = None) -> bool:

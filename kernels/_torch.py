@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fdp import _internals  # (absolute: this folder is also importable as a top-level "kernels" from the checkout)
+
 # cat's memcpy loop runs below this many output elements (ATen's internal GRAIN_SIZE).
 _SERIAL_CAT = 32768
 # Leaves under this many elements are gathered in groups of at least _MIN_GROUP leaves
@@ -61,7 +63,7 @@ _SCRATCH = threading.local()  # simulated ranks are threads: one scratch set per
 def _probe_chunk_cat_strided() -> bool:
     """Whether ``_chunk_cat`` takes sources that cannot be viewed flat (torch 2.4 views them)."""
     try:
-        torch._chunk_cat([torch.zeros(2, 2).t()], 0, 1, out=torch.empty(1, 4))
+        _internals.chunk_cat([torch.zeros(2, 2).t()], 0, 1, out=torch.empty(1, 4))
     except RuntimeError:
         return False
     return True
@@ -70,7 +72,7 @@ def _probe_chunk_cat_strided() -> bool:
 def _probe_unflatten_keeps_empty_shapes() -> bool:
     """Whether ``unflatten_dense_tensors`` shapes an empty segment like its tensor (torch 2.4
     returns a 1-D ``[0]`` tensor for every empty one)."""
-    return torch._C._nn.unflatten_dense_tensors(torch.empty(0), [torch.empty(0, 1)])[0].shape == (0, 1)
+    return _internals.unflatten_dense_tensors(torch.empty(0), [torch.empty(0, 1)])[0].shape == (0, 1)
 
 
 _CHUNK_CAT_STRIDED = _probe_chunk_cat_strided()
@@ -85,7 +87,7 @@ def _chunk_cat_takes(dtype: torch.dtype, device: torch.device) -> bool:
     ok = _CHUNK_CAT_DTYPES.get(dtype)
     if ok is None:
         try:
-            torch._chunk_cat([torch.zeros(1, dtype=dtype)], 0, 1, out=torch.empty(1, 1, dtype=dtype))
+            _internals.chunk_cat([torch.zeros(1, dtype=dtype)], 0, 1, out=torch.empty(1, 1, dtype=dtype))
             ok = True
         except RuntimeError:
             ok = False
@@ -97,7 +99,7 @@ _UNFLATTEN_KEEPS_EMPTY_SHAPES = _probe_unflatten_keeps_empty_shapes()
 def unflatten_views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``unflatten_dense_tensors(flat, like)``: views of consecutive segments of ``flat``
     shaped like ``like``, empty segments included on every supported torch."""
-    views = torch._C._nn.unflatten_dense_tensors(flat, list(like))
+    views = _internals.unflatten_dense_tensors(flat, list(like))
     if not _UNFLATTEN_KEEPS_EMPTY_SHAPES:
         views = [v if v.shape == t.shape else v.view(t.shape) for v, t in zip(views, like)]
     return views
@@ -241,7 +243,7 @@ def _gather(plan: _Plan, srcs: Sequence[torch.Tensor], chunk: _Chunk, dst: torch
         if i in plan.scalars:
             view.copy_(srcs[i].view(1, 1))
         else:
-            torch._chunk_cat(srcs[i:j], 0, 1, out=view)
+            _internals.chunk_cat(srcs[i:j], 0, 1, out=view)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -303,12 +305,12 @@ def _copy(plan: _Plan, srcs: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     src_dtype = srcs[0].dtype
     if plan.whole and out.dtype == src_dtype and (out.device.type != "cpu" or torch.get_num_threads() == 1):
         # One call: with one thread (or off the CPU) cat's fast path takes any number of leaves.
-        torch._chunk_cat(srcs, 0, 1, out=out.view(1, -1))
+        _internals.chunk_cat(srcs, 0, 1, out=out.view(1, -1))
         return
     for step in plan.steps:
         o = out[step.a : step.a + step.n]
         if isinstance(step, _Run):
-            torch._chunk_cat(srcs[step.i : step.j], 0, 1, out=o.view(1, -1))
+            _internals.chunk_cat(srcs[step.i : step.j], 0, 1, out=o.view(1, -1))
         elif out.dtype == src_dtype:
             _gather(plan, srcs, step, o)
         else:
@@ -346,7 +348,7 @@ def _scaled(plan: _Plan, srcs: Sequence[torch.Tensor], out: torch.Tensor, scale:
             # scratch and cast-copying, and it is one op instead of two. The views of `out`
             # come from one C++ call, made before the first multiply: measurably faster
             # than making each between two multiplies.)
-            for src, view in zip(run, torch._C._nn.unflatten_dense_tensors(o, list(run))):
+            for src, view in zip(run, _internals.unflatten_dense_tensors(o, list(run))):
                 torch.mul(src, scale, out=view)
             continue
         a = 0

@@ -11,7 +11,10 @@
 """
 
 import ast
+import io
 import pathlib
+import re
+import tokenize
 
 import pytest
 
@@ -246,3 +249,47 @@ def test_every_package_folder_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "fdp").rglob("__init__.py")}
     assert folders - listed == set(), f"package folders pyproject.toml does not install: {sorted(folders - listed)}"
+
+
+# Private torch names: torch._X (but the public-by-convention torch._foreach_* kernels), private
+# submodules, underscored attributes of torch objects fdp reads, and frame introspection.
+PRIVATE_TORCH = re.compile(
+    r"\btorch\._(?!foreach_)[A-Za-z]|\btorch\.(?:utils|distributed|optim|nn|autograd)\._[a-z]"
+    r"|\._(?:backward_hooks|version|make_subclass|get_backend|timeout|parameters|buffers|forward_pre_hooks"
+    r"|forward_hooks|non_persistent_buffers_set|orig_mod|cdata|execution_engine)\b|\bsys\._getframe\b|\bmeta_path\b")
+
+
+def code_lines(path: pathlib.Path) -> dict[int, str]:
+    """Each line's code with its strings and comments left out (a docstring may name them)."""
+    lines: dict[int, list[str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.STRING):
+            lines.setdefault(tok.start[0], []).append(tok.string)
+    return {n: "".join(t) for n, t in lines.items()}
+
+
+def test_no_module_but_internals_reaches_into_torch_private_names():
+    found = []
+    for name, path in MODULES.items():
+        if name == "fdp._internals":
+            continue
+        for n, line in code_lines(path).items():
+            for m in PRIVATE_TORCH.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)}")
+    assert not found, ("private torch APIs outside fdp/_internals.py (put each behind a name there, in its "
+                       "CATALOGUE): " + "; ".join(found))
+
+
+def test_the_rule_catches_a_private_torch_name(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text('import torch\n"torch._C in a string"\nx = torch._C._nn\ny = t._version  # t._cdata\n'
+                     'z = torch._foreach_add\n')
+    assert [m.group(0) for line in code_lines(probe).values() for m in PRIVATE_TORCH.finditer(line)] == \
+        ["torch._C", "._version"]
+
+
+def test_every_catalogued_internal_is_a_name_of_the_module():
+    from fdp import _internals
+
+    missing = [u.name for u in _internals.CATALOGUE if not hasattr(_internals, u.name)]
+    assert not missing and len({u.name for u in _internals.CATALOGUE}) == len(_internals.CATALOGUE), missing

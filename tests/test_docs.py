@@ -263,6 +263,12 @@ def test_api_md_is_generated_from_the_docstrings():
     )
 
 
+def test_the_table_of_torch_internals_is_generated_from_the_catalogue():
+    """docs/architecture.md's table of private torch APIs is fdp._internals.CATALOGUE's."""
+    assert (DOCS / "architecture.md").read_text() == _gen_api().architecture(), (
+        "docs/architecture.md's table of torch internals is stale: run `python docs/gen_api.py`")
+
+
 def test_api_md_covers_every_public_name():
     """Also the names of the public submodules (fdp.hooks, fdp.optim, fdp.testing, fdp.viz)."""
     documented = dict(DOCUMENTED)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _internals
 from .._errors import CollectiveError
 from .._log import debug_mode
 from .group import Group, pg_timeout
@@ -244,8 +245,7 @@ def traced_all_reduce(flat: torch.Tensor, group: Group) -> torch.Tensor:
     """SUM all-reduce as graph nodes (``all_reduce -> wait``); the identity in a world of one."""
     if group.process_group is None:
         return flat
-    import torch.distributed._functional_collectives as funcol
-
+    funcol = _internals.functional_collectives()
     return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.process_group))
 
 
@@ -253,8 +253,7 @@ def traced_broadcast(flat: torch.Tensor, src: int, group: Group) -> torch.Tensor
     """Broadcast from group rank ``src`` as graph nodes; the identity in a world of one."""
     if group.process_group is None:
         return flat
-    import torch.distributed._functional_collectives as funcol
-
+    funcol = _internals.functional_collectives()
     return funcol.wait_tensor(funcol.broadcast(flat, src, group.process_group))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _internals
 from .lifetime import install_exit_hook, tune_malloc
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -147,11 +148,8 @@ def pg_timeout(pg: Any, device: torch.device) -> timedelta:
     """
     if torch.compiler.is_compiling():
         return DEFAULT_TIMEOUT
-    try:
-        t = pg._get_backend(device).options._timeout
-    except Exception:  # noqa: BLE001 - backends without options (threaded test PG)
-        t = None
-    return t if isinstance(t, timedelta) else DEFAULT_TIMEOUT
+    t = _internals.backend_timeout(pg, device)
+    return DEFAULT_TIMEOUT if t is None else t
 
 
 def _under_torchrun() -> bool:

@@ -19,12 +19,12 @@ whole params tree (the first step, a loaded checkpoint) is cut into a free set.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
 from .. import _tree, kernels
+from .._internals import version
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._plan.buffers import held_elsewhere
 from .._shard import elements
@@ -32,8 +32,6 @@ from .._slices.geometry import Slices
 from .._step.autodiff import Reused
 from .._units.params import ShardedParams
 from .._units.units import Units
-
-_version = operator.attrgetter("_version")
 
 
 class ParamSet:
@@ -68,7 +66,7 @@ class ParamSet:
 
     def handed_out(self, plan: BucketPlan) -> None:
         """The step returns views of this set now: remember its version counters."""
-        per_bucket = [f._version for f in self.flats]
+        per_bucket = [version(f) for f in self.flats]
         self.versions = [per_bucket[s.bucket] for s in plan.slots]
 
     def holds(self, leaves: list[torch.Tensor]) -> bool:
@@ -78,7 +76,7 @@ class ParamSet:
                 and list(map(torch.Tensor.data_ptr, leaves)) == self.ptrs
                 and list(map(torch.Tensor.size, leaves)) == self.shapes
                 and list(map(torch.Tensor.stride, leaves)) == self.strides
-                and list(map(_version, leaves)) == self.versions)
+                and list(map(version, leaves)) == self.versions)
 
 
 class ParamSets:

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _tree
+from .. import _internals, _tree
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
@@ -88,7 +88,7 @@ class FusedState(NamedTuple):
         # tuple is otherwise one opaque object to DCP: pickled by one rank, and loaded on
         # every rank. Only a sharded state answers, and its answer is a refusal; an unsharded
         # one (the same on every rank) is saved as DCP saves any object.
-        if name == "__create_write_items__" and self.sharded:
+        if name == _internals.DCP_WRITE_ITEMS and self.sharded:
             return self._refuse_dcp
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -27,32 +27,22 @@ from __future__ import annotations
 
 import torch
 
+from .._internals import storage_use_count
 from .bucket import BucketPlan
 
-# torch's count of references to a storage (c10's intrusive use count): every tensor or view
-# on it holds one. Private; present on torch 2.4 and 2.13. Without it nothing is reused.
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _count(t: torch.Tensor) -> int:
-    # The storage object is kept alive across the call: on torch 2.4 a temporary one is freed
-    # (and its reference dropped) as soon as ``._cdata`` is read; on 2.13 it is kept anyway.
-    storage = t.untyped_storage()
-    return _use_count(storage._cdata)
-
-
-# References a tensor that nothing else refers to shows (``t`` and the storage object held
-# in ``_count``): measured, not assumed, as it has changed between torch releases.
-_ALONE = _count(torch.empty(1)) if _use_count is not None else 0
+# References a tensor that nothing else refers to shows (``t`` and the storage object held while
+# counting): measured, not assumed, as it has changed between torch releases. (None: torch
+# cannot count, ``fdp._internals.storage_use_count``, and nothing is reused.)
+_ALONE = storage_use_count(torch.empty(1))
 
 
 def held_elsewhere(t: torch.Tensor, known: int = 0) -> bool:
     """Whether anything besides ``t`` itself (and ``known`` references of fdp's own to its
     memory: views it keeps for its own reads) refers to its memory (a view, a detached alias,
     a numpy array): then fdp must not write into it. True when torch cannot tell."""
-    if _use_count is None:
+    if _ALONE is None:
         return True
-    return _count(t) > _ALONE + known
+    return storage_use_count(t) > _ALONE + known
 
 
 # Handed-over buffers tracked per bucket: the one the caller holds while the next step runs

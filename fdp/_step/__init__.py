@@ -4,7 +4,7 @@
   call: receive, fill, launch, wait, finish, drain), started from a frozen ``StepSpec``.
 * ``autodiff.py``: how this rank's gradients are computed (the ``autograd`` and
   ``functorch`` engines).
-* ``functorch.py``: the private torch APIs behind hooks inside ``torch.func.grad``.
+* ``config.py``: ``StepConfig``, what a Reducer was built with.
 * ``record.py``: what a step reports (``StepRecord``, ``Timeline``, ``BucketTimes``).
 * ``traced.py``: the bucketed all-reduce as graph nodes, under ``torch.compile``.
 

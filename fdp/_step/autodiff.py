@@ -5,9 +5,9 @@ Two engines compute the same numbers:
 * ``"autograd"`` (what ``engine="auto"`` picks): at the top level, ``torch.func.grad``
   computes exactly what ``torch.autograd.grad`` on fresh leaves computes, but wraps every op
   of the forward and backward on the way; plain autograd skips that wrapping
-  (docs/performance.md, "engine"). Leaf hooks are set through ``fdp._functorch``.
+  (docs/performance.md, "engine"). Leaf hooks are set through ``fdp._internals``.
 * ``"functorch"``: ``torch.func.grad_and_value`` itself, with hooks registered on its wrapped
-  leaves inside the transform (the private functorch APIs are in ``fdp._functorch``).
+  leaves inside the transform (the private functorch APIs are in ``fdp._internals``).
 
 Gradients travel as lists in the plan's leaf order; trees are built once, for the caller.
 """
@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _internals, _tree
 from .._functional import bindings_kept
-from . import functorch
 
 ENGINES = ("auto", "autograd", "functorch")
 
@@ -139,7 +138,7 @@ def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tu
     if hooks is not None:
         for leaf, hook in zip(inputs, hooks):
             if hook is not None:
-                functorch.set_leaf_hook(leaf, hook)
+                _internals.set_leaf_hook(leaf, hook)
     args = replace(args, argnums, _tree.unflatten(treedef, inputs) if wrap is None else wrap(inputs))
     with torch.enable_grad(), bindings_kept():
         out = fn(*args, **kwargs)
@@ -243,7 +242,7 @@ def local_grad_and_value(fn: Callable, argnums: int | tuple[int, ...] = 0, has_a
       (tensor([2., 4.]), tensor(5.))
     """
     def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
-        if _tree.compiling() or functorch.in_transform():
+        if _tree.compiling() or _internals.in_functorch_transform():
             return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
         with autograd_on():
             leaves, treedef = _tree.flatten(select(args, argnums))

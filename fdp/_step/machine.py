@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import kernels
+from .. import _internals, kernels
 from .._comm.agree import check_collective, which_ranks
 from .._comm.collectives import DONE, all_reduce, is_completed, wait
 from .._comm.group import Group
@@ -62,7 +62,6 @@ from .._errors import CollectiveError
 from .._plan.bucket import BucketPlan, itemsize
 from .._plan.buffers import BucketBuffers
 from ..hooks import CommHook
-from . import functorch
 from .record import BucketTimes, StepRecord, Timeline
 
 # Gradients smaller than this are left to autograd: handing autograd a zero in their place
@@ -372,7 +371,7 @@ class StepMachine:
 
 
 def _leaf_hook(live: _Live, i: int, wrapped: bool) -> Callable[[torch.Tensor], torch.Tensor | None]:
-    unwrap = functorch.unwrap if wrapped else None
+    unwrap = _internals.unwrap if wrapped else None
 
     def hook(grad: torch.Tensor) -> torch.Tensor | None:
         step = live.step
@@ -440,14 +439,14 @@ class Step:
         self.stash[i] = grad
         self.got[i] = 1
         if self.in_flight and self.on_ready is not None:
-            with functorch.outside_transforms():
+            with _internals.outside_transforms():
                 self.stamp_done()  # a landed bucket is updated while the backward goes on
         b = self.bucket_of[i]
         self.pending[b] -= 1
         if self.pending[b] == 0:
             self.times[b].ready = time.perf_counter() - self.t0
             if b == self.next and not self.defer:
-                with functorch.outside_transforms():
+                with _internals.outside_transforms():
                     self.launch_ready()
         # Hand autograd a free zero instead: the gradient then lives only in the stash.
         return original.new_zeros(()).expand(original.shape) if self.release[i] else None
@@ -684,6 +683,6 @@ def all_finite(flats: list[torch.Tensor]) -> bool:
     found = torch.zeros(1, device=flats[0].device) if flats else None
     one = torch.ones(1, device=flats[0].device) if flats else None
     for group in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)  # x * 1.0: unchanged
+        _internals.non_finite_check(group, found, one)  # x * 1.0: unchanged
     return found is None or not bool(found.item())
 

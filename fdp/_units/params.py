@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import _tree
+from .._internals import version
 from .._shard import Shard
 from .units import Units, UnitsView
 
@@ -41,7 +42,7 @@ class ShardedParams:
         self.units, self.flats = units, flats  # (the set's own list: the step knows it by identity)
         # views, so that the set counts as held (a pure step then writes the other set)
         self._views = [f[:] for f in flats]
-        self._versions = [f._version for f in flats]
+        self._versions = [version(f) for f in flats]
 
     # ------------------------------------------------------------------ a mapping's read-only face
     def keys(self) -> list[Any]:
@@ -97,7 +98,7 @@ class ShardedParams:
 
     def unchanged(self) -> bool:
         """Whether the slices are as the step returned them (nobody wrote into them since)."""
-        return [f._version for f in self.flats] == self._versions
+        return [version(f) for f in self.flats] == self._versions
 
     # ------------------------------------------------------------------ gathers
     def units_view(self) -> UnitsView:

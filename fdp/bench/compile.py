@@ -120,7 +120,7 @@ def _measure(group: fdp.Group, cfg: argparse.Namespace) -> dict:
             results["first compiled call (s)"] = compile_s
             results["compiled step (ms)"] = 1e3 * statistics.median(times["compiled"])
             results["eager step (ms)"] = 1e3 * statistics.median(times["eager"])
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return results
 
 

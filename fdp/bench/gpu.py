@@ -69,8 +69,9 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, devi
 
 def _layout(g: torch.Generator, dtype: torch.dtype, device: torch.device, n_leaves: int) -> list[torch.Tensor]:
     """Leaves of one dtype: 0-d, empty, odd sizes, multi-block sizes, strided and unaligned."""
-    from fdp.kernels import _triton
+    from fdp import kernels  # (after main has settled TRITON_INTERPRET)
 
+    block = kernels.block_size()
     leaves = []
     for _ in range(n_leaves):
         kind = int(torch.randint(0, 7, (), generator=g))
@@ -81,7 +82,7 @@ def _layout(g: torch.Generator, dtype: torch.dtype, device: torch.device, n_leav
         elif kind == 2:  # transposed: strided
             t = _values((int(torch.randint(2, 40, (), generator=g)), 7), dtype, g, device).t()
         elif kind == 3:  # an unaligned view, several blocks long
-            t = _values((2 * _triton.BLOCK + 9,), dtype, g, device)[int(torch.randint(1, 8, (), generator=g)):]
+            t = _values((2 * block + 9,), dtype, g, device)[int(torch.randint(1, 8, (), generator=g)):]
         else:
             t = _values((int(torch.randint(1, 3000, (), generator=g)),), dtype, g, device)
         leaves.append(t)

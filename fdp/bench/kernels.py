@@ -188,7 +188,7 @@ def run_case(name: str, device: torch.device, impl: str | None, reps: int, warmu
       One dict per row: case, row, ms, ratio (to the copy), target, ok (floor rows: target None).
     """
     import fdp
-    from fdp import kernels
+    from fdp import _internals, kernels
 
     sizes = case_sizes(name)
     n = sum(sizes)
@@ -213,7 +213,7 @@ def run_case(name: str, device: torch.device, impl: str | None, reps: int, warmu
     if device.type == "cpu":
         ready = [t.reshape(-1) for t in in_bucket]  # made once, outside the timing
         fns[FLOORS[0]] = lambda: torch.cat(ready, out=out32)
-        fns[FLOORS[1]] = lambda: torch._C._nn.unflatten_dense_tensors(flat, in_bucket)
+        fns[FLOORS[1]] = lambda: _internals.unflatten_dense_tensors(flat, in_bucket)
     med = measure(fns, reps, warmup, _Timer(device))
     rows = []
     for row, target in TARGETS.items():

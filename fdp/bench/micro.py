@@ -4,7 +4,7 @@ Each row times one way of doing a per-leaf operation against the way fdp does it
 ``--leaves`` small tensors, and prints microseconds per leaf (median of ``--reps``). The
 comments in the code cite these rows instead of quoting numbers from one machine.
 
-  hook       ``Tensor.register_hook`` vs assigning ``_backward_hooks`` (fdp/functorch.py)
+  hook       ``Tensor.register_hook`` vs assigning ``_backward_hooks`` (fdp/_internals.py)
   flatten    optree's flatten of a dict of tensors vs fdp's cached dict structure (fdp/_tree.py)
   views      slicing a flat buffer in Python vs one ``unflatten_dense_tensors`` call (fdp/_bucket.py)
   view(-1)   ``t.view(-1)`` alone, the floor of any per-leaf Python work (kernels/_torch.py)
@@ -22,9 +22,8 @@ from collections.abc import Callable
 import optree
 import torch
 
-from .. import _tree, kernels
+from .. import _internals, _tree, kernels
 from .._functional import functionalize
-from .._step import functorch
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -62,7 +61,7 @@ def rows(leaves: int, reps: int) -> list[tuple[str, str, float, str, float]]:
 
     def assign() -> None:
         for t in ts:
-            functorch.set_leaf_hook(t.detach().requires_grad_(), lambda g: None)
+            _internals.set_leaf_hook(t.detach().requires_grad_(), lambda g: None)
 
     def slicing() -> None:
         [flat[i * 16 : (i + 1) * 16].view(16) for i in range(leaves)]

@@ -329,7 +329,7 @@ def _per_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
     torch.set_num_threads(cfg.threads)
     results: dict[str, Any] = {"models": {}, "sweep": {}}
     for name in cfg.models:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         results["models"][name] = time_model(name, group, cfg, cfg.kinds)
     if cfg.sweep:
         for cap in cfg.sweep_caps:

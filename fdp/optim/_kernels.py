@@ -6,7 +6,7 @@ kernel that the torch.optim class calls in its ``step`` (``torch.optim.sgd.sgd``
 ``torch.optim.adam.adam``, ``torch.optim.adamw.adamw``, ``torch.optim.adagrad.adagrad``,
 ``torch.optim.rmsprop.rmsprop``, ``torch.optim.nadam.nadam``, ``torch.optim.radam.radam``,
 ``torch.optim.adamax.adamax``, ``torch.optim.adadelta.adadelta`` and, from torch 2.5,
-``torch.optim._adafactor.adafactor``; the lists are passed by position, everything else by
+``torch.optim._adafactor.adafactor`` (``fdp._internals.torch_adafactor``); the lists are passed by position, everything else by
 keyword. ``sgd``'s and ``adamw``'s signatures were checked on torch 2.4 and 2.13, the
 others on 2.13 only; the later kernels' optional arguments go through ``_call``, which
 passes only those the installed torch accepts). ``foreach`` and ``fused`` are left at ``None``
@@ -39,10 +39,9 @@ from torch.optim.radam import radam as _torch_radam
 from torch.optim.rmsprop import rmsprop as _torch_rmsprop
 from torch.optim.sgd import sgd as _torch_sgd
 
-try:  # torch >= 2.5
-    from torch.optim._adafactor import adafactor as _torch_adafactor
-except ImportError:  # pragma: no cover - torch 2.4
-    _torch_adafactor = None
+from .. import _internals
+
+_torch_adafactor = _internals.torch_adafactor()  # (None before torch 2.5)
 
 __all__ = ["adadelta_group", "adafactor_group", "adagrad_group", "adam_group", "adamax_group",
            "adamw_group", "has_adafactor", "nadam_group", "radam_group", "rmsprop_group",

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _tree
+from .. import _internals, _tree
 from ._base import GradientTransform, global_scale
 from ._transforms import tensor_norms
 
@@ -140,7 +140,7 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
         found_inf = nonfinite(norms, state.scale.device)
         inv_scale = state.scale.double().reciprocal().float()  # GradScaler.unscale_'s
         new_scale, tracker = state.scale.clone(), state.growth_tracker.clone()
-        torch._amp_update_scale_(new_scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+        _internals.amp_update_scale(new_scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
         new = LossScaleState(new_scale, tracker)
         return (None if bool(found_inf) else inv_scale), new
 

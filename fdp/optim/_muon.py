@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _tree
+from .. import _internals, _tree
 from ._base import Optimizer
 from ._build import Hyper, Mask, Spec, build, check_hyper
 
@@ -78,7 +78,7 @@ def muon(lr: Hyper = 1e-3, weight_decay: Hyper = 0.1, momentum: float = 0.95, ne
         raise ValueError(f"{name}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
     if ns_steps >= 100:
         raise ValueError(f"{name}: ns_steps must be < 100, got {ns_steps}")
-    from torch.optim._muon import muon as torch_muon  # torch >= 2.9
+    torch_muon = _internals.torch_muon()  # torch >= 2.9
 
     def kernel(p: list[Tensor], g: list[Tensor], state: list[list[Tensor]], count: Tensor, step: int | None,
                lr_now: Any, wd_now: Any) -> None:

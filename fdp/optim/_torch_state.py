@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import _tree
+from .. import _internals, _tree
 from ._base import ChainState, Optimizer, ParamLeaves, param_leaves
 from ._hyperparams import Hyperparams
 
 __all__ = ["state_from_torch", "state_to_torch"]
 
 # Prefixes torch's wrappers add to parameter names: DDP (and DataParallel), torch.compile.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_WRAPPER_PREFIXES = ("module.", *(f"{s}." for s in _internals.WRAPPER_SEGMENTS))  # (DDP's, and the wrappers')
 
 
 def _parts(opt: Any, name: str) -> tuple[tuple, Optimizer]:

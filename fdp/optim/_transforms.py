@@ -22,13 +22,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .. import _tree
+from .. import _internals, _tree
 from ._base import GradientTransform, LeafKernel, Optimizer, global_scale, leaf_options
 
 __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "global_norm",
            "partition"]
 
-from torch.utils import _foreach_utils
 
 _get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
 _device = operator.attrgetter("device")
@@ -64,8 +63,8 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
     norm_type = float(norm_type)
     first = leaves[0].device
     stacks = []
-    for (device, _), ([group], _) in _foreach_utils._group_tensors_by_device_and_dtype([leaves]).items():
-        if _foreach_utils._has_foreach_support(group, device):
+    for (device, _), ([group], _) in _internals.group_by_device_and_dtype(leaves).items():
+        if _internals.has_foreach_support(group, device):
             norms = torch._foreach_norm(group, norm_type)
         else:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in group]
@@ -87,16 +86,16 @@ def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     C-level reordering)."""
     if not tensors:
         return []
-    grouped = _foreach_utils._group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
+    grouped = _internals.group_by_device_and_dtype(list(tensors), with_indices=True)
     if len(grouped) == 1:
         ((device, _), ([group], _)), = grouped.items()
-        if _foreach_utils._has_foreach_support(group, device):
+        if _internals.has_foreach_support(group, device):
             return list(torch._foreach_norm(group, norm_type))
         return list(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
     norms: list[Tensor] = []
     order: list[int] = []
     for (device, _), ([group], indices) in grouped.items():
-        if _foreach_utils._has_foreach_support(group, device):
+        if _internals.has_foreach_support(group, device):
             norms.extend(torch._foreach_norm(group, norm_type))
         else:  # (map over a C partial: no Python per tensor)
             norms.extend(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
@@ -117,7 +116,7 @@ def norm_of_norms(norms: list[Tensor], norm_type: float = 2.0) -> Tensor:
     if not norms:
         return torch.tensor(0.0)
     first = norms[0].device
-    grouped = _foreach_utils._group_tensors_by_device_and_dtype([list(norms)])
+    grouped = _internals.group_by_device_and_dtype(list(norms))
     groups = [group for ([group], _) in grouped.values()]  # (C-level maps below: no Python per norm)
     ordered = list(map(operator.methodcaller("to", first), itertools.chain.from_iterable(groups)))
     return torch.linalg.vector_norm(torch.stack(ordered), norm_type)

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fdp import _internals  # (absolute: this folder is also importable as a top-level "kernels" from the checkout)
+from fdp import (
+    _internals,  # (absolute: this folder is also importable as a top-level "kernels" from the checkout)
+)
 
 # cat's memcpy loop runs below this many output elements (ATen's internal GRAIN_SIZE).
 _SERIAL_CAT = 32768

@@ -16,6 +16,7 @@ from . import _tree, kernels
 from ._comm import collectives as comm
 from ._comm.agree import Meta, digest, tree_meta, verify_digest, verify_layout
 from ._comm.group import Group, resolve
+from ._lru import LRU
 from ._plan.bucket import BucketPlan, MiB, contiguous_strides
 
 BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
@@ -25,14 +26,13 @@ BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
 # exchange reinterpreted bytes, and different modes hang until the timeout (issue 15, item 3).
 # The check is one all-gather of three int64s; the digest is cached per (structure, shapes,
 # dtypes, mode, src), so the host work per call is one dict lookup.
-_DIGESTS: dict[tuple, tuple[torch.Tensor, list[Meta]]] = {}
-_DIGESTS_MAX = 64
+_DIGESTS: LRU[tuple, tuple[torch.Tensor, list[Meta]]] = LRU(64)
 
 
 def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> tuple[torch.Tensor, list[Meta]]:
     try:
         key = (treedef, tuple(t.shape for t in leaves), tuple(t.dtype for t in leaves), extra)
-        hit = _DIGESTS.get(key)
+        hit = _DIGESTS.peek(key)
     except (AttributeError, TypeError):  # a leaf that is not a tensor: named below
         key, hit = None, None
     if hit is not None:
@@ -40,9 +40,7 @@ def _sync_layout(buffers: Any, leaves: list[Any], treedef: Any, extra: str) -> t
     meta, _ = _tensor_leaves(buffers, "sync_buffers")
     hit = (digest(meta, extra), meta)
     if key is not None:
-        if len(_DIGESTS) >= _DIGESTS_MAX:
-            _DIGESTS.pop(next(iter(_DIGESTS)))
-        _DIGESTS[key] = hit
+        _DIGESTS.put(key, hit)
     return hit
 
 

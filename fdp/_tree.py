@@ -9,12 +9,13 @@ order and with it the bucket order). Leaf paths are formatted like JAX's ``keyst
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
+
+from ._lru import LRU
 
 NAMESPACE = "fdp"
 
@@ -32,9 +33,7 @@ TreeDef = optree.PyTreeSpec
 # all tensors has a structure that depends only on its keys, so that structure is cached by
 # key tuple and the leaves are its values: several times cheaper per leaf than optree's
 # flatten (``python -m fdp.bench micro``, row "flatten"). Anything else goes to optree.
-DICT_SPECS: dict[tuple, TreeDef] = {}
-DICT_SPECS_MAX = 64
-DICT_SPECS_LOCK = threading.Lock()
+DICT_SPECS: LRU[tuple, TreeDef] = LRU(64)
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
@@ -46,15 +45,12 @@ def _tensor_dict(tree: Any) -> tuple[list[Any], TreeDef] | None:
     if not _TENSOR_TYPES.issuperset(map(type, values)):
         return None
     keys = tuple(tree)
-    spec = DICT_SPECS.get(keys)
+    spec = DICT_SPECS.peek(keys)
     if spec is None:
         leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         if len(leaves_) != len(values):  # not all values were leaves after all: no caching
             return leaves_, spec
-        with DICT_SPECS_LOCK:  # simulated ranks are threads; evicting races without it
-            if len(DICT_SPECS) >= DICT_SPECS_MAX:
-                DICT_SPECS.pop(next(iter(DICT_SPECS)))
-            DICT_SPECS[keys] = spec
+        DICT_SPECS.put(keys, spec)
     return values, spec
 
 
@@ -155,9 +151,7 @@ def first_difference(expected: TreeDef, got: TreeDef) -> str:
 # every dict's keys (optree's default namespace does) gives both trees one canonical order;
 # the permutation between them is cached per pair of structures, so a caller who passes the
 # same reordered dict every step pays one lookup and one C-level gather.
-_ORDERS: dict[tuple[TreeDef, TreeDef], tuple[int, ...] | None] = {}
-_ORDERS_MAX = 64
-_ORDERS_LOCK = threading.Lock()
+_ORDERS: LRU[tuple[TreeDef, TreeDef], tuple[int, ...] | None] = LRU(64)
 
 
 def _sorted_order(treedef: TreeDef) -> tuple[list[int], TreeDef]:
@@ -168,9 +162,10 @@ def _sorted_order(treedef: TreeDef) -> tuple[list[int], TreeDef]:
 
 
 def _permutation(expected: TreeDef, got: TreeDef) -> tuple[int, ...] | None:
-    key = (expected, got)
-    if key in _ORDERS:
-        return _ORDERS[key]
+    return _ORDERS.get((expected, got), lambda: _permutation_of(expected, got))
+
+
+def _permutation_of(expected: TreeDef, got: TreeDef) -> tuple[int, ...] | None:
     perm = None
     if expected.num_leaves == got.num_leaves:
         exp_order, exp_spec = _sorted_order(expected)
@@ -180,10 +175,6 @@ def _permutation(expected: TreeDef, got: TreeDef) -> tuple[int, ...] | None:
             for e, g in zip(exp_order, got_order):
                 p[e] = g
             perm = tuple(p)
-    with _ORDERS_LOCK:  # simulated ranks are threads
-        if len(_ORDERS) >= _ORDERS_MAX:
-            _ORDERS.pop(next(iter(_ORDERS)))
-        _ORDERS[key] = perm
     return perm
 
 

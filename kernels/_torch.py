@@ -35,15 +35,14 @@ rounded once to ``out``'s dtype by torch's own conversion.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fdp import (
-    _internals,  # (absolute: this folder is also importable as a top-level "kernels" from the checkout)
-)
+# (absolute imports: this folder is also importable as a top-level "kernels" from the checkout)
+from fdp import _internals
+from fdp._lru import LRU
 
 # cat's memcpy loop runs below this many output elements (ATen's internal GRAIN_SIZE).
 _SERIAL_CAT = 32768
@@ -57,8 +56,7 @@ _MIN_GROUP = 4
 # chunk is still cached when it is multiplied and cast (measured best of 128 K .. 1 M).
 _CHUNK = 524288
 _PLAN_CACHE_SIZE = 256
-_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()
-_PLANS_LOCK = threading.Lock()
+_PLANS: LRU[tuple, _Plan] = LRU(_PLAN_CACHE_SIZE)
 _SCRATCH = threading.local()  # simulated ranks are threads: one scratch set per thread
 
 
@@ -211,17 +209,7 @@ def _plan(srcs: Sequence[torch.Tensor], device: torch.device) -> _Plan:
     scalars = tuple(k for k, d in enumerate(dims) if not d) if 0 in dims else ()
     limits = _DEVICE if device.type != "cpu" else _CPU_1_THREAD if torch.get_num_threads() == 1 else _CPU
     key = (sizes, scalars, limits)
-    with _PLANS_LOCK:
-        plan = _PLANS.get(key)
-        if plan is not None:
-            _PLANS.move_to_end(key)
-            return plan
-    plan = _build_plan(sizes, scalars, limits)
-    with _PLANS_LOCK:
-        _PLANS[key] = plan
-        if len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return plan
+    return _PLANS.get(key, lambda: _build_plan(sizes, scalars, limits))
 
 
 def _scratch(dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:

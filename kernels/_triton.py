@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +30,8 @@ import triton
 import triton.language as tl
 from triton.language import constexpr
 from triton.runtime.interpreter import InterpretedFunction
+
+from fdp._lru import LRU
 
 __all__ = ["flatten", "unflatten", "interpreted", "BLOCK"]
 
@@ -41,9 +42,9 @@ _ALIGN = 16  # bytes: the widest (128-bit) vector access
 
 # One launch at a time: the interpreter is not thread-safe, and the table cache is shared.
 _LOCK = threading.Lock()
-TABLES: OrderedDict[tuple, _Table] = OrderedDict()
 TABLE_CACHE_SIZE = 64
-_SCALES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+TABLES: LRU[tuple, _Table] = LRU(TABLE_CACHE_SIZE)
+_SCALES: LRU[tuple, torch.Tensor] = LRU(TABLE_CACHE_SIZE)
 
 _TL_DTYPES = {
     torch.float16: tl.float16,
@@ -227,19 +228,17 @@ def _table(ptrs: list[int], sizes: list[int], offsets: list[int] | None, device:
     table is exactly what would be rebuilt. It holds addresses, never the tensors.
     """
     key = (device, tuple(ptrs), tuple(sizes), None if offsets is None else tuple(offsets))
-    table = TABLES.get(key)
-    if table is not None:
-        TABLES.move_to_end(key)
-        return table
-    if offsets is None:
-        offsets, o = [], 0
-        for n in sizes:
-            offsets.append(o)
-            o += n
-    table = TABLES[key] = _Table(ptrs, sizes, offsets, device)
-    if len(TABLES) > TABLE_CACHE_SIZE:
-        TABLES.popitem(last=False)
-    return table
+
+    def make() -> _Table:
+        starts = offsets
+        if starts is None:
+            starts, o = [], 0
+            for n in sizes:
+                starts.append(o)
+                o += n
+        return _Table(ptrs, sizes, starts, device)
+
+    return TABLES.get(key, make)
 
 
 def _vector_div(off_div: int, base: torch.Tensor) -> int:
@@ -254,12 +253,7 @@ def _scale_tensor(scale: float, dtype: torch.dtype, device: torch.device) -> tor
     # The scale is read from memory in the compute dtype: a float kernel argument would be
     # rounded to fp32 even where the product is fp64. Keyed on the bits: 0.0 == -0.0.
     key = (scale.hex(), dtype, device)
-    s = _SCALES.get(key)
-    if s is None:
-        s = _SCALES[key] = torch.tensor([scale], dtype=dtype, device=device)
-        if len(_SCALES) > TABLE_CACHE_SIZE:
-            _SCALES.popitem(last=False)
-    return s
+    return _SCALES.get(key, lambda: torch.tensor([scale], dtype=dtype, device=device))
 
 
 def _check_device(device: torch.device) -> None:

@@ -115,7 +115,7 @@ def test_there_is_no_import_cycle_between_modules():
 # The layers, lowest first: a module imports only modules of its own layer or below, and
 # within a layer only its own folder. Names are module prefixes.
 LAYERS = [
-    ("fdp._internals",),                                           # the private torch APIs, each once
+    ("fdp._internals", "fdp._lru"),                                # the private torch APIs, each once; the one cache
     ("fdp._tree", "fdp._errors", "fdp._log", "fdp._shard", "fdp._protocols", "fdp.kernels"),  # pytrees, errors, Shard, seams, copy kernels
     ("fdp._comm",),                                                # groups, collectives, agreement, lifetime
     ("fdp._plan", "fdp.optim"),                                    # layouts in flat buckets; optimizers

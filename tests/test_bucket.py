@@ -265,4 +265,4 @@ def test_tree_structure_cache_is_bounded_and_thread_safe():
     for th in threads:
         th.join()
     assert not errors, errors
-    assert len(fdp._tree.DICT_SPECS) <= fdp._tree.DICT_SPECS_MAX
+    assert len(fdp._tree.DICT_SPECS) <= fdp._tree.DICT_SPECS.size

@@ -9,11 +9,11 @@ reuses the engine of the step before it, and the cache never holds more than ``M
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from .. import _tree
+from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import template_of
 from .._step.autodiff import autograd_on
@@ -49,28 +49,16 @@ class Engines:
 
     def __init__(self, config: StepConfig) -> None:
         self.config = config
-        self._engines: OrderedDict[tuple, Engine] = OrderedDict()
+        self._engines: LRU[tuple, Engine] = LRU(self.MAX)
 
     def get(self, plan: BucketPlan, program: Program) -> Engine:
-        key = (plan.fingerprint, program.engine_key)
-        engine = self._engines.get(key)
-        if engine is None:
-            engine = self._engines[key] = Engine(self.config, plan, program.keys, program.whole_parts, NAME,
-                                                 program.decayed_apart)
-            while len(self._engines) > self.MAX:
-                self._engines.popitem(last=False)
-        else:
-            self._engines.move_to_end(key)
-        return engine
+        return self._engines.get((plan.fingerprint, program.engine_key), lambda: Engine(
+            self.config, plan, program.keys, program.whole_parts, NAME, program.decayed_apart))
 
     def current(self, program: Program, engine: Engine) -> bool:
         """Whether ``engine`` is still the cached engine of ``program``'s layout (it is then the
         most recently used again)."""
-        key = (engine.plan.fingerprint, program.engine_key)
-        if self._engines.get(key) is not engine:
-            return False
-        self._engines.move_to_end(key)
-        return True
+        return self._engines.peek((engine.plan.fingerprint, program.engine_key)) is engine
 
     def __len__(self) -> int:
         return len(self._engines)

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from .._lru import LRU
 from ._base import ChainState, Optimizer
 from ._ema import EmaState
 from ._multi_steps import MultiStepsState
@@ -42,27 +42,6 @@ from ._transforms import PartitionState
 __all__ = ["InjectHyperparamsState", "inject_hyperparams", "set_hyperparams"]
 
 CACHED = 4  # inner optimizers kept per injected optimizer (distinct non-schedule values)
-
-
-class _Recent:
-    """The last ``CACHED`` optimizers made, by key; simulated ranks (threads) share it."""
-
-    def __init__(self) -> None:
-        self.items: OrderedDict[tuple, Optimizer] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, key: tuple, make: Callable[[], Optimizer]) -> Optimizer:
-        with self.lock:
-            opt = self.items.get(key)
-            if opt is not None:
-                self.items.move_to_end(key)
-                return opt
-        opt = make()
-        with self.lock:
-            self.items[key] = opt
-            while len(self.items) > CACHED:
-                self.items.popitem(last=False)
-        return opt
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -194,7 +173,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
         rebuilt = [k for k in injected if k not in slots]
         local = threading.local()
         slot_args = {k: _Slot(k, local, name) for k in slots}
-        inner, bound = _Recent(), _Recent()
+        inner, bound = LRU(CACHED), LRU(CACHED)  # (simulated ranks, threads, share them)
 
         def check_slots(values: dict[str, Any], where: str) -> None:
             for k in slots:  # the factory does not see these values: its checks, here

@@ -31,6 +31,7 @@ from ._fused.step import Engines, FusedStep
 from ._log import debug_mode, log
 from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
+from ._protocols import StepKind
 from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
 from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
@@ -491,7 +492,7 @@ class Reducer:
             raise
         return plan.views(self._complete(step)), value
 
-    def _reduce(self, leaves: list[torch.Tensor] | None, *, n: int, kind: str) -> Step:
+    def _reduce(self, leaves: list[torch.Tensor] | None, *, n: int, kind: StepKind) -> Step:
         """Launch every bucket of ``leaves`` for a mean over ``n`` ranks (None: an inactive
         rank, contributing zeros)."""
         machine = self._machine

@@ -428,7 +428,7 @@ def test_update_cost_prices_a_timed_update():
     # the fitted line prices a bucket's update about as a timed one costs (loose: a 2-core VM)
     flat = [torch.zeros(2**20), torch.ones(2**20), torch.zeros(2**20), torch.zeros(2**20)]
     t0 = time.perf_counter()
-    opt.parts[-1].leaf_kernel.step(0, [flat[0]], [flat[1]], [[flat[2]], [flat[3]]], torch.ones(()))
+    opt.form.parts[-1].form.leaf_kernel.step(0, [flat[0]], [flat[1]], [[flat[2]], [flat[3]]], torch.ones(()))
     took = time.perf_counter() - t0
     assert 0.2 < (fixed + 4 * 2**20 * per_byte) / took < 5
 

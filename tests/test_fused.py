@@ -420,7 +420,7 @@ def test_a_masked_adamw_updates_each_bucket_in_one_kernel_call_with_the_plain_pa
     loss = loss_of(apply, buffers)
     adamw = fdp.optim.adamw(lr=1e-2, weight_decay=0.1, mask=lambda path, p: p.dim() >= 2)
     calls = {"step": 0, "decay": 0}
-    kernel = adamw.leaf_kernel
+    kernel = adamw.form.leaf_kernel
 
     def counted(name, fn):
         def call(*args):
@@ -428,8 +428,8 @@ def test_a_masked_adamw_updates_each_bucket_in_one_kernel_call_with_the_plain_pa
             return fn(*args)
         return call
 
-    counting = adamw._replace(leaf_kernel=kernel._replace(step=counted("step", kernel.step),
-                                                          decay=counted("decay", kernel.decay)))
+    counting = adamw._replace(form=adamw.form._replace(leaf_kernel=kernel._replace(
+        step=counted("step", kernel.step), decay=counted("decay", kernel.decay))))
     reducer = fdp.Reducer(params, **CAPS)
     nb = len(reducer.plan.buckets)
     assert nb >= 2

@@ -161,7 +161,7 @@ def test_ema_of_a_partition_averages_per_label_and_equals_param_groups():
                                                      "frozen": fdp.optim.frozen()}), 0.9)
     state = opt.init(params)
     assert [type(s).__name__ for s in state.states.values()] == ["EmaAdamWState", "EmaAdamWState", "tuple"]
-    assert opt.partition is not None and opt.partition.optimizers["w"].leaf_kernel.fields[-1] == "ema"
+    assert opt.form.partition is not None and opt.form.partition.optimizers["w"].form.leaf_kernel.fields[-1] == "ema"
     for t in range(STEPS):
         grads = grads_for(params, t)
         ref.step(grads)
@@ -229,8 +229,8 @@ def test_ema_update_leaves_its_inputs_unchanged():
 def test_leaf_kernel_adds_an_ema_field_and_equals_the_tree_update_on_flat_chunks():
     inner = fdp.optim.adamw(1e-2, weight_decay=0.1, mask=decays)
     opt = fdp.optim.ema(inner, 0.9)
-    lk = opt.leaf_kernel
-    assert lk.fields == ("exp_avg", "exp_avg_sq", "ema") and lk.groups is inner.leaf_kernel.groups
+    lk = opt.form.leaf_kernel
+    assert lk.fields == ("exp_avg", "exp_avg_sq", "ema") and lk.groups is inner.form.leaf_kernel.groups
     params = params_of(torch.float32)
     groups = lk.groups(params)
     members = {grp: [k for k, g in zip(params, groups) if g == grp] for grp in set(groups)}

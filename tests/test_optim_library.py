@@ -478,7 +478,7 @@ def test_leaf_kernel_on_flat_per_group_tensors_equals_the_tree_update(name, i, k
     make = OPTIMIZERS[name][0]
     opt = make(**kw, mask=lambda path, p: p.dim() >= 2)
     params = make_params(f64_last=False)
-    lk = opt.leaf_kernel
+    lk = opt.form.leaf_kernel
     groups = lk.groups(params)
     keys = list(params)
     members = {grp: [k for k, g in zip(keys, groups) if g == grp] for grp in set(groups)}
@@ -504,11 +504,11 @@ def test_leaf_kernel_on_flat_per_group_tensors_equals_the_tree_update(name, i, k
 
 
 def test_only_kernel_optimizers_have_a_leaf_kernel():
-    assert fdp.optim.adamw(0.1).leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
-    assert fdp.optim.sgd(0.1).leaf_kernel.fields == ()
-    assert fdp.optim.chain(fdp.optim.sgd(0.1)).leaf_kernel is None
-    assert fdp.optim.frozen().leaf_kernel.fields == ()  # a kernel that changes nothing
-    assert fdp.optim.adafactor(0.1).leaf_kernel is None  # not element-wise
+    assert fdp.optim.adamw(0.1).form.leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
+    assert fdp.optim.sgd(0.1).form.leaf_kernel.fields == ()
+    assert fdp.optim.chain(fdp.optim.sgd(0.1)).form.leaf_kernel is None
+    assert fdp.optim.frozen().form.leaf_kernel.fields == ()  # a kernel that changes nothing
+    assert fdp.optim.adafactor(0.1).form.leaf_kernel is None  # not element-wise
 
 
 @pytest.mark.slow  # (a dynamo trace)

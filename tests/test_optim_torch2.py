@@ -229,7 +229,7 @@ def test_leaf_kernel_on_flat_chunks_per_group_equals_the_tree_update(name):
     # (each chunk one kernel call at the same count), the count advanced once per update.
     opt = ELEMENTWISE[name]()
     params = params_of(torch.float32)
-    lk = opt.leaf_kernel
+    lk = opt.form.leaf_kernel
     groups = lk.groups(params)
     members = {grp: [k for k, g in zip(params, groups) if g == grp] for grp in set(groups)}
     assert set(members) == {0, 1}
@@ -258,13 +258,13 @@ def test_leaf_kernel_on_flat_chunks_per_group_equals_the_tree_update(name):
 
 
 def test_leaf_kernels_and_their_fields():
-    assert fdp.optim.nadam().leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
-    assert fdp.optim.radam().leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
-    assert fdp.optim.adamax().leaf_kernel.fields == ("exp_avg", "exp_inf")
-    assert fdp.optim.adadelta().leaf_kernel.fields == ("square_avg", "acc_delta")
-    assert fdp.optim.lion(1e-3).leaf_kernel.fields == ("mu",)
+    assert fdp.optim.nadam().form.leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
+    assert fdp.optim.radam().form.leaf_kernel.fields == ("exp_avg", "exp_avg_sq")
+    assert fdp.optim.adamax().form.leaf_kernel.fields == ("exp_avg", "exp_inf")
+    assert fdp.optim.adadelta().form.leaf_kernel.fields == ("square_avg", "acc_delta")
+    assert fdp.optim.lion(1e-3).form.leaf_kernel.fields == ("mu",)
     if "adafactor" in TORCH:
-        assert fdp.optim.adafactor().leaf_kernel is None
+        assert fdp.optim.adafactor().form.leaf_kernel is None
 
 
 # -------------------------------------------- the fused and sharded steps, on simulated ranks

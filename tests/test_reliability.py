@@ -76,7 +76,7 @@ class KernelFault:
 
     def __init__(self, opt, rank, nth=1):
         self.calls, self.armed, self.rank, self.nth = 0, False, rank, nth
-        kernel = opt.leaf_kernel
+        kernel = opt.form.leaf_kernel
 
         def step(*args):
             if self.armed:
@@ -85,7 +85,7 @@ class KernelFault:
                     raise RuntimeError(f"injected failure in the optimizer's kernel (call {self.calls})")
             return kernel.step(*args)
 
-        self.opt = opt._replace(leaf_kernel=kernel._replace(step=step))
+        self.opt = opt._replace(form=opt.form._replace(leaf_kernel=kernel._replace(step=step)))
 
 
 class TransformFault:

@@ -61,12 +61,12 @@ class Program:
         self.opt, self.name = opt, name
         self.transforms, outer = split_chain(opt, name, sharded=sharded)
         # an inject_hyperparams optimizer: its values are the state's, the layout its first values'
-        self.injected: Optimizer | None = outer if outer.bind is not None else None
+        self.injected: Optimizer | None = outer if outer.form.bind is not None else None
         self.optimizer = bound(outer)
-        partition = self.optimizer.partition
+        partition = self.optimizer.form.partition
         if partition is None:
-            self.parts = [Part(None, self.optimizer, self.optimizer.leaf_kernel, _count_dtype(self.optimizer, params))]
-            self.keys = tuple((0, int(g)) for g in self.optimizer.leaf_kernel.groups(params))
+            self.parts = [Part(None, self.optimizer, self.optimizer.form.leaf_kernel, _count_dtype(self.optimizer, params))]
+            self.keys = tuple((0, int(g)) for g in self.optimizer.form.leaf_kernel.groups(params))
         else:
             leaves, treedef = _tree.flatten(params)
             labels = partition.labels(params)
@@ -76,7 +76,7 @@ class Program:
             for label in order:
                 sub = {keys[i]: leaves[i] for i, lab in enumerate(labels) if lab == label}
                 o = partition.optimizers[label]
-                self.parts.append(Part(label, o, o.leaf_kernel, _count_dtype(o, sub)))
+                self.parts.append(Part(label, o, o.form.leaf_kernel, _count_dtype(o, sub)))
             per_leaf: list[tuple[int, int] | None] = [None] * len(leaves)
             for k, part in enumerate(self.parts):
                 idx = [i for i, label in enumerate(labels) if label == part.label]
@@ -121,11 +121,11 @@ class Program:
             raise ValueError(f"{self.name}: this step's optimizer is an inject_hyperparams one, but opt_state holds "
                              "no hyper-parameters (made by another step?): start from step.init(params) or "
                              "step.state_from_tree(tree_state, params)")
-        opt = self.injected.bind(hyperparams)
+        opt = self.injected.form.bind(hyperparams)
         last = self._last  # (one read: simulated ranks may share a step)
         if opt is last[0]:
             return last[1]
-        kernel, first = opt.leaf_kernel, self.parts[0].kernel
+        kernel, first = opt.form.leaf_kernel, self.parts[0].kernel
         if kernel is None or (kernel.fields, kernel.init_value, kernel.whole_leaves) != (
                 first.fields, first.init_value, first.whole_leaves):
             changed = {k: v for k, v in hyperparams.items() if not _same(v, self.initial[k])}
@@ -141,7 +141,7 @@ class Program:
 
     @property
     def partitioned(self) -> bool:
-        return self.optimizer.partition is not None
+        return self.optimizer.form.partition is not None
 
 
 def _count_dtype(opt: Optimizer, params: Any) -> Any:

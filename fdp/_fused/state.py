@@ -189,7 +189,7 @@ class StateLayout:
     def _unwrap(self, tree_state: Any, what: str, whose: str) -> tuple[tuple, dict | None, Any]:
         """(transforms' states, injected values, the optimizer's state) of a per-leaf state."""
         transforms, hyperparams = (), None
-        if self.opt.parts:
+        if self.opt.form.parts:
             if not isinstance(tree_state, ChainState):
                 raise TypeError(f"{what}: expected the ChainState of {whose}, got {type(tree_state).__name__}")
             transforms, tree_state = tuple(tree_state.transforms), tree_state.optimizer
@@ -285,13 +285,13 @@ class StateLayout:
             tree = self._partition_tree(template, values, state.step, params, in_params_order)
         if self.program.injected is not None:
             tree = InjectHyperparamsState({k: _cloned(v) for k, v in state.hyperparams.items()}, tree)
-        if self.opt.parts:
+        if self.opt.form.parts:
             return ChainState(tuple(state.transforms), tree)
         return tree
 
     def _partition_tree(self, template: Any, values: list, count: torch.Tensor, params: Any,
                         in_params_order: Callable[[list], list]) -> Any:
-        partition = self.program.optimizer.partition
+        partition = self.program.optimizer.form.partition
         labels, keys = partition.labels(params), partition.keys(params)
         part_of = {part.label: k for k, part in enumerate(self.parts)}
         states = {}
@@ -348,7 +348,7 @@ class StateLayout:
         if not isinstance(tree_state, PartitionState):
             raise TypeError(f"{what}: expected the PartitionState of step.state_to_shards, got "
                             f"{type(tree_state).__name__}")
-        partition = self.program.optimizer.partition
+        partition = self.program.optimizer.form.partition
         labels, keys = partition.labels(params), partition.keys(params)
         # each plan leaf's index in params' own order
         order = list(range(len(labels)))
@@ -432,7 +432,7 @@ class StateLayout:
         if not isinstance(tree_state, PartitionState):
             raise TypeError(f"{self.name}: expected the PartitionState of opt.init(params), got "
                             f"{type(tree_state).__name__}")
-        partition = self.program.optimizer.partition
+        partition = self.program.optimizer.form.partition
         labels, keys = partition.labels(params), partition.keys(params)
         leaves = _tree.leaves(params)
         counts = {label: s.step for label, s in tree_state.states.items() if hasattr(s, "step")}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,11 +24,12 @@ import torch
 
 from .. import _internals, _tree
 from .._functional import bindings_kept
+from .._protocols import Engine
 
-ENGINES = ("auto", "autograd", "functorch")
+ENGINES = ("auto", *typing.get_args(Engine))  # ("auto", "autograd", "functorch")
 
 
-def resolve_engine(engine: str) -> str:
+def resolve_engine(engine: str) -> Engine:
     if engine not in ENGINES:
         raise ValueError(f"fdp.Reducer: engine must be one of {ENGINES}, got {engine!r}")
     return "autograd" if engine == "auto" else engine
@@ -113,7 +115,7 @@ def autograd_leaves(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], boo
     return list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves))), inference
 
 
-def local_grads(engine: str, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
+def local_grads(engine: Engine, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
                 leaves: list[torch.Tensor], treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
                 on_backward_start: Callable[[torch.Tensor], None] | None,

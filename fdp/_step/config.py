@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .._comm.mesh import Mesh
+from .._protocols import Engine
 from ..hooks import CommHook
 from .machine import Steps
 
@@ -47,7 +48,7 @@ class StepConfig:
     wire: torch.dtype | None
     debug: bool
     hook_threshold_bytes: int
-    engine: str
+    engine: Engine
     skip_nonfinite: bool
     grad_views: bool
     overlap: bool

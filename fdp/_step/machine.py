@@ -61,6 +61,7 @@ from .._comm.group import Group
 from .._errors import CollectiveError
 from .._plan.bucket import BucketPlan, itemsize
 from .._plan.buffers import BucketBuffers
+from .._protocols import StepKind
 from ..hooks import CommHook
 from .record import BucketTimes, StepRecord, Timeline
 
@@ -151,7 +152,7 @@ class StepSpec:
         for this backward any more (fully sharded params free their gathered copy then).
     """
 
-    kind: str
+    kind: StepKind
     what: str = "a step"
     acc: list[torch.Tensor] | None = None
     acc_owned: bool = False

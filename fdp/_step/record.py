@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .._protocols import StepKind
+
 
 class Gather(NamedTuple):
     """One all-gather of a unit's params (fully sharded), in seconds since the step started:
@@ -79,7 +81,7 @@ class Timeline:
     """
 
     step: int
-    kind: str
+    kind: StepKind
     backward_start: float | None
     backward_end: float | None
     end: float
@@ -144,6 +146,6 @@ class StepRecord:
     """
 
     step: int
-    kind: str
+    kind: StepKind
     finite: bool
     timeline: Timeline

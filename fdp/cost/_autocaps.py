@@ -152,10 +152,10 @@ def update_cost(opt: Any, plan: BucketPlan, sizes: tuple[int, ...] = (256 * 1024
     fused step's chunks (the fastest of ``repeats``), fitted to a line. A ``partition`` is
     priced at its costliest label's kernel."""
     optimizer = split_chain(opt, "fdp.cost.calibrate", sharded=False)[1]
-    if optimizer.partition is None:
-        kernel = optimizer.leaf_kernel
+    if optimizer.form.partition is None:
+        kernel = optimizer.form.leaf_kernel
     else:  # a partition: priced at its costliest label's kernel (the one with most state fields)
-        kernel = max((o.leaf_kernel for o in optimizer.partition.optimizers.values()), key=lambda k: len(k.fields))
+        kernel = max((o.form.leaf_kernel for o in optimizer.form.partition.optimizers.values()), key=lambda k: len(k.fields))
     dtype, device = (plan.buckets[0].dtype, plan.buckets[0].device) if plan.buckets else (
         torch.float32, torch.device("cpu"))
     count = torch.ones((), dtype=torch.float32)  # (not the first step, which SGD takes apart)

@@ -31,6 +31,7 @@ from ._adaptive import adamax as adamax
 from ._adaptive import nadam as nadam
 from ._adaptive import radam as radam
 from ._base import ChainState as ChainState
+from ._base import Form as Form
 from ._base import GradientTransform as GradientTransform
 from ._base import LeafKernel as LeafKernel
 from ._base import Optimizer as Optimizer
@@ -85,6 +86,7 @@ __all__ = [
     "ChainState",
     "ClipState",
     "EmaState",
+    "Form",
     "GradientTransform",
     "Hyperparams",
     "InjectHyperparamsState",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import sys
 import threading
+import typing
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
+from .._protocols import Reach
 
 __all__ = ["ChainState", "GradientTransform", "LeafKernel", "Optimizer", "chain", "global_scale", "stateless"]
 
@@ -48,17 +50,18 @@ def _traced_meta(t: Tensor) -> tuple:
     return (t.shape, t.dtype, t.device)
 
 
-class Optimizer(NamedTuple):
-    """An optimizer as a pair of pure functions: it returns new params, not optax's updates.
+class Form(NamedTuple):
+    """How fdp can run and describe an optimizer beyond its ``init`` and ``update``: what the
+    fused step (``reducer.grad_and_update``) runs per bucket, and what ``fdp.optim.hyperparams``
+    and ``state_from_torch`` read. fdp's own optimizers fill it in; an optimizer of yours
+    need not (``Form()``), and then runs through ``reducer.grad`` + ``opt.update``.
 
     Attributes:
-      init: ``init(params) -> state``; the state is a pytree of tensors.
-      update: ``update(grads, state, params) -> (new_params, new_state)``.
       leaf_kernel: for element-wise optimizers (those over a torch.optim kernel, and
         ``lion``), the same update on lists of tensors (a ``LeafKernel``); ``None`` for
         others (``chain``, ``partition``, ``adafactor``, yours).
       parts: for a ``chain``, its gradient transforms and then its optimizer (what the fused
-        step, ``reducer.grad_and_update``, runs per bucket); ``()`` otherwise.
+        step runs per bucket); ``()`` otherwise.
       hyper: a ``Hyperparams`` (torch.optim's param-group terms: what ``fdp.optim.hyperparams``
         reports) for optimizers over a torch.optim kernel; ``None`` for others.
       partition: for ``partition``, its ``Partitioned`` (the label of each leaf and the
@@ -68,6 +71,27 @@ class Optimizer(NamedTuple):
         holds them; ``None``: the values it was made with) fixed in it, its ``leaf_kernel``
         included (what the fused step runs with the values of each step's state);
         ``None`` otherwise.
+    """
+
+    leaf_kernel: LeafKernel | None = None
+    parts: tuple = ()
+    hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
+    partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
+    bind: Callable[[Any], Optimizer] | None = None  # inject_hyperparams (fdp/optim/_inject.py)
+
+
+NO_FORM = Form()
+
+
+class Optimizer(NamedTuple):
+    """An optimizer as a pair of pure functions: it returns new params, not optax's updates.
+
+    Attributes:
+      init: ``init(params) -> state``; the state is a pytree of tensors.
+      update: ``update(grads, state, params) -> (new_params, new_state)``.
+      form: how fdp can run it beyond these two (``fdp.optim.Form``: its leaf kernel, a
+        chain's parts, its torch.optim hyper-parameters, a partition, an injected one's
+        ``bind``); ``Form()`` for an optimizer of your own.
 
     Example:
       >>> opt = fdp.optim.sgd(lr=0.1)
@@ -79,11 +103,7 @@ class Optimizer(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
-    leaf_kernel: LeafKernel | None = None
-    parts: tuple = ()
-    hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
-    partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
-    bind: Callable[[Any], Optimizer] | None = None  # inject_hyperparams (fdp/optim/_inject.py)
+    form: Form = NO_FORM
 
 
 class LeafKernel(NamedTuple):
@@ -169,7 +189,7 @@ class GradientTransform(NamedTuple):
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
-    reach: str = "tree"
+    reach: Reach = "tree"
     apply: Callable[[list[Tensor], Any], Any] | None = None
     stats: Callable[[list[Tensor]], list[Tensor]] | None = None
     scale: Callable[[list[Tensor], Any], tuple[Tensor | None, Any]] | None = None
@@ -180,7 +200,7 @@ class GradientTransform(NamedTuple):
         return self.reach == "tree" and self.stats is not None and self.scale is not None
 
 
-REACHES = ("element", "leaf", "tree")
+REACHES: tuple[Reach, ...] = typing.get_args(Reach)  # ("element", "leaf", "tree")
 
 
 def check_transform(t: Any, name: str, i: int) -> None:
@@ -262,7 +282,7 @@ class ChainState(NamedTuple):
     optimizer: Any
 
 
-def stateless(fn: Callable[[Any, Any], Any], *, reach: str = "tree") -> GradientTransform:
+def stateless(fn: Callable[[Any, Any], Any], *, reach: Reach = "tree") -> GradientTransform:
     """A ``GradientTransform`` from a pure function ``fn(grads, params) -> new_grads``.
 
     Args:
@@ -369,7 +389,7 @@ def chain(*parts: GradientTransform | Optimizer, donate_grads: bool = False) -> 
         params, opt_state = optimizer.update(grads, state.optimizer, params)
         return params, ChainState(tuple(new_states), opt_state)
 
-    return Optimizer(init, update, None, (*transforms, optimizer))
+    return Optimizer(init, update, Form(parts=(*transforms, optimizer)))
 
 
 # ------------------------------------------------------------------- leaf-list helpers

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import _tree
 from ._base import (
+    Form,
     KnownLeaves,
     LeafKernel,
     Optimizer,
@@ -206,6 +207,6 @@ def build(spec: Spec, lr: Hyper, weight_decay: Hyper, mask: Mask | None, donate:
         return _tree.unflatten(ps.treedef, p), new_state
 
     hyper = Hyperparams(spec.torch_class, lr, weight_decay, dict(spec.fixed), mask)
-    return Optimizer(init, update, LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step,
-                                              spec.whole_leaves, leaf_decay if spec.decoupled else None),
-                     hyper=hyper)
+    return Optimizer(init, update, Form(LeafKernel(tuple(used), spec.init_value, groups.per_leaf, leaf_step,
+                                                   spec.whole_leaves, leaf_decay if spec.decoupled else None),
+                                        hyper=hyper))

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._base import ChainState, Optimizer, ParamLeaves, clone
+from ._base import ChainState, Form, Optimizer, ParamLeaves, clone
 from ._transforms import Partitioned, PartitionState
 
 __all__ = ["EmaState", "ema", "ema_params", "ema_update"]
@@ -249,8 +249,8 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     weight = 1 - decay  # get_ema_multi_avg_fn's lerp weight, a Python float as torch passes it
-    last = opt.parts[-1] if opt.parts else opt
-    part = last.partition
+    last = opt.form.parts[-1] if opt.form.parts else opt
+    part = last.form.partition
     averaged = {label: _keeps_state(o) for label, o in part.optimizers.items()} if part is not None else {}
 
     def average(avg: Any, params: Any, first: bool) -> Any:
@@ -306,7 +306,7 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
             states[label] = s
         return PartitionState(states)
 
-    if opt.parts:  # a chain: its transforms, then ``ema`` of its optimizer (what the fused step runs)
+    if opt.form.parts:  # a chain: its transforms, then ``ema`` of its optimizer (what the fused step runs)
         ema_last = ema(last, decay, donate=donate)
 
         def init(params: Any) -> ChainState:
@@ -324,7 +324,7 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
                 return params, ChainState(new.transforms, state.optimizer)
             return params, ChainState(new.transforms, join(state.optimizer, new.optimizer, info, params))
 
-        return Optimizer(init, update, None, (*opt.parts[:-1], ema_last))
+        return Optimizer(init, update, Form(parts=(*opt.form.parts[:-1], ema_last)))
 
     def init(params: Any) -> Any:
         return wrap(opt.init(params), params)
@@ -336,8 +336,8 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
         return params, join(state, new, info, params)
 
     kernel = None
-    if opt.leaf_kernel is not None:
-        inner_kernel = opt.leaf_kernel
+    if opt.form.leaf_kernel is not None:
+        inner_kernel = opt.form.leaf_kernel
 
         @torch.no_grad()
         def leaf_step(group: int, p: list[Tensor], g: list[Tensor], state_lists: list[list[Tensor]],
@@ -351,7 +351,7 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     if part is not None:  # the fused step runs each label's optimizer: each label averages its own
         partitioned = part._replace(optimizers={label: ema(o, decay, donate=donate) if averaged[label] else o
                                                 for label, o in part.optimizers.items()})
-    return Optimizer(init, update, kernel, hyper=opt.hyper, partition=partitioned)
+    return Optimizer(init, update, Form(kernel, hyper=opt.form.hyper, partition=partitioned))
 
 
 def ema_params(state: Any, params: Any) -> Any:

@@ -39,20 +39,20 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
     """(gradient transforms, optimizer with a leaf kernel), or a ``TypeError`` saying why not."""
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
-    transforms, optimizer = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
+    transforms, optimizer = (tuple(opt.form.parts[:-1]), opt.form.parts[-1]) if opt.form.parts else ((), opt)
     # An inject_hyperparams optimizer runs as the inner optimizer its state's values bind.
     inner = bound(optimizer)
-    if inner.partition is not None and any(o.bind is not None for o in inner.partition.optimizers.values()):
+    if inner.form.partition is not None and any(o.form.bind is not None for o in inner.form.partition.optimizers.values()):
         raise TypeError(
             f"{name}: an inject_hyperparams optimizer inside a partition label does not run in the fused step "
             "yet (its state keeps one set of values per step); inject the values of one optimizer at the end "
             "of the chain (chain(..., inject_hyperparams(adamw)(...))), give each label a new optimizer object "
             "when its values change (partition(labels, {'a': adamw(lr=lr_t), ...}): the step's buffers are "
             "reused), or use reducer.grad and opt.update")
-    kernels = [inner.leaf_kernel] if inner.partition is None else [
-        o.leaf_kernel for o in inner.partition.optimizers.values()]
+    kernels = [inner.form.leaf_kernel] if inner.form.partition is None else [
+        o.form.leaf_kernel for o in inner.form.partition.optimizers.values()]
     if any(k is None for k in kernels):
-        which = "" if optimizer.partition is None else " (every label of a partition)"
+        which = "" if optimizer.form.partition is None else " (every label of a partition)"
         raise TypeError(
             f"{name}: the fused step runs an optimizer's kernel per bucket, so it needs one with a LeafKernel"
             f"{which}: sgd, adam, adamw, adagrad, rmsprop, nadam, radam, adamax, adadelta, lion, muon or "
@@ -84,4 +84,4 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
 def bound(optimizer: Optimizer, hyperparams: dict | None = None) -> Optimizer:
     """``optimizer`` itself, or for an ``inject_hyperparams`` one the inner optimizer with
     ``hyperparams`` (a state's ``{name: value}``; None: the values it was made with) fixed."""
-    return optimizer if optimizer.bind is None else optimizer.bind(hyperparams)
+    return optimizer if optimizer.form.bind is None else optimizer.form.bind(hyperparams)

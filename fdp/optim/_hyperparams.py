@@ -94,13 +94,13 @@ def hyperparams(opt: Optimizer, state: Any, *, next_update: bool = False) -> dic
     name = "fdp.optim.hyperparams"
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer, got {type(opt).__name__}")
-    inner = opt.parts[-1] if opt.parts else opt
-    if opt.parts and isinstance(state, ChainState):
+    inner = opt.form.parts[-1] if opt.form.parts else opt
+    if opt.form.parts and isinstance(state, ChainState):
         state = state.optimizer
     if isinstance(state, PartitionState):
         raise TypeError(f"{name}: a partition has a state and hyper-parameters per label; ask per "
                         "label: hyperparams(optimizers[label], state.states[label])")
-    if inner.hyper is None:
+    if inner.form.hyper is None:
         if getattr(state, "hyperparams", None) is not None:  # InjectHyperparamsState, a FusedState of one
             raise TypeError(f"{name}: an inject_hyperparams state holds its values itself: read "
                             "opt_state.hyperparams (what set_hyperparams last set)")
@@ -115,4 +115,4 @@ def hyperparams(opt: Optimizer, state: Any, *, next_update: bool = False) -> dic
     if count == 0 and not next_update:
         raise ValueError(f"{name}: no update has been applied yet; next_update=True gives the values "
                          "the first update will use")
-    return {"step": count, **inner.hyper.at(count if next_update else count - 1)}
+    return {"step": count, **inner.form.hyper.at(count if next_update else count - 1)}

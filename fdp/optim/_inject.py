@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .._lru import LRU
-from ._base import ChainState, Optimizer
+from ._base import ChainState, Form, Optimizer
 from ._ema import EmaState
 from ._multi_steps import MultiStepsState
 from ._transforms import PartitionState
@@ -221,7 +221,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
                 local.values = None
             return params, InjectHyperparamsState(dict(state.hyperparams), inner)  # (a dict of its own)
 
-        return Optimizer(init, update, bind=bind)
+        return Optimizer(init, update, Form(bind=bind))
 
     make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
     make.__doc__ = factory.__doc__

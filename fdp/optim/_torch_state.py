@@ -34,8 +34,8 @@ _WRAPPER_PREFIXES = ("module.", *(f"{s}." for s in _internals.WRAPPER_SEGMENTS))
 def _parts(opt: Any, name: str) -> tuple[tuple, Optimizer]:
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer, got {type(opt).__name__}")
-    transforms, inner = (tuple(opt.parts[:-1]), opt.parts[-1]) if opt.parts else ((), opt)
-    if inner.hyper is None or inner.leaf_kernel is None or inner.hyper.torch_class is None:
+    transforms, inner = (tuple(opt.form.parts[:-1]), opt.form.parts[-1]) if opt.form.parts else ((), opt)
+    if inner.form.hyper is None or inner.form.leaf_kernel is None or inner.form.hyper.torch_class is None:
         raise TypeError(f"{name}: only sgd, adam, adamw, adagrad and rmsprop (alone or at the end of a "
                         "chain) have a torch.optim counterpart; convert a partition's states per label")
     return transforms, inner
@@ -144,7 +144,7 @@ def state_from_torch(opt: Optimizer, state_dict: dict[str, Any], params: Any, *,
     """
     name = "fdp.optim.state_from_torch"
     transforms, inner = _parts(opt, name)
-    hyper, kernel = inner.hyper, inner.leaf_kernel
+    hyper, kernel = inner.form.hyper, inner.form.leaf_kernel
     leaves, treedef = param_leaves(params, name)
     keys = _tree.keys(treedef)
     groups = kernel.groups(params)
@@ -239,7 +239,7 @@ def state_from_torch(opt: Optimizer, state_dict: dict[str, Any], params: Any, *,
         init_leaves = _tree.leaves(getattr(fresh, f))
         trees[f] = _tree.unflatten(treedef, [v if v is not None else z for v, z in zip(values[f], init_leaves)])
     state = fresh._replace(step=torch.tensor(count, dtype=fresh.step.dtype), **trees)
-    if opt.parts:
+    if opt.form.parts:
         return ChainState(tuple(t.init(params) for t in transforms), state)
     return state
 
@@ -287,8 +287,8 @@ def state_to_torch(opt: Optimizer, state: Any, params: Any, *,
     """
     name = "fdp.optim.state_to_torch"
     _, inner = _parts(opt, name)
-    hyper, kernel = inner.hyper, inner.leaf_kernel
-    if opt.parts:
+    hyper, kernel = inner.form.hyper, inner.form.leaf_kernel
+    if opt.form.parts:
         if not isinstance(state, ChainState):
             raise TypeError(f"{name}: state must be the chain's ChainState, got {type(state).__name__}"
                             + (" (for the fused step pass step.state_to_tree(opt_state, params))"

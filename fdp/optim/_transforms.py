@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import _internals, _tree
-from ._base import GradientTransform, LeafKernel, Optimizer, global_scale, leaf_options
+from ._base import Form, GradientTransform, LeafKernel, Optimizer, global_scale, leaf_options
 
 __all__ = ["PartitionState", "clip_by_global_norm", "clip_by_value", "frozen", "global_norm",
            "partition"]
@@ -258,7 +258,7 @@ def frozen() -> Optimizer:
 
     # (a kernel that changes nothing: a frozen label of a partition runs in the fused step too)
     return Optimizer(lambda params: (), lambda grads, state, params: (params, state),
-                     LeafKernel((), 0.0, no_groups, no_step))
+                     Form(LeafKernel((), 0.0, no_groups, no_step)))
 
 
 def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
@@ -347,6 +347,6 @@ def partition(labels: Any, optimizers: dict[str, Optimizer]) -> Optimizer:
     def keys_of(params: Any) -> list[Any]:
         return plan(params)[2]
 
-    return Optimizer(init, update, partition=Partitioned(labels_of, dict(optimizers), keys_of))
+    return Optimizer(init, update, Form(partition=Partitioned(labels_of, dict(optimizers), keys_of)))
 
 

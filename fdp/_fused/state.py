@@ -24,8 +24,8 @@ from .. import _internals, _tree
 from .._comm import collectives as comm
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan
-from .._shard import Shard
-from .._slices.geometry import Slices, Spans
+from .._shard import Shard, elements
+from .._slices.geometry import Placed, Slices, Spans
 from ..optim import ChainState, InjectHyperparamsState, PartitionState
 from .program import Program
 
@@ -151,9 +151,6 @@ class StateLayout:
         self.keys = [[f if not program.partitioned else f"{part.label}:{f}" for f in part.kernel.fields]
                      for part in self.parts]
         self.layout = layout_tensor(plan, slices, program.keys if program.partitioned else None)
-        # Whether the state buffers are compact (``Spans``): a partition's, or a sharded state
-        # with whole leaves owned by one rank each (Muon); else each is the bucket's (slice's) layout.
-        self.compact = len(self.parts) > 1 or (slices.sharded and any(p.kernel.whole_leaves for p in self.parts))
 
     # ------------------------------------------------------------------ make and check
     def init(self, params: Any) -> FusedState:
@@ -254,16 +251,47 @@ class StateLayout:
                                      "size or sharding? convert it with step.state_to_tree / step.state_from_tree)")
         return state
 
-    # ------------------------------------------------------------------ per-leaf form
+    # ------------------------------------------------------------------ per-leaf forms
+    # The four conversions are one correspondence, ``Spans.placed``: for each rank, which
+    # elements of each leaf its state holds, and where in its compact buffers. ``to_shards``
+    # reads this rank's (views); ``to_tree`` reads every rank's after one gather of the
+    # buffers; ``from_shards`` and ``from_tree`` write this rank's from whatever holds them
+    # (a Shard, or a whole tensor).
     def to_tree(self, state: FusedState, params: Any) -> Any:
+        """``opt.init(params)``'s layout with whole tensors (a collective when sharded: every
+        rank's state is gathered)."""
         state = self.check(state)
         template = self.inner(self.opt.init(params))
-        # Per field of each part, every leaf's values in the plan's leaf order (the part's
-        # leaves only), from the whole buckets (gathered when sharded).
-        values = [{f: [t.clone() for t in _tree.leaves(self.plan.views(
-                       [self._whole(b, k, t) for b, t in enumerate(state.buffers[key])]))]
-                   for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
+        slots, keys = self.plan.slots, self.program.keys
+        wholes = {key: [torch.zeros(s.shape, dtype=s.dtype, device=s.device) if keys[i][0] == k else None
+                        for i, s in enumerate(slots)]
+                  for k in range(len(self.parts)) for key in self.keys[k]}
+        for rank, buffers in self._every_rank(state.buffers):
+            for at in filter(None, self.spans_of(rank).placed):
+                for key in self.keys[at.part]:
+                    wholes[key][at.leaf].view(-1)[at.start:at.stop] = _held(buffers[key], at)
+        values = [{f: wholes[key] for f, key in zip(part.kernel.fields, self.keys[k])}
+                  for k, part in enumerate(self.parts)]
         return self._per_leaf(template, values, state, params, "state_to_tree")
+
+    def to_shards(self, state: FusedState, params: Any) -> Any:
+        """``to_tree``'s layout with an ``fdp.Shard`` of this rank's elements for each leaf of
+        the state's fields (views of ``state``'s buffers, no copy); the count and the
+        transforms' states as they are (replicated). No communication."""
+        state = self.check(state)
+        # The layout's types from an init on meta tensors: no memory, the structure of opt.init(params).
+        template = self.inner(self.opt.init(_tree.tree_map(_on_meta, params)))
+        slots, placed, keys = self.plan.slots, self.mine.placed, self.program.keys
+
+        def shard(i: int, key: str) -> Shard:
+            slot, at = slots[i], placed[i]
+            if at is None:  # (none of this leaf's elements are in this rank's state)
+                return Shard(tuple(slot.shape), slot.dtype, (), state.buffers[key][slot.bucket][:0])
+            return Shard(tuple(slot.shape), slot.dtype, ((at.start, at.stop),), _held(state.buffers[key], at))
+
+        values = [{f: [shard(i, key) if keys[i][0] == k else None for i in range(len(slots))]
+                   for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
+        return self._per_leaf(template, values, state, params, "state_to_shards")
 
     def _per_leaf(self, template: Any, values: list[dict[str, list]], state: FusedState, params: Any,
                   what: str) -> Any:
@@ -306,33 +334,43 @@ class StateLayout:
             states[label] = sub._replace(step=count.to(sub.step.dtype).clone(), **fields)
         return PartitionState(states)
 
-    # ------------------------------------------------------------------ per-leaf parts (no communication)
-    def to_shards(self, state: FusedState, params: Any) -> Any:
-        """``to_tree``'s layout with an ``fdp.Shard`` of this rank's elements for each leaf of
-        the state's fields (views of ``state``'s buffers, no copy); the count and the
-        transforms' states as they are (replicated). No communication."""
-        state = self.check(state)
-        # The layout's types from an init on meta tensors: no memory, the structure of opt.init(params).
-        template = self.inner(self.opt.init(_tree.tree_map(_on_meta, params)))
-        slots, placed, keys = self.plan.slots, self.mine.placed, self.program.keys
+    def _every_rank(self, buffers: dict[str, list[torch.Tensor]]) -> list[tuple[int, dict[str, list[torch.Tensor]]]]:
+        """``(rank, its state buffers)`` for every rank of the shard group: this rank's own when
+        unsharded, else gathered (one all-gather per field and bucket, each rank's compact
+        buffer padded to the longest)."""
+        s = self.slices
+        if not s.sharded:
+            return [(s.rank, buffers)]
+        sizes = [self.spans_of(r).sizes for r in range(s.size)]
+        out: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(s.size)]
+        for k in range(len(self.parts)):
+            for key in self.keys[k]:
+                per_rank: list[list[torch.Tensor]] = [[] for _ in range(s.size)]
+                for b, mine in enumerate(buffers[key]):
+                    longest = max(sz[b][k] for sz in sizes)
+                    padded = mine.new_zeros(longest)
+                    padded[:mine.numel()] = mine
+                    rows = padded.new_empty(s.size * longest)
+                    what = f"{self.name}: gathering bucket {b}'s optimizer state"
+                    comm.wait(comm.all_gather_into(rows, padded, self.group, what), self.group, what)
+                    for r, row in enumerate(rows.view(s.size, -1)):
+                        per_rank[r].append(row)
+                for r in range(s.size):
+                    out[r][key] = per_rank[r]
+        return list(enumerate(out))
 
-        def shard(i: int, key: str) -> Shard:
-            slot, at = slots[i], placed[i]
-            if at is None:  # (none of this leaf's elements are in this rank's state)
-                return Shard(tuple(slot.shape), slot.dtype, (), state.buffers[key][slot.bucket][:0])
-            data = state.buffers[key][at.bucket][at.at:at.at + (at.stop - at.start)]
-            return Shard(tuple(slot.shape), slot.dtype, ((at.start, at.stop),), data)
-
-        values = [{f: [shard(i, key) if keys[i][0] == k else None for i in range(len(slots))]
-                   for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
-        return self._per_leaf(template, values, state, params, "state_to_shards")
+    def from_tree(self, tree_state: Any, params: Any) -> FusedState:
+        """This rank's ``FusedState`` from ``opt.init(params)``'s layout with whole tensors."""
+        return self._from_leaves(tree_state, params, f"{self.name}: state_from_tree", "opt.init(params)")
 
     def from_shards(self, tree_state: Any, params: Any) -> FusedState:
         """This rank's ``FusedState`` from ``to_shards``'s layout (e.g. loaded by
         ``fdp.load_sharded``): each leaf's Shard (or whole tensor) must hold this rank's
         elements of it; they are copied into fresh flat buffers."""
-        what = f"{self.name}: state_from_shards"
-        transforms, hyperparams, tree_state = self._unwrap(tree_state, what, "step.state_to_shards")
+        return self._from_leaves(tree_state, params, f"{self.name}: state_from_shards", "step.state_to_shards")
+
+    def _from_leaves(self, tree_state: Any, params: Any, what: str, whose: str) -> FusedState:
+        transforms, hyperparams, tree_state = self._unwrap(tree_state, what, whose)
         buffers = {key: [torch.zeros(self.mine.sizes[b.index][k], dtype=b.dtype, device=b.device)
                          for b in self.plan.buckets]
                    for k, part in enumerate(self.parts) for key in self.keys[k]}
@@ -346,8 +384,7 @@ class StateLayout:
                     self._put(buffers[key], i, leaf, f"{what}: .{f}")
             return FusedState(count, buffers, transforms, self.layout, hyperparams)
         if not isinstance(tree_state, PartitionState):
-            raise TypeError(f"{what}: expected the PartitionState of step.state_to_shards, got "
-                            f"{type(tree_state).__name__}")
+            raise TypeError(f"{what}: expected the PartitionState of {whose}, got {type(tree_state).__name__}")
         partition = self.program.optimizer.form.partition
         labels, keys = partition.labels(params), partition.keys(params)
         # each plan leaf's index in params' own order
@@ -372,101 +409,26 @@ class StateLayout:
         """Plan leaf ``i``'s elements on this rank from ``leaf`` (a Shard, or the whole tensor)
         into its place in ``flats`` (per bucket, one field's state buffers)."""
         slot, at = self.plan.slots[i], self.mine.placed[i]
-        if isinstance(leaf, torch.Tensor):
-            leaf = Shard.whole(leaf)
-        if not isinstance(leaf, Shard):
+        if not isinstance(leaf, torch.Tensor | Shard):
             raise TypeError(f"{what}{slot.path} is a {type(leaf).__name__}; expected an fdp.Shard or a tensor")
-        if leaf.shape != tuple(slot.shape) or leaf.dtype != slot.dtype:
-            raise ValueError(f"{what}{slot.path} has shape {leaf.shape} and dtype {leaf.dtype}; the param has "
-                             f"shape {tuple(slot.shape)} and dtype {slot.dtype}")
+        if tuple(leaf.shape) != tuple(slot.shape) or leaf.dtype != slot.dtype:
+            raise ValueError(f"{what}{slot.path} has shape {tuple(leaf.shape)} and dtype {leaf.dtype}; the param "
+                             f"has shape {tuple(slot.shape)} and dtype {slot.dtype}")
         if at is None:
             return
-        for lo, hi, data in leaf.pieces():
-            if lo <= at.start and at.stop <= hi:
-                flats[at.bucket][at.at:at.at + (at.stop - at.start)].copy_(data[at.start - lo:at.stop - lo])
-                return
-        where = "slice" if self.slices.sharded else "state"
-        raise ValueError(f"{what}{slot.path} holds elements {[list(r) for r in leaf.ranges]} of the leaf, but this "
-                         f"rank's {where} ({self.slices.rank} of {self.slices.size}) needs its elements "
-                         f"{at.start}:{at.stop} (load it with step.state_to_shards(step.init(params), params) as like)")
+        got = elements(leaf, at.start, at.stop)
+        if got is None:
+            where = "slice" if self.slices.sharded else "state"
+            raise ValueError(f"{what}{slot.path} holds elements {[list(r) for r in leaf.ranges]} of the leaf, but "
+                             f"this rank's {where} ({self.slices.rank} of {self.slices.size}) needs its elements "
+                             f"{at.start}:{at.stop} (load it with step.state_to_shards(step.init(params), params) "
+                             "as like)")
+        _held(flats, at).copy_(got)
 
-    def _whole(self, b: int, k: int, mine: torch.Tensor) -> torch.Tensor:
-        """Bucket ``b``'s whole state of part ``k`` in the bucket's layout, from this rank's
-        (compact) part: an all-gather when sharded; other parts' elements are zeros."""
-        s, bucket = self.slices, self.plan.buckets[b]
-        one_part = not self.compact
-        if not s.sharded and one_part:
-            return mine
-        if s.sharded:
-            if one_part:  # the slices themselves, in rank order
-                out = mine.new_empty(s.padded[b])
-                what = f"{self.name}: gathering bucket {b}'s optimizer state"
-                comm.wait(comm.all_gather_into(out, mine.contiguous(), self.group, what), self.group, what)
-                return out
-            sizes = [self.spans_of(r).sizes[b][k] for r in range(s.size)]
-            padded = mine.new_zeros(max(sizes))
-            padded[:mine.numel()] = mine
-            rows = padded.new_empty(s.size * padded.numel())
-            what = f"{self.name}: gathering bucket {b}'s optimizer state"
-            comm.wait(comm.all_gather_into(rows, padded, self.group, what), self.group, what)
-            compact = rows.view(s.size, -1)
-        else:
-            compact = mine.view(1, -1)
-        out = mine.new_zeros(s.padded[b])
-        per = s.padded[b] // s.size
-        for r in range(s.size):
-            for key, spans in self.spans_of(r).by_key[b]:
-                if key[0] == k:
-                    for sp in spans:
-                        base = 0 if sp.owned else r * per  # (an owned whole leaf: the bucket's own offsets)
-                        out[base + sp.lo:base + sp.hi] = compact[r, sp.at:sp.at + (sp.hi - sp.lo)]
-        return out[:bucket.numel] if out.numel() != bucket.numel and not s.sharded else out
 
-    def from_tree(self, tree_state: Any, params: Any) -> FusedState:
-        transforms, hyperparams, tree_state = self._unwrap(tree_state, self.name, "opt.init(params)")
-        if not self.program.partitioned:
-            count = tree_state.step.clone()
-            full = {f: self.plan.flatten(getattr(tree_state, f)) for f in self.parts[0].kernel.fields}
-            buffers = {f: [self._mine(b, 0, t) for b, t in enumerate(whole)] for f, whole in full.items()}
-            return FusedState(count, buffers, transforms, self.layout, hyperparams)
-        if not isinstance(tree_state, PartitionState):
-            raise TypeError(f"{self.name}: expected the PartitionState of opt.init(params), got "
-                            f"{type(tree_state).__name__}")
-        partition = self.program.optimizer.form.partition
-        labels, keys = partition.labels(params), partition.keys(params)
-        leaves = _tree.leaves(params)
-        counts = {label: s.step for label, s in tree_state.states.items() if hasattr(s, "step")}
-        if len({int(c) for c in counts.values()}) > 1:
-            raise ValueError(f"{self.name}: the partition's labels have different step counts {counts}; the "
-                             "fused step updates every label at each step, so their counts must agree")
-        count = next(iter(counts.values())).clone() if counts else self._count(params)
-        buffers = {}
-        for k, part in enumerate(self.parts):
-            for f, key in zip(part.kernel.fields, self.keys[k]):
-                sub = getattr(tree_state.states[part.label], f)
-                per_leaf = [sub[keys[i]] if labels[i] == part.label else torch.zeros_like(leaves[i])
-                            for i in range(len(leaves))]
-                whole = self.plan.flatten(_tree.unflatten(_tree.structure(params), per_leaf))
-                buffers[key] = [self._mine(b, k, t) for b, t in enumerate(whole)]
-        return FusedState(count, buffers, transforms, self.layout, hyperparams)
-
-    def _mine(self, b: int, k: int, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's (compact) state of part ``k`` in bucket ``b``, from the whole bucket."""
-        s = self.slices
-        if not self.compact:
-            if not s.sharded:
-                return whole.clone()
-            n = s.padded[b]
-            padded = whole if whole.numel() == n else torch.cat([whole, whole.new_zeros(n - whole.numel())])
-            return s.mine(b, padded).clone()
-        lo_r = s.lo[b]
-        spans = sorted(sp for key, sps in self.mine.by_key[b] if key[0] == k for sp in sps)
-        pieces = sorted((sp.at, whole[(0 if sp.owned else lo_r) + sp.lo:(0 if sp.owned else lo_r) + sp.hi])
-                        for sp in spans)
-        out = whole.new_empty(self.mine.sizes[b][k])
-        for at, piece in pieces:
-            out[at:at + piece.numel()] = piece
-        return out
+def _held(flats: list[torch.Tensor], at: Placed) -> torch.Tensor:
+    """The elements ``at`` places in a rank's state buffers (``flats``: per bucket), a view."""
+    return flats[at.bucket][at.at:at.at + (at.stop - at.start)]
 
 
 def _on_meta(t: torch.Tensor) -> torch.Tensor:

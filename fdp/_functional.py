@@ -170,7 +170,7 @@ class Apply:
         # The same swap functional_call does, minus its per-call bookkeeping: each tensor is
         # put straight into the dicts that hold the module's own (tied names included) and
         # the originals are put back afterwards: a small fraction of functional_call's cost
-        # on many small leaves (docs/performance.md, "functionalize's swap").
+        # on many small leaves (docs/measurements.md, "Per-leaf costs behind design choices").
         call = _Call(self._home, (params, new_buffers, self._constants))
         return self._home.run(call, self._forward, args, kwargs), new_buffers
 

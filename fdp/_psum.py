@@ -136,8 +136,7 @@ def _reduce(tree: Any, g: Group, *, mean: bool, what: str) -> Any:
         return tree
     meta = [(p, tuple(t.shape), str(t.dtype)) for p, t in zip(paths, tensors)]
     if g.process_group is not None:
-        # Every call: a layout agreed on earlier says nothing about this call's (the
-        # sync_buffers lesson of issue 15, item 3); one tiny all-gather.
+        # Every call: a layout agreed on earlier says nothing about this call's (sync_buffers' lesson); one tiny all-gather.
         verify_layout(meta, g, what)
     # What travels: each leaf in its wire dtype, an int64 one as its two halves.
     parts: list[torch.Tensor] = []

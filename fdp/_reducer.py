@@ -3,8 +3,9 @@
 The Reducer holds the configuration (plan, group, comm hook, buffers) and offers the
 ``torch.func``-shaped calls (``grad``, ``grad_and_value``) plus ``all_reduce`` for
 gradients computed any other way. What one step does is the step machine's job
-(``fdp/_step.py``: leaf hooks, fill, launch, wait, finish); how this rank's gradients are
-computed is ``fdp/_autodiff.py``'s; who owns the flat buffers is ``fdp/_buffers.py``.
+(``fdp/_step/machine.py``: leaf hooks, fill, launch, wait, finish); how this rank's gradients
+are computed is ``fdp/_step/autodiff.py``'s; who owns the flat buffers is
+``fdp/_plan/buffers.py``; the fused step (``grad_and_update``) is ``fdp/_fused``'s.
 
 Memory: the hook hands autograd an expanded zero in place of each large gradient, so the
 gradient itself lives only until its bucket is filled; the reduced buckets then *become*

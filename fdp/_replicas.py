@@ -12,7 +12,7 @@ span of S words) and the leaf's bytes read as sign-extended int32 words (int16 o
 when the byte count is not a multiple of 4). A leaf of up to S words costs three tensor
 operations (widen into a reused buffer, multiply, sum). A plain wrapping sum of the words (what
 this check used before) is blind to two swapped elements and to changes that cancel: two
-sign-bit flips add 2 * 2**31 to an int32 sum, which wraps to 0 (issue 15, item 4). Here a
+sign-bit flips add 2 * 2**31 to an int32 sum, which wraps to 0. Here a
 swap of words a, b at positions p, q changes the hash by ``(b - a) * (w_p - w_q)``, and a
 set of changes cancels only if the weights happen to satisfy a linear relation modulo
 2**64, about a 2**-32 chance for a given pair of sign flips (a flip of an int32 sign bit
@@ -169,7 +169,7 @@ def assert_replicas_equal(tree: Any, group: Group | Any = None, *, wait: bool = 
       CollectiveError: a rank did not join within the group's timeout.
 
     A collective. What it costs per step is measured by ``python -m fdp.bench replicas``
-    (docs/performance.md).
+    (docs/measurements.md, "The replica check").
 
     Example:
       >>> fdp.assert_replicas_equal({"w": torch.ones(3)})  # returns None when all ranks agree

@@ -23,7 +23,7 @@ BROADCAST_BUCKET_MB = 250  # DDP's broadcast_bucket_size
 
 # sync_buffers checks the layout, mode and src on every call: skipping the check once ranks
 # had agreed let a float tree on one rank and an int tree on another (both seen before)
-# exchange reinterpreted bytes, and different modes hang until the timeout (issue 15, item 3).
+# exchange reinterpreted bytes, and different modes hang until the timeout.
 # The check is one all-gather of three int64s; the digest is cached per (structure, shapes,
 # dtypes, mode, src), so the host work per call is one dict lookup.
 _DIGESTS: LRU[tuple, tuple[torch.Tensor, list[Meta]]] = LRU(64)

@@ -1,7 +1,7 @@
 """Multi-tensor flatten/unflatten with stock torch ops (every device; the CPU path).
 
 Why it is shaped like this (``python -m fdp.bench kernels`` and ``micro``; the figures are in
-docs/performance.md):
+docs/measurements.md):
 
 * Every torch op costs microseconds of dispatch, and so does every tensor made from
   Python (``t.view(-1)`` alone: ``micro``'s row "view(-1)"), so the work is organised to need few per-leaf

@@ -126,3 +126,24 @@ def tokens(rank: int, step: int = 0, n: int = 4, t: int = 5, vocab: int = 32):
     g = torch.Generator().manual_seed(5000 + 1000 * rank + step)
     seq = torch.randint(0, vocab, (n, t + 1), generator=g)
     return seq[:, :-1], seq[:, 1:]
+
+
+# Several buckets on these small models.
+CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+
+
+def loss_of(apply, buffers):
+    """The cross-entropy of ``apply``'s output (``buffers`` held fixed): a step's loss."""
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0], y)
+    return loss
+
+
+def rss_mib() -> float:
+    """This process's resident memory (MiB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # pragma: no cover - not Linux

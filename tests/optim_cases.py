@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from models import batch, mlp
-from test_fused import CAPS, loss_of
+from models import CAPS, batch, loss_of, mlp
 
 import fdp
 

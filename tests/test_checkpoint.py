@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from trees import assert_trees_equal
 
 import fdp
 import fdp._tree
@@ -36,18 +37,6 @@ def train_state(seed):
         "rng": rng_state(),
         "meta": {"run": f"run-{seed}", "lr": 0.5 / (seed + 1), "resumed": bool(seed % 2)},
     }
-
-
-def assert_trees_equal(got, want):
-    paths, want_leaves, want_def = fdp._tree.flatten_with_paths(want)
-    got_leaves, got_def = fdp._tree.flatten(got)
-    assert got_def == want_def, fdp._tree.first_difference(want_def, got_def)
-    for path, a, b in zip(paths, got_leaves, want_leaves):
-        assert type(a) is type(b), f"leaf {path}: {type(a).__name__} != {type(b).__name__}"
-        if isinstance(b, torch.Tensor):
-            assert a.dtype == b.dtype and torch.equal(a, b), f"leaf {path} differs"
-        else:
-            assert a == b, f"leaf {path}: {a!r} != {b!r}"
 
 
 def test_full_train_state_round_trips(tmp_path):
@@ -456,3 +445,21 @@ def test_a_pickled_object_is_refused_naming_the_global(tmp_path):
     torch.save({"format": "fdp.checkpoint", "version": 2, "world_size": 1, "leaves": {"['x']": Payload()}}, path)
     with pytest.raises(fdp.CheckpointError, match=r"unpickle the Python global (posix|nt)\.system"):
         load(path, {"x": 1})
+
+
+def test_load_without_like_reads_the_checkpoint_for_inspection(tmp_path):
+    params = {"fc.weight": torch.ones(2, 2), "fc.bias": torch.zeros(2)}
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(1e-3))
+    path = tmp_path / "ckpt.pt"
+    fdp.save(path, {"params": params, "opt": opt.init(params), "step": 7, "layers": [torch.ones(1)],
+                    "rng": fdp.rng_state()})
+    ckpt = fdp.load(path)
+    assert ckpt["step"] == 7 and torch.equal(ckpt["params"]["fc.weight"], params["fc.weight"])
+    assert set(ckpt["opt"]["optimizer"]) == {"step", "exp_avg", "exp_avg_sq"}  # NamedTuple fields as keys
+    assert torch.equal(ckpt["opt"]["optimizer"]["exp_avg"]["fc.bias"], torch.zeros(2))
+    assert torch.equal(ckpt["layers"][0], torch.ones(1)) and "cpu" in ckpt["rng"]
+    fdp.save(tmp_path / "one.pt", torch.arange(3.0))
+    assert torch.equal(fdp.load(tmp_path / "one.pt"), torch.arange(3.0))
+    (tmp_path / "bad.pt").write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(fdp.CheckpointError, match="truncated, corrupt"):  # the same checks as with like
+        fdp.load(tmp_path / "bad.pt")

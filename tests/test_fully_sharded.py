@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import Block, block_net, tokens
-from test_shard import assert_trees_equal
 from torch import nn
+from trees import assert_trees_equal
 
 import fdp
 import fdp.viz

@@ -298,3 +298,33 @@ def test_wrapped_blocks_keep_the_unwrapped_names():
     fresh = make()
     fresh.load_state_dict(apply.state_dict({k: v + 1 for k, v in params.items()}, buffers))
     assert torch.equal(fresh[1][0].weight, params["1.0.weight"] + 1)
+
+
+def bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_functionalize_of_a_compiled_module_has_the_models_names_and_stays_compiled():
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts what dynamo compiles
+        graphs.append(gm)
+        return gm.forward
+
+    model = bn_net()
+    apply, params, buffers = fdp.functionalize(torch.compile(model, backend=backend))
+    plain_apply, plain_params, plain_buffers = fdp.functionalize(bn_net())
+    assert list(params) == list(plain_params) == ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+    assert list(buffers) == list(plain_buffers)
+    x = torch.randn(5, 4)
+    out, new = apply(params, buffers, x)
+    want, want_new = plain_apply(params, buffers, x)
+    assert graphs, "apply did not run the compiled module"
+    assert torch.allclose(out, want) and torch.equal(new["1.running_mean"], want_new["1.running_mean"])
+    eval_out, _ = apply.eval()(params, buffers, x)
+    assert torch.allclose(eval_out, plain_apply.eval()(params, buffers, x)[0])
+    fresh = bn_net()
+    fresh.load_state_dict(apply.state_dict(params, buffers))  # no "_orig_mod." prefix: strict load
+    grads = fdp.Reducer(params).grad(lambda p, b: apply(p, b, x)[0].sum())(params, buffers)
+    assert list(grads) == list(params)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from models import FailOnce, batch, mlp
+from models import CAPS, FailOnce, batch, loss_of, mlp
 from torch import nn
 
 import fdp
@@ -23,15 +23,6 @@ OPTIMIZERS = {
     "rmsprop-centered": lambda: fdp.optim.rmsprop(lr=1e-3, momentum=0.5, centered=True),
     "chain-clip-value": lambda: fdp.optim.chain(fdp.optim.clip_by_value(-0.01, 0.01), fdp.optim.adamw(lr=1e-2)),
 }
-CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)  # several buckets on these small models
-
-
-def loss_of(apply, buffers):
-    def loss(p, x, y):
-        return F.cross_entropy(apply(p, buffers, x)[0], y)
-    return loss
-
-
 def fused_vs_plain(group, name, donate, steps=4):
     apply, params, buffers = fdp.functionalize(mlp(seed=0))
     loss = loss_of(apply, buffers)

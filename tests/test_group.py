@@ -67,3 +67,31 @@ def test_group_timeout_is_used():
 
     assert fdp.testing.run(body, 2, backend="gloo", timeout=10) == [8.0, 8.0]
     assert torch.device("cpu") == fdp.testing.run(lambda g: g.device, 1)[0]
+
+
+def sampled(group) -> list[int]:
+    """The documented form: the group's numbers, no process group needed."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = TensorDataset(torch.arange(20))
+    sampler = DistributedSampler(ds, num_replicas=group.size, rank=group.rank, seed=0)
+    sampler.set_epoch(1)
+    return [int(i) for (batch,) in DataLoader(ds, batch_size=4, sampler=sampler) for i in batch]
+
+
+def test_distributed_sampler_with_the_groups_numbers_runs_in_a_world_of_one_and_on_two_ranks(monkeypatch):
+    from torch.utils.data.distributed import DistributedSampler
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    group = fdp.init()
+    assert group.size == 1
+    with pytest.raises(ValueError, match="process group"):  # what the docs warn about
+        DistributedSampler(list(range(20)))
+    assert sorted(sampled(group)) == list(range(20))
+    for backend in ("threads", "gloo"):
+        ranks = fdp.testing.run(sampled, 2, backend=backend, timeout=120)
+        assert len(ranks[0]) == len(ranks[1]) == 10 and not set(ranks[0]) & set(ranks[1]), backend
+        assert sorted(ranks[0] + ranks[1]) == list(range(20))
+        assert ranks[0] != sorted(ranks[0]), "set_epoch's shuffle did not reach the ranks"

@@ -1,4 +1,4 @@
-"""The loop users write (issue 29): a nanoGPT-style trainer with tied weights, a decay mask,
+"""The loop users write: a nanoGPT-style trainer with tied weights, a decay mask,
 warm-up + cosine, clipping and 4 micro-batches, on 2 gloo ranks: fdp's recommended fused step
 (``step.accumulate`` for the first micro-batches), the pure and sharded fused steps and the
 plain path give DDP + ``no_sync`` + ``clip_grad_norm_`` + torch.optim.AdamW's params bit for

@@ -1,5 +1,5 @@
 """No fresh memory per step in steady state: the plain and the fused step take (almost) no
-minor page faults once warm, as DDP's reused buckets do (issue 18). Counted with getrusage in
+minor page faults once warm, as DDP's reused buckets do. Counted with getrusage in
 a fresh process, since the allocator setting is per process (``fdp.init(malloc=)``,
 fdp/_comm/lifetime.py). The plain step
 is timed with an update that allocates nothing itself (torch.optim's per-leaf kernels make

@@ -1,5 +1,5 @@
-"""fdp.optim.muon against torch.optim.Muon, and ``partition`` in the fused and sharded steps
-(issue 31): Muon for the hidden matrices and AdamW for the rest in one chain, two AdamW lrs,
+"""fdp.optim.muon against torch.optim.Muon, and ``partition`` in the fused and sharded steps:
+Muon for the hidden matrices and AdamW for the rest in one chain, two AdamW lrs,
 each bit-exact with the plain path (and the plain path with torch.optim)."""
 
 import math

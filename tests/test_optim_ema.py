@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import batch, mlp
+from models import CAPS, batch, loss_of, mlp
 from optim_cases import assert_same_tree as assert_equal
 from optim_cases import decays, grads_for, params_of, resumed_runs
-from test_fused import CAPS, loss_of
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 

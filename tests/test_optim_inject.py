@@ -8,13 +8,11 @@ fused step: ``tests/test_optim_inject_fused.py``.)"""
 from __future__ import annotations
 
 import functools
-import resource
 
 import pytest
 import torch
-from models import batch, mlp
+from models import CAPS, batch, loss_of, mlp, rss_mib
 from optim_cases import assert_equal, decays, grads_for, params_of
-from test_fused import CAPS, loss_of
 
 import fdp
 
@@ -186,14 +184,6 @@ def test_the_fused_step_refuses_an_injected_optimizer_where_it_cannot_run_it():
 
 # ------------------------------- a new optimizer object every step, in the fused step
 
-def _rss_mib():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # pragma: no cover - not Linux
-
-
 def new_optimizer_every_step(group, steps):
     apply, params, buffers = fdp.functionalize(mlp(width=384, seed=3))
     loss = loss_of(apply, buffers)
@@ -215,7 +205,7 @@ def new_optimizer_every_step(group, steps):
         torch_opt.param_groups[0]["lr"] = lr
         torch_opt.step()
         if t + 1 in (100, steps):
-            rss[t + 1] = _rss_mib()
+            rss[t + 1] = rss_mib()
     return {"params": p, "torch": {k: v.detach() for k, v in ref.items()}, "rss": rss,
             "sets": len(sets),
             "param_mib": sum(v.numel() * v.element_size() for v in params.values()) / 2**20}

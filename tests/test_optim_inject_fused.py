@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Block, batch, block_net, mlp, tokens
+from models import CAPS, Block, batch, block_net, loss_of, mlp, rss_mib, tokens
 from optim_cases import assert_equal
-from test_fused import CAPS, loss_of
-from test_optim_inject import TORCH, _rss_mib, lr_at
-from test_shard import assert_trees_equal
+from test_optim_inject import TORCH, lr_at
 from torch import nn
+from trees import assert_trees_equal
 
 import fdp
 
@@ -312,7 +311,7 @@ def thousand_steps(group, steps):
         torch_opt.param_groups[0]["lr"] = lr
         torch_opt.step()
         if t + 1 in (100, steps):
-            rss[t + 1] = _rss_mib()
+            rss[t + 1] = rss_mib()
     return {"params": p, "torch": {k: v.detach() for k, v in ref.items()}, "rss": rss,
             "sets": len(sets), "lr": float(s.hyperparams["lr"]),
             "param_mib": sum(v.numel() * v.element_size() for v in params.values()) / 2**20}

@@ -608,3 +608,13 @@ def test_clip_stats_in_pieces_equal_clip_grad_norm_bitwise(norm_type):
     clipped, state = clip.update(tree, clip.init(grads), tree)  # the tree form: the same numbers
     assert torch.equal(state.norm, want_norm)
     assert all(torch.equal(clipped[f"g{i}"], p.grad) for i, p in enumerate(params))
+
+
+@pytest.mark.parametrize("schedule", [
+    fdp.optim.schedules.constant(0.1), fdp.optim.schedules.warmup_cosine(0.1, 2, 10),
+    fdp.optim.schedules.join([fdp.optim.schedules.constant(0.1), fdp.optim.schedules.cosine(0.1, 5)], [3]),
+], ids=repr)
+def test_a_schedule_at_a_negative_step_raises_a_value_error_saying_what_the_step_is(schedule):
+    with pytest.raises(ValueError, match=r"called with step -1; a schedule's step is the number of updates"):
+        schedule(-1)
+    assert schedule(0) >= 0.0

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import batch, mlp
+from models import CAPS, batch, loss_of, mlp
 from optim_cases import assert_same_tree as assert_equal
 from optim_cases import grads_for, params_of
-from test_fused import CAPS, loss_of
 
 import fdp
 

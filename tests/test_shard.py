@@ -5,9 +5,10 @@
 import optree
 import pytest
 import torch
-from models import FailOnce, batch, mlp
-from test_fused import CAPS, OPTIMIZERS, fused_vs_ddp, loss_of, resumed
+from models import CAPS, FailOnce, batch, loss_of, mlp
+from test_fused import OPTIMIZERS, fused_vs_ddp, resumed
 from torch import nn
+from trees import assert_trees_equal
 
 import fdp
 
@@ -30,12 +31,6 @@ def both(group, name, *, steps=4, donate=False, mesh=None, hook=None, seed=0):
             p, state, _ = step(p, state, *batch(group.rank, i))
         out.append((p, step.state_to_tree(state, p), state_numel(state), len(step.plan.buckets)))
     return out
-
-
-def assert_trees_equal(a, b, what):
-    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
-    bad = [i for i, (x, y) in enumerate(zip(la, lb)) if not torch.equal(x, y)]
-    assert len(la) == len(lb) and not bad, f"{what}: leaves {bad} differ"
 
 
 @pytest.mark.parametrize("donate", [False, True], ids=["pure", "donate"])

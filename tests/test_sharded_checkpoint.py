@@ -14,9 +14,8 @@ import procs
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Block, batch, block_net, mlp, tokens
+from models import CAPS, Block, batch, block_net, mlp, tokens
 from test_fully_sharded import loss_of as token_loss
-from test_fused import CAPS
 from test_muon import muon_and_adamw, two_lrs
 
 import fdp

@@ -39,7 +39,7 @@ Memory: saving writes each piece from the Shard's own memory (a device tensor is
 the CPU one piece at a time); loading reads each piece with one seek and ``readinto``
 straight into the destination, or, for a piece only partly needed, into a buffer of that
 piece, whose checksum is checked before its elements are copied. Peak: this rank's part of
-the state plus one leaf (measured: docs/performance.md, "Sharded checkpoints: memory").
+the state plus one leaf (measured: docs/measurements.md, "Sharded checkpoints: memory").
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ written without a gather by ``fdp.save_sharded`` (``sharded.py``, which says why
 
 Format version 2 adds a CRC32 of every leaf (a tensor's bytes, a plain value's repr), checked
 at load: ``torch.load`` does not check the zip records' own CRCs, so a flipped bit in a
-tensor record loaded silently (issue 15, item 5). Version 2 also records which leaves are
+tensor record loaded silently. Version 2 also records which leaves are
 per-rank state (``fdp.rng_state`` trees), so that only those tie a checkpoint to its world
 size. Version 1 files still load, without the content check (they hold no checksums).
 """

@@ -25,7 +25,7 @@ Each workaround names the torch versions it was seen on and the upstream issue.
    blocks with ``mmap`` and, by default, hands freed memory above a threshold back to the kernel
    (``munmap``, heap trimming), so the next step touches fresh pages again: thousands of minor
    page faults per step that DDP's reused buckets avoid (``python -m fdp.bench`` counts them per
-   kind; docs/performance.md). Raising glibc's mmap and trim thresholds keeps that memory in the
+   kind; docs/measurements.md, "Page faults"). Raising glibc's mmap and trim thresholds keeps that memory in the
    process for reuse; it is what switching to jemalloc or tcmalloc achieves for PyTorch on CPUs.
    The cost: freed memory is not returned to the OS while the process lives (the peak RSS
    stays), which is how a training process behaves anyway.
@@ -132,7 +132,7 @@ def install_exit_hook() -> None:
     a collective timed out, gloo's connections are broken and the barrier raises at once;
     skipping the destroy then left the group's threads to the interpreter's teardown, and a
     rank that had caught the timeout and finished died with SIGABRT instead of the exit
-    status it chose (issue 15). After a failed collective the barrier is skipped too.
+    status it chose. After a failed collective the barrier is skipped too.
     """
     previous = sys.excepthook
 
@@ -163,7 +163,7 @@ def _shutdown() -> None:
     pthread_exit -> std::terminate`` (torch 2.13), the main thread in ``Py_FinalizeEx``. A
     0.2 s sleep after the barrier made it rare, not impossible: such runs on 2 cores at load
     8 aborted 5 times in 36 without the sleep, 0 times in 60 with the handle held and no sleep
-    (docs/performance.md, "Clean exits under load").
+    (docs/measurements.md, "Clean exits under load").
     """
     if not dist.is_initialized():
         return

@@ -20,7 +20,7 @@ bucket order too.
 
 How the slices move depends on the backend (``Scatter``): NCCL's own reduce-scatter and
 all-gather; point-to-point exchanges on gloo; ``all_to_all_single`` elsewhere (the figures
-behind the choice: docs/performance.md, "The sharded step").
+behind the choice: docs/measurements.md, "The sharded step (ZeRO-1/2)").
 """
 
 from __future__ import annotations

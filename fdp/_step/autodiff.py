@@ -5,7 +5,7 @@ Two engines compute the same numbers:
 * ``"autograd"`` (what ``engine="auto"`` picks): at the top level, ``torch.func.grad``
   computes exactly what ``torch.autograd.grad`` on fresh leaves computes, but wraps every op
   of the forward and backward on the way; plain autograd skips that wrapping
-  (docs/performance.md, "engine"). Leaf hooks are set through ``fdp._internals``.
+  (docs/measurements.md, "fdp beside DDP": fdp against func-ar). Leaf hooks are set through ``fdp._internals``.
 * ``"functorch"``: ``torch.func.grad_and_value`` itself, with hooks registered on its wrapped
   leaves inside the transform (the private functorch APIs are in ``fdp._internals``).
 
@@ -231,7 +231,7 @@ def local_grad_and_value(fn: Callable, argnums: int | tuple[int, ...] = 0, has_a
     """``torch.func.grad_and_value``, on this rank only (no communication), computed the way
     a Reducer computes its local gradients: plain autograd on fresh leaves, which gives the
     same numbers as ``torch.func.grad`` without wrapping every op of the forward and backward
-    (docs/performance.md, "engine"). Unused leaves get zeros, as ``torch.func`` gives them.
+    (docs/measurements.md, "fdp beside DDP": fdp against func-ar). Unused leaves get zeros, as ``torch.func`` gives them.
     Inside another ``torch.func`` transform or under ``torch.compile``, it is
     ``torch.func.grad_and_value`` itself.
 

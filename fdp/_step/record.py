@@ -41,7 +41,7 @@ class BucketTimes:
     # when the backward returns, and as each wait returns, so at most the gap between two
     # of those after the true completion. Completion is polled rather than signalled by a
     # callback, because a Python callback on the communication thread contends for the GIL
-    # with the backward (docs/performance.md, "How completion is observed").
+    # with the backward (docs/measurements.md, "fdp beside DDP").
     done: float | None = None
     # The fused step (``reducer.grad_and_update``): when this bucket's optimizer update ran.
     update_start: float | None = None

@@ -57,7 +57,7 @@ TARGETS = {
 }
 FLOORS = ("floor: cat of 1-D views", "floor: leaf views")
 # The least any implementation built from torch ops needs for a row, from the floors of the
-# same run (docs/performance.md, "Flatten and unflatten kernels"): a multi-tensor copy costs
+# same run (docs/measurements.md, "Flatten and unflatten kernels"): a multi-tensor copy costs
 # at least torch's cat over ready views; a fresh unflatten also makes the leaves' tensors.
 ROW_FLOOR = {
     "flatten": lambda f: f[FLOORS[0]],

@@ -6,7 +6,7 @@ comments in the code cite these rows instead of quoting numbers from one machine
 
   hook       ``Tensor.register_hook`` vs assigning ``_backward_hooks`` (fdp/_internals.py)
   flatten    optree's flatten of a dict of tensors vs fdp's cached dict structure (fdp/_tree.py)
-  views      slicing a flat buffer in Python vs one ``unflatten_dense_tensors`` call (fdp/_bucket.py)
+  views      slicing a flat buffer in Python vs one ``unflatten_dense_tensors`` call (fdp/_plan/bucket.py)
   view(-1)   ``t.view(-1)`` alone, the floor of any per-leaf Python work (kernels/_torch.py)
   apply      ``torch.func.functional_call`` vs ``fdp.functionalize``'s apply (its parameter
              swap), on a module of ``--leaves`` parameters (fdp/_functional.py)

@@ -17,7 +17,7 @@ per-bucket update cost fitted from the calibration plan's fused timelines, which
 model's update term (and, sharded, its reduce-scatter and all-gather pricing).
 
 Run it under a shaped link by starting it in a network namespace whose loopback has a
-``tbf`` qdisc (docs/performance.md, "Validation").
+``tbf`` qdisc (docs/measurements.md, "The cost model, measured").
 """
 
 from __future__ import annotations

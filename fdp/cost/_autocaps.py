@@ -1,5 +1,5 @@
 """``AutoCaps``: the tuner behind ``fdp.Reducer(..., bucket_cap_mb="auto")`` (the model it
-chooses with: ``fdp/_cost.py``)."""
+chooses with: ``fdp/cost/_predict.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """An alpha-beta link (``Link``): what a collective costs, fitted from timed all-reduces
-(``measure_link``). The cost model of the step (``fdp/_cost.py``) prices its buckets with it."""
+(``measure_link``). The cost model of the step (``fdp/cost/_predict.py``) prices its buckets with it."""
 
 from __future__ import annotations
 

@@ -517,7 +517,7 @@ class ParamLeaves:
 
     def check_no_aliases(self) -> None:
         """Refuse params in which one tensor appears twice (an in-place update would apply
-        twice to it: issue 15). One C-level pass; the paths are found only on a hit."""
+        twice to it). One C-level pass; the paths are found only on a hit."""
         if _tree.compiling():
             return
         ptrs = list(map(Tensor.data_ptr, self.leaves))

@@ -25,7 +25,7 @@ from ._base import GradientTransform, Optimizer
 # each); the models' fused steps did not move between 128K and 256K. A bucket that fits in
 # one chunk goes to the kernel as itself, and an unsharded step's "slice" is the flat tensor
 # itself: no view per call (on that tree 1.018-1.027x before, 0.997-1.004x after). Figures in
-# docs/performance.md ("The fused step").
+# docs/measurements.md ("The fused step").
 CHUNK = 256 * 1024
 
 

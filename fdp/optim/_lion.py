@@ -12,7 +12,7 @@
 
 ``lion_group`` computes exactly these expressions, in this order, on lists of tensors
 (``torch._foreach_*``: the same element-wise products and sums, each rounded once), so the
-fused and sharded steps can run it per bucket. tests/test_optim_torch2.py checks it against
+fused and sharded steps can run it per bucket. tests/test_optim_torch_kernels.py checks it against
 those lines written out per leaf.
 """
 

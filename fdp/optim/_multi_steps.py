@@ -13,7 +13,7 @@ calls since the last update in its state and updates only on every k-th call:
 
 optax returns zero *updates* on the other calls; fdp's optimizers return params, so those
 calls return the params unchanged. Each expression is evaluated as written, element-wise,
-in the accumulator's dtype (tests/test_optim_wrappers.py checks it against these lines
+in the accumulator's dtype (tests/test_optim_multi_steps.py checks it against these lines
 written out per leaf).
 
 How it relates to fdp's own accumulation (``reducer.grad(..., accumulate=)``,

@@ -14,9 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from compiling import skip_unless_dynamo_traces_fdp
-from models import batch, mlp
+from models import CAPS, batch, loss_of, mlp
 from optim_cases import assert_equal, decays, grads_for, params_of, resumed_runs
-from test_fused import CAPS, loss_of
 
 import fdp
 

@@ -1,7 +1,8 @@
-"""Reliability, round 3 (issue 28): where two features meet, the right numbers or a named
-error on every rank. One test per case, grouped by the issue's numbering; every number is
-checked against the plain path (``reducer.grad`` + ``opt.update``), DDP + torch.optim, or
-torch's own functions, on simulated ranks (threads, and gloo processes where it matters)."""
+"""Where two features meet (a failure and the fused step's repair, a comm hook and several
+buckets, accumulation and uneven inputs, a new optimizer each step...): the right numbers or
+a named error on every rank. Every number is checked against the plain path (``reducer.grad``
++ ``opt.update``), DDP + torch.optim, or torch's own functions, on simulated ranks (threads,
+and gloo processes where it matters)."""
 
 import math
 import os
@@ -11,19 +12,12 @@ import optree
 import pytest
 import torch
 import torch.nn.functional as F
-from models import batch, mlp
-from test_fused import CAPS, loss_of
+from models import CAPS, batch, loss_of, mlp
 from test_optim_library import torch_lrs
 from torch import nn
+from trees import assert_trees_equal
 
 import fdp
-
-
-def assert_trees_equal(a, b, what):
-    la, lb = fdp._tree.leaves(a), fdp._tree.leaves(b)
-    assert len(la) == len(lb), f"{what}: {len(la)} leaves against {len(lb)}"
-    for path, x, y in zip(fdp._tree.paths(fdp._tree.structure(a)), la, lb):
-        assert torch.equal(x, y), f"{what}: leaf {path} differs (max {(x - y).abs().max().item():.3g})"
 
 
 def square(seed=0):
@@ -37,7 +31,6 @@ def square(seed=0):
     return params, loss
 
 
-# ----------------------------------------------------------------------------- case 1
 def other_views(group, make_view):
     params, loss = square()
     opt = fdp.optim.adam(lr=0.1)
@@ -69,7 +62,6 @@ def test_1_another_view_of_the_returned_memory_is_packed_not_taken_as_unchanged(
         assert_trees_equal(fused, plain, f"rank {rank}, params after a {view} view was passed back")
 
 
-# ----------------------------------------------------------------------------- case 2
 class KernelFault:
     """An optimizer whose ``LeafKernel`` raises on one rank, from its ``nth`` call of an armed
     step on (so that rank has updated some buckets first): out of memory in the update."""
@@ -378,7 +370,6 @@ def test_after_a_failed_update_the_plain_path_refuses_until_the_fused_step_resto
         assert_trees_equal(grads, results[0][3], f"rank {rank}: gradients of the plain path")
 
 
-# ----------------------------------------------------------------------------- case 3
 def under_inference_mode(group):
     apply, params, buffers = fdp.functionalize(mlp(seed=13))
     loss = loss_of(apply, buffers)
@@ -407,7 +398,6 @@ def test_3_inference_mode_gives_the_right_gradients_and_updates(backend):
         assert_trees_equal(fused, plain, f"rank {rank}: fused step inside inference_mode")
 
 
-# ----------------------------------------------------------------------------- case 4
 def reordered(params):
     return {k: params[k] for k in reversed(list(params))}
 
@@ -445,7 +435,6 @@ def test_4_a_fused_state_of_another_layout_is_refused_by_load_and_by_the_step(tm
     assert_trees_equal(reordered(got), want, "after the conversion")
 
 
-# ----------------------------------------------------------------------------- case 6
 def clip_each_leaf(max_norm, seen=None):
     """A user's per-leaf norm clip: each gradient leaf scaled to norm <= max_norm on its own."""
     def coef(g):
@@ -504,7 +493,6 @@ def test_6_whole_tree_transforms_without_a_global_scale_and_sharded_per_leaf_one
     fdp.testing.run(sharded, 2)
 
 
-# ----------------------------------------------------------------------------- case 7
 NORM_TYPES = [2.0, 1.0, 0.0, math.inf, -math.inf, 0.5, 3.0]
 MAX_NORM = {0.0: 4.0, -math.inf: 1e-7}  # so that each norm type clips (others: 0.05)
 
@@ -551,13 +539,11 @@ def test_7_every_norm_type_clips_as_clip_grad_norm_with_ddp_in_the_plain_fused_a
             assert_trees_equal(got[path], want, f"rank {rank}, {path} step against DDP + clip_grad_norm_")
 
 
-# ----------------------------------------------------------------------------- case 9
 # A copy of a sharded state (optree.tree_map(torch.clone, state)) is refused by fdp.save as
 # the state itself is: tests/test_shard.py::test_a_sharded_checkpoint_resumes_bit_exactly_
 # unsharded_and_on_another_world_size (its `saved` checks both, on two ranks).
 
 
-# ----------------------------------------------------------------------------- case 10a
 def masked_three_ranks(group, steps=10):
     apply, params, buffers = fdp.functionalize(mlp(seed=17))
     loss = loss_of(apply, buffers)
@@ -667,7 +653,6 @@ def test_crash_state_to_tree_returns_the_state_in_the_given_params_order():
         assert_trees_equal(reordered(getattr(theirs, field)), getattr(mine, field), field)
 
 
-# ----------------------------------------------------------------------------- case 8
 def integer_sums(group):
     r = group.rank
     big = 2**62 + r  # two of them: 2**63 + 1, past int64
@@ -709,7 +694,6 @@ def test_8_integer_sums_and_means_are_exact_or_refused_on_every_rank(backend):
             f"{where}: an int64 sum past 2**63 was not refused: {overflow}"
 
 
-# ----------------------------------------------------------------------------- case 10b
 LR = torch.optim.lr_scheduler
 S = fdp.optim.schedules
 
@@ -747,7 +731,6 @@ def test_10b_float64_params_under_step_decay_equal_torch_sgd_with_steplr_bit_for
         assert torch.equal(params["w"], w.detach()), f"step {i}: fp64 params differ from SGD + StepLR"
 
 
-# ----------------------------------------------------------------------------- case 10c
 def test_10c_adagrad_on_complex_params_equals_torch_adagrad_over_100_steps():
     g = torch.Generator().manual_seed(21)
     w0 = torch.randn(6, 3, dtype=torch.complex64, generator=g)
@@ -766,7 +749,6 @@ def test_10c_adagrad_on_complex_params_equals_torch_adagrad_over_100_steps():
         assert torch.equal(params["w"], w.detach()), f"step {i}: params differ"
 
 
-# ----------------------------------------------------------------------------- case 5
 def powersgd_grads(group, steps=5, hook=None, caps=0.001):
     """Gradients of a Reducer with PowerSGD (compressing from its second step) over several
     buckets: each step from the same params, so each step's numbers stand alone."""

@@ -1,4 +1,4 @@
-"""The step machine under the cases that used to give a silent wrong answer (issue 15).
+"""The step machine under the cases that used to give a silent wrong answer.
 
 Each test names the promise: higher-order gradients inside the loss, ranks that disagree on
 the wire dtype, a rank whose step fails half-way and retries, ranks at different steps,

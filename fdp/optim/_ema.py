@@ -64,7 +64,8 @@ _TYPES_LOCK = threading.Lock()    # simulated ranks are threads that may build o
 
 
 def _with_ema_type(cls: type) -> type:
-    """The NamedTuple of ``cls``'s fields then ``ema``, made once per ``cls``."""
+    """The NamedTuple of ``cls``'s fields then ``ema``, made once per ``cls``. It pickles as
+    ``(cls, its values)`` (``_extended``): pickle needs no module-level name for it."""
     with _TYPES_LOCK:
         extended = _WITH_EMA.get(cls)
         if extended is None:
@@ -73,9 +74,18 @@ def _with_ema_type(cls: type) -> type:
             extended.__module__ = __name__
             extended.__doc__ = (f"State of ``fdp.optim.ema(opt)`` for an ``opt`` whose state is a "
                                 f"``{cls.__name__}``: its fields, then ``ema`` (a tree like params).")
-            globals().setdefault(name, extended)  # so pickle finds it by module and name
+            extended.__reduce__ = _reduce_extended
             _WITH_EMA[cls], _INNER[extended] = extended, cls
         return extended
+
+
+def _reduce_extended(state: tuple) -> tuple:
+    return _extended, (_INNER[type(state)], tuple(state))
+
+
+def _extended(cls: type, values: tuple) -> Any:
+    """An ``ema`` state of ``cls``'s fields then ``ema``, from its values (unpickling)."""
+    return _with_ema_type(cls)._make(values)
 
 
 def _has_step(state: Any) -> bool:

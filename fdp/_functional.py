@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -236,7 +235,7 @@ class Apply:
 # (non-reentrant; at a call site, inside a module, through ``checkpoint_wrapper``, composable
 # ``checkpoint``, ``context_fn`` or HF's ``activation_checkpointing_enable``) recomputes a
 # region from its saved inputs and reads the module's dicts *then*. So:
-# * inside an fdp gradient (``bindings_kept``: its forward and backward), a forward leaves the
+# * inside an fdp gradient (``BINDINGS.depth``: its forward and backward), a forward leaves the
 #   call's tensors bound (``_Home.active``) until the gradient is done or another call that
 #   records a graph starts: a recompute reads what its forward read whenever one call's graph
 #   is differentiated at a time, whatever form of checkpointing ran (HF's ``offload=True``
@@ -274,9 +273,10 @@ class _Home:
     def run(self, call: _Call, forward: nn.Module, args: tuple, kwargs: dict) -> Any:
         """``forward(*args, **kwargs)`` with ``call``'s tensors bound; they stay bound after it
         when it recorded a graph (see the note)."""
-        graph = torch.is_grad_enabled() and not _in_transform()
+        graph = _internals.records_plain_graph()
         if graph:
-            self.settle()
+            if self.active is not None:
+                self.settle()
             if self.hooked is None:
                 self.hooked = _may_checkpoint(self.module)
         paused = None if graph else self.active  # (its unit hooks must not fire in this forward)
@@ -295,9 +295,9 @@ class _Home:
             if paused is not None:
                 paused.hook()
             raise
-        if graph and _BOUND.depth:
+        if graph and BINDINGS.depth:
             self.active, self.displaced = call, saved
-            _BOUND.homes.add(self)
+            BINDINGS.homes.add(self)
         else:
             _put_back(call, saved)
             if paused is not None:
@@ -327,7 +327,10 @@ class _Home:
         active, self.active = self.active, None
         if active is not None:
             displaced, self.displaced = self.displaced, []
-            _put_back(active, displaced)
+            if active.hooks:
+                active.unhook()
+            for owner, key, old in reversed(displaced):
+                owner[key] = old
 
 
 class _Bound(threading.local):
@@ -340,31 +343,20 @@ class _Bound(threading.local):
         self.homes: weakref.WeakSet[_Home] = weakref.WeakSet()
 
 
-_BOUND = _Bound()
+# The forward and backward of an fdp gradient raise ``BINDINGS.depth`` while they run: a
+# forward in it leaves its call's tensors bound in the module for the backward's
+# recomputations, and ``bindings_released`` puts every module's own tensors back when the
+# outermost ends (see the note "bindings outlive the call"). (A counter, not a context
+# manager: it is on every step's path.)
+BINDINGS = _Bound()
 
 
-@contextlib.contextmanager
-def bindings_kept() -> Iterator[None]:
-    """The forward and backward of one fdp gradient: a forward in it leaves its call's tensors
-    bound in the module for the backward's recomputations, and every module's own tensors
-    are back when it ends (see the note "bindings outlive the call")."""
-    bound = _BOUND
-    bound.depth += 1
-    try:
-        yield
-    finally:
-        bound.depth -= 1
-        homes = bound.homes
-        if homes and not bound.depth:
-            for home in list(homes):
-                home.settle()
-            homes.clear()
-
-
-def _in_transform() -> bool:
-    """Inside a ``torch.func`` transform: its wrapped tensors must not outlive it in the module
-    (and its grad transforms refuse saved-tensor hooks, and checkpointing with them)."""
-    return _internals.in_functorch_transform() or not _internals.saved_tensors_hooks_enabled()
+def bindings_released() -> None:
+    """Put back every module's own tensors that a forward on this thread left bound."""
+    homes = BINDINGS.homes
+    for home in list(homes):
+        home.settle()
+    homes.clear()
 
 
 _CHECKPOINT_NAMES: dict[type, bool] = {}
@@ -407,7 +399,8 @@ def _may_checkpoint(module: nn.Module) -> bool:
 
 
 def _put_back(call: _Call, saved: list[tuple[dict, str, Any]]) -> None:
-    call.unhook()
+    if call.hooks:
+        call.unhook()
     for owner, key, old in reversed(saved):
         owner[key] = old
 
@@ -416,20 +409,31 @@ class _Call:
     """One call's tensors in the module's slots: bound for its forward, and again for each
     recomputation of part of it inside the backward."""
 
-    __slots__ = ("home", "entries")
+    __slots__ = ("home", "trees", "_entries")
     refresh = False  # whether a rebinding must be redone when this call is bound already
+    hooks = False  # whether it puts hooks on modules (``hook``, ``unhook``)
 
     def __init__(self, home: _Home, trees: tuple[Tree, ...]) -> None:
-        self.home = home
-        slots = home.slots
-        self.entries = [(owner, key, t) for tree in trees for name, t in tree.items() for owner, key in slots[name]]
+        self.home, self.trees, self._entries = home, trees, None
+
+    @property
+    def entries(self) -> list[tuple[dict, str, Any]]:
+        """Every (owner dict, key, tensor) this call binds (made when a rebinding needs it)."""
+        if self._entries is None:
+            slots = self.home.slots
+            self._entries = [(owner, key, t) for tree in self.trees for name, t in tree.items()
+                             for owner, key in slots[name]]
+        return self._entries
 
     def bind(self) -> list[tuple[dict, str, Any]]:
         """Bind for the forward; returns what was there, to put back."""
         saved = []
-        for owner, key, t in self.entries:
-            saved.append((owner, key, owner[key]))
-            owner[key] = t
+        slots = self.home.slots
+        for tree in self.trees:
+            for name, t in tree.items():
+                for owner, key in slots[name]:
+                    saved.append((owner, key, owner[key]))
+                    owner[key] = t
         return saved
 
     def rebind(self) -> None:
@@ -442,13 +446,9 @@ class _Call:
     def unhook(self) -> None:
         pass
 
-    def saving(self) -> torch.autograd.graph.saved_tensors_hooks | None:
-        """The saved-tensor hooks of this call's forward (see the note) where a graph is
-        recorded; None under ``torch.no_grad()``, inside a ``torch.func`` transform (which
-        refuses saved-tensor hooks, and checkpointing with them) or where they are disabled.
-        Their unpack runs once per saved tensor in the backward: it is kept to two tests."""
-        if not torch.is_grad_enabled() or not _internals.saved_tensors_hooks_enabled():
-            return None
+    def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks of this call's forward, which records a plain graph (see the
+        note). Their unpack runs once per saved tensor in the backward: it is kept to two tests."""
         home, outer = self.home, _internals.saved_tensors_hooks_top()
         recompute = _internals.unpacked_for_recompute
         if outer is None:
@@ -479,17 +479,29 @@ class _UnitsCall(_Call):
 
     __slots__ = ("view", "by_unit", "modules", "handles")
     refresh = True  # (which units are gathered changes as the backward goes)
+    hooks = True
 
     def __init__(self, home: _Home, trees: tuple[Tree, ...], view: Any,
                  by_unit: list[list[tuple[dict, str, int]]], modules: list[tuple[int, nn.Module]]) -> None:
         super().__init__(home, trees)
         self.view, self.by_unit, self.modules = view, by_unit, modules
-        placeholders = view.placeholders
-        self.entries += [(owner, key, placeholders[i]) for slots in by_unit for owner, key, i in slots]
         self.handles: list[Any] = []
+
+    @property
+    def entries(self) -> list[tuple[dict, str, Any]]:
+        if self._entries is None:
+            placeholders = self.view.placeholders
+            self._entries = super().entries + [(owner, key, placeholders[i]) for slots in self.by_unit
+                                               for owner, key, i in slots]
+        return self._entries
 
     def bind(self) -> list[tuple[dict, str, Any]]:
         saved = super().bind()
+        placeholders = self.view.placeholders
+        for slots in self.by_unit:
+            for owner, key, i in slots:
+                saved.append((owner, key, owner[key]))
+                owner[key] = placeholders[i]
         self.hook()
         view = self.view
         if view.root is not None:

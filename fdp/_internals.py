@@ -116,6 +116,14 @@ def saved_tensors_hooks_enabled() -> bool:
     return torch._C._autograd._saved_tensors_hooks_is_enabled()
 
 
+def records_plain_graph(_grad: Callable[[], bool] = torch.is_grad_enabled,
+                        _hooks: Callable[[], bool] = torch._C._autograd._saved_tensors_hooks_is_enabled) -> bool:
+    """Whether a forward now records a plain autograd graph: grad mode on, and outside any
+    ``torch.func`` transform (whose wrapped tensors must not outlive it in a module, and whose
+    grad transforms refuse saved-tensor hooks). On every ``apply`` call: one frame."""
+    return _grad() and _hooks() and (not FUNCTORCH or peek_interpreter_stack() is None)
+
+
 # The file whose frames run a checkpointed region again inside the backward (torch 2.4-2.13:
 # ``_checkpoint_hook.unpack_hook`` -> ``_CheckpointFrame.get_inputs``, or ``ctx.saved_tensors``
 # of ``_NoopSaveInputs`` on torch < 2.6; the reentrant ``CheckpointFunction.backward``).
@@ -205,19 +213,16 @@ _constant("torch._C._nn.unflatten_dense_tensors", "unflatten_dense_tensors",
 
 
 # ---------------------------------------------------------------------------- torch.optim and its utilities
-@_use("torch.utils._foreach_utils._group_tensors_by_device_and_dtype", "clip_grad_norm_'s own grouping and "
-      "order (fdp's norm is torch's, bit for bit)")
-def group_by_device_and_dtype(tensors: list[torch.Tensor], with_indices: bool = False) -> dict:
-    from torch.utils import _foreach_utils
+from torch.utils import _foreach_utils  # noqa: E402 - (with its uses)
 
-    return _foreach_utils._group_tensors_by_device_and_dtype([tensors], with_indices=with_indices)
-
-
-@_use("torch.utils._foreach_utils._has_foreach_support", "clip_grad_norm_'s choice of the foreach norm")
-def has_foreach_support(tensors: list[torch.Tensor], device: torch.device) -> bool:
-    from torch.utils import _foreach_utils
-
-    return _foreach_utils._has_foreach_support(tensors, device)
+# ``group_by_device_and_dtype([tensors], with_indices=...)`` and ``has_foreach_support(tensors,
+# device)``: torch's own functions (aliases: no frame of fdp's on the clipping path)
+group_by_device_and_dtype: Callable[..., dict] = _foreach_utils._group_tensors_by_device_and_dtype
+has_foreach_support: Callable[..., bool] = _foreach_utils._has_foreach_support
+_constant("torch.utils._foreach_utils._group_tensors_by_device_and_dtype", "group_by_device_and_dtype",
+          "clip_grad_norm_'s own grouping and order (fdp's norm is torch's, bit for bit)")
+_constant("torch.utils._foreach_utils._has_foreach_support", "has_foreach_support",
+          "clip_grad_norm_'s choice of the foreach norm")
 
 
 @_use("torch.optim._adafactor.adafactor", "torch.optim.Adafactor's own kernel (fdp.optim.adafactor's numbers); "

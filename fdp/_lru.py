@@ -39,31 +39,34 @@ class LRU(Generic[K, V]):
       ['a', 'c']
     """
 
-    __slots__ = ("size", "_items", "_lock")
+    __slots__ = ("size", "table", "_lock")
 
     def __init__(self, size: int) -> None:
         if size < 1:
             raise ValueError(f"LRU: size must be >= 1, got {size}")
         self.size = size
-        self._items: OrderedDict[K, V] = OrderedDict()
+        # The entries, least recently used first. A caller on a hot path may read a hit from it
+        # directly (``cache.table.get(key)``: one C call, no lock, the order left as it is);
+        # every write goes through ``put``.
+        self.table: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
     def peek(self, key: K, default: V | None = None) -> V | None:
         """The entry of ``key`` (it becomes the most recently used), or ``default``."""
         with self._lock:
-            value = self._items.get(key, _MISSING)
+            value = self.table.get(key, _MISSING)
             if value is _MISSING:
                 return default
-            self._items.move_to_end(key)
+            self.table.move_to_end(key)
             return value
 
     def put(self, key: K, value: V) -> V:
         """Store ``value`` under ``key`` (the most recently used); returns it."""
         with self._lock:
-            self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self.size:
-                self._items.popitem(last=False)
+            self.table[key] = value
+            self.table.move_to_end(key)
+            while len(self.table) > self.size:
+                self.table.popitem(last=False)
         return value
 
     def get(self, key: K, make: Callable[[], V]) -> V:
@@ -73,11 +76,11 @@ class LRU(Generic[K, V]):
 
     def clear(self) -> None:
         with self._lock:
-            self._items.clear()
+            self.table.clear()
 
     def keys(self) -> Iterator[K]:
         with self._lock:
-            return iter(list(self._items))
+            return iter(list(self.table))
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.table)

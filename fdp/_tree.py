@@ -45,7 +45,7 @@ def _tensor_dict(tree: Any) -> tuple[list[Any], TreeDef] | None:
     if not _TENSOR_TYPES.issuperset(map(type, values)):
         return None
     keys = tuple(tree)
-    spec = DICT_SPECS.peek(keys)
+    spec = DICT_SPECS.table.get(keys)
     if spec is None:
         leaves_, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
         if len(leaves_) != len(values):  # not all values were leaves after all: no caching

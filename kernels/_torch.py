@@ -209,7 +209,8 @@ def _plan(srcs: Sequence[torch.Tensor], device: torch.device) -> _Plan:
     scalars = tuple(k for k, d in enumerate(dims) if not d) if 0 in dims else ()
     limits = _DEVICE if device.type != "cpu" else _CPU_1_THREAD if torch.get_num_threads() == 1 else _CPU
     key = (sizes, scalars, limits)
-    return _PLANS.get(key, lambda: _build_plan(sizes, scalars, limits))
+    plan = _PLANS.table.get(key)
+    return plan if plan is not None else _PLANS.put(key, _build_plan(sizes, scalars, limits))
 
 
 def _scratch(dtype: torch.dtype, n: int, device: torch.device) -> torch.Tensor:

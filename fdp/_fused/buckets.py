@@ -71,7 +71,7 @@ class Buckets:
       parts decayed apart and their group-0 spans. whole: per bucket, one kernel call on the
       flat tensors. cast: per bucket, whether its wire is cast. owners: the owners of whole
       leaves (Muon, sliced), or None. views: the gradient's views. skip_nonfinite: check the
-      averaged gradients for inf/NaN.
+      averaged gradients for inf/NaN. sharded: the buckets are reduce-scattered in slices.
     """
 
     name: str
@@ -86,12 +86,6 @@ class Buckets:
     owners: Owners | None
     views: BucketViews
     skip_nonfinite: bool
-
-    @property
-    def group(self) -> Group:
-        return self.mesh.full
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the buckets are cut into slices over the shard group (reduce-scattered)."""
-        return self.store.scatter is not None
+    sharded: bool  # the buckets are cut into slices over the shard group (reduce-scattered)
+    sliced_sets: bool  # the param sets hold whole buckets, of which this rank updates its slice
+    group: Group  # every rank (``mesh.full``)

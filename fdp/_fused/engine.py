@@ -110,7 +110,8 @@ class Engine:
             # one kernel call on the (slice's) flat tensors: one key, one span covering it, one chunk
             whole=[len(r) == 1 and r[0][1] == [Span(0, slices.numel(b), 0, None)] for b, r in enumerate(spans.by_key)],
             cast=[w != b.dtype for w, b in zip(wires, plan.buckets)], owners=owners, views=BucketViews(plan),
-            skip_nonfinite=config.skip_nonfinite)
+            skip_nonfinite=config.skip_nonfinite, sharded=store.scatter is not None,
+            sliced_sets=store.kind is StoreKind.SLICED, group=self.group)
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step

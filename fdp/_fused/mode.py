@@ -50,6 +50,7 @@ class StepMode:
     timing: UpdateTiming
     status: StatusMode
     verdict: VerdictTiming
+    on_arrival: bool = False  # (timing is ON_ARRIVAL: read by a run at every bucket)
 
     @classmethod
     def of(cls, *, needs_all: bool, sharded: bool, lands_early: bool, has_status: bool,
@@ -60,15 +61,11 @@ class StepMode:
         can land while the backward goes on; ``has_status``: the step exchanges a status
         (more than one rank); ``sums_in_place``: the comm hook sums elementwise in place."""
         if not needs_all and (sharded or lands_early):
-            return cls(UpdateTiming.ON_ARRIVAL, StatusMode.AFTER, VerdictTiming.IN_STEP)
+            return cls(UpdateTiming.ON_ARRIVAL, StatusMode.AFTER, VerdictTiming.IN_STEP, True)
         on_nan = not sharded and sums_in_place
         status = StatusMode.AFTER_AND_ON_NAN if on_nan else StatusMode.AFTER_AND_WITH_BUCKETS
         verdict = VerdictTiming.NEXT_CALL if not sharded and has_status else VerdictTiming.IN_STEP
         return cls(UpdateTiming.AFTER_ALL, status, verdict)
-
-    @property
-    def on_arrival(self) -> bool:
-        return self.timing is UpdateTiming.ON_ARRIVAL
 
 
 @dataclass(frozen=True)

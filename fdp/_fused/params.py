@@ -88,11 +88,9 @@ class ParamSets:
         self.padded = slices.padded
         self.sets: list[ParamSet] = []
         self.cur: ParamSet | None = None
-
-    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
-        """The part of a set's flat tensor of bucket ``b`` this rank updates: its slice (the
-        whole bucket when unsharded)."""
-        return self.slices.mine(b, flat)
+        # ``mine(b, flat)``: the part of a set's flat tensor of bucket ``b`` this rank updates,
+        # its slice (the whole bucket when unsharded)
+        self.mine = slices.mine
 
     def _new(self) -> ParamSet:
         flats = [torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)]
@@ -167,6 +165,10 @@ class ParamSets:
         return self.plan.leaves_of(tree, f"{self.name} {what}")
 
 
+def _whole(b: int, flat: torch.Tensor) -> torch.Tensor:
+    return flat
+
+
 class SliceSet:
     """One set of slice buffers (one per bucket) of a fully sharded step."""
 
@@ -188,9 +190,7 @@ class SliceSets(ParamSets):
         super().__init__(plan, slices, name)
         self.units = units
         self.padded = [slices.numel(b.index) for b in plan.buckets]
-
-    def mine(self, b: int, flat: torch.Tensor) -> torch.Tensor:
-        return flat  # (the set holds this rank's slices only)
+        self.mine = _whole  # (the set holds this rank's slices only)
 
     def _new(self) -> SliceSet:
         new = SliceSet([torch.zeros(n, dtype=b.dtype, device=b.device) for b, n in zip(self.plan.buckets, self.padded)])

@@ -91,8 +91,9 @@ class Run:
         the backward's hooks: it never raises (a failure is kept for the status)."""
         store = self.bk.store
         try:
-            mine = store.keep(b, store.scatter.finish(b, flat) if store.scatter is not None else flat,
-                              keep=not self.early or self.replicas is not None)
+            mine = store.scatter.finish(b, flat) if store.scatter is not None else flat
+            if store.keep is not None:
+                mine = store.keep(b, mine, not self.early or self.replicas is not None)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
             mine = self._wire_zeros(b)
@@ -149,8 +150,10 @@ class Run:
             g.mul_(self.coef)
         for i in self.program.suffix:
             self._apply(i, b, g)
-        sets = bk.store.params  # this rank's part of the (padded) bucket: the slice, or all of it
-        p, src = sets.mine(b, self.dst.flats[b]), sets.mine(b, self.src.flats[b])
+        p, src = self.dst.flats[b], self.src.flats[b]
+        if bk.sliced_sets:  # whole buckets in the sets, of which this rank updates its slice
+            mine = bk.store.params.mine
+            p, src = mine(b, p), mine(b, src)
         if self.dst is not self.src:
             p.copy_(src)
         buffers, keys = state.buffers, self.layout.keys

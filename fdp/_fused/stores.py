@@ -93,14 +93,13 @@ class Store(Protocol):
         """The engine's step machine is built."""
         ...
 
-    def keep(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
-        """Bucket ``b``'s reduced (slice of the) gradient ``mine``, as a run keeps it (``keep``:
-        the run needs it after the bucket's collective has landed, not only while it lands)."""
-        ...
-
-    def on_filled(self, b: int) -> None:
-        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer."""
-        ...
+    # ``keep(b, mine, keep) -> Tensor``: bucket ``b``'s reduced (slice of the) gradient ``mine``,
+    # as a run keeps it (``keep``: the run needs it after the bucket's collective has landed,
+    # not only while it lands); None: ``mine`` itself, a view of the bucket's buffer, which is
+    # reused only next step.
+    keep: Callable[[int, torch.Tensor, bool], torch.Tensor] | None
+    # ``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer (None: nothing to do).
+    on_filled: Callable[[int], None] | None
 
     def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
         """The leaves a step's loss is differentiated in, over the params in ``src``, and what
@@ -149,6 +148,8 @@ class ReplicatedStore:
     scatter: Scatter | None = None
     straddles: Straddles | None = None
     gathers_params = False
+    keep = None
+    on_filled = None
 
     def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
         self.config, self.plan, self.name = config, plan, name
@@ -163,12 +164,6 @@ class ReplicatedStore:
         return BucketBuffers(self.plan, wires, reuse=True, padded=self.slices.padded)
 
     def attach(self, machine: StepMachine) -> None:
-        pass
-
-    def keep(self, b: int, mine: torch.Tensor, keep: bool) -> torch.Tensor:
-        return mine  # (a view of the bucket's own buffer, which is reused only next step)
-
-    def on_filled(self, b: int) -> None:
         pass
 
     def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
@@ -229,6 +224,7 @@ class UnitStore:
                            config.param_dtype, self._check_idle)
         self.params = SliceSets(self.units, plan, self.slices, name)
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.on_filled = self.units.on_filled
 
     def _check_idle(self, what: str) -> None:
         if self.machine is not None:
@@ -253,9 +249,6 @@ class UnitStore:
         if buf is None:
             buf = self.kept[b] = torch.empty(self.slices.numel(b), dtype=mine.dtype, device=mine.device)
         return buf.copy_(mine)
-
-    def on_filled(self, b: int) -> None:
-        self.units.on_filled(b)
 
     def differentiated(self, src: Any, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
         units = self.units

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from .. import _internals, _tree
-from .._functional import bindings_kept
+from .._functional import BINDINGS as bindings
+from .._functional import bindings_released
 from .._protocols import Engine
 
 ENGINES = ("auto", *typing.get_args(Engine))  # ("auto", "autograd", "functorch")
@@ -86,23 +87,20 @@ def _recording() -> Iterator[None]:
 _NOTHING = contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def reentrant_refused() -> Iterator[None]:
-    """fdp's backward, which differentiates its own leaves only (``torch.autograd.grad``, or
-    ``backward(inputs=...)``), as ``torch.func.grad`` does: reentrant activation checkpointing
-    (``use_reentrant=True``) cannot run inside it; torch's own error suggests a plain
-    ``.backward()``, which fdp's steps do not offer, so say what does work."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "use_reentrant=True" not in str(e):
-            raise
-        raise RuntimeError(
+def reentrant_refused(e: RuntimeError) -> RuntimeError:
+    """The error to raise for ``e`` from fdp's backward, which differentiates its own leaves only
+    (``torch.autograd.grad``, or ``backward(inputs=...)``), as ``torch.func.grad`` does:
+    reentrant activation checkpointing (``use_reentrant=True``) cannot run inside it, and
+    torch's own error suggests a plain ``.backward()``, which fdp's steps do not offer, so say
+    what does work (``e`` itself for any other error)."""
+    if "use_reentrant=True" not in str(e):
+        return e
+    return RuntimeError(
             "fdp: reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) cannot run "
             "in fdp's gradient: its backward runs a nested backward into .grad, which torch allows only in a plain "
             "loss.backward(). Pass use_reentrant=False (HF: model.gradient_checkpointing_enable("
             "gradient_checkpointing_kwargs={'use_reentrant': False})): it gives the same numbers as the run "
-            "without checkpointing, in every fdp step (docs/concepts.md, activation checkpointing)") from e
+            "without checkpointing, in every fdp step (docs/concepts.md, activation checkpointing)")
 
 
 def autograd_leaves(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
@@ -142,15 +140,23 @@ def local_grads(engine: Engine, fn: Callable, argnums: Any, has_aux: bool, args:
             if hook is not None:
                 _internals.set_leaf_hook(leaf, hook)
     args = replace(args, argnums, _tree.unflatten(treedef, inputs) if wrap is None else wrap(inputs))
-    with torch.enable_grad(), bindings_kept():
-        out = fn(*args, **kwargs)
-        loss = loss_of(out, has_aux)
-        grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
-        if loss.requires_grad and inputs:  # nothing to differentiate: torch.func.grad returns {}
-            if on_backward_start is not None:
-                loss.register_hook(on_backward_start)
-            with reentrant_refused():
-                grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    bindings.depth += 1  # (apply keeps a call's tensors bound until this backward is done: bindings_released)
+    try:
+        with torch.enable_grad():
+            out = fn(*args, **kwargs)
+            loss = loss_of(out, has_aux)
+            grads: Sequence[torch.Tensor | None] = [None] * len(inputs)
+            if loss.requires_grad and inputs:  # nothing to differentiate: torch.func.grad returns {}
+                if on_backward_start is not None:
+                    loss.register_hook(on_backward_start)
+                try:
+                    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+                except RuntimeError as e:
+                    raise reentrant_refused(e) from e
+    finally:
+        bindings.depth -= 1
+        if bindings.homes and not bindings.depth:
+            bindings_released()
     value = (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
     if hooks is not None:
         return list(grads), value
@@ -199,14 +205,22 @@ def local_grads_into(fn: Callable, has_aux: bool, args: tuple, kwargs: dict, lea
     ``reused`` keeps the autograd leaves from one call to the next. Autograd engine only."""
     inputs = (reused or Reused()).of(leaves, into)
     args = replace(args, 0, _tree.unflatten(treedef, inputs))
-    with torch.enable_grad(), bindings_kept():
-        out = fn(*args, **kwargs)
-        loss = loss_of(out, has_aux)
-        if loss.requires_grad and inputs:
-            if on_backward_start is not None:
-                loss.register_hook(on_backward_start)
-            with reentrant_refused():
-                torch.autograd.backward(loss, inputs=inputs)
+    bindings.depth += 1  # (as in local_grads)
+    try:
+        with torch.enable_grad():
+            out = fn(*args, **kwargs)
+            loss = loss_of(out, has_aux)
+            if loss.requires_grad and inputs:
+                if on_backward_start is not None:
+                    loss.register_hook(on_backward_start)
+                try:
+                    torch.autograd.backward(loss, inputs=inputs)
+                except RuntimeError as e:
+                    raise reentrant_refused(e) from e
+    finally:
+        bindings.depth -= 1
+        if bindings.homes and not bindings.depth:
+            bindings_released()
     return (loss.detach(), detach_tree(out[1])) if has_aux else loss.detach()
 
 

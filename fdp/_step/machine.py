@@ -111,20 +111,15 @@ class StatusMode(enum.Enum):
       back NaN (the module docstring).
     """
 
-    WITH_BUCKETS = "with the buckets"
-    AFTER = "after the caller's work"
-    AFTER_AND_WITH_BUCKETS = "with the buckets and after the caller's work"
-    AFTER_AND_ON_NAN = "after the caller's work, and with the buckets when the last comes back NaN"
+    # (description, closes: the caller ends the step with StepMachine.close, with_buckets: a
+    # status is issued with the last bucket and checked with the buckets)
+    WITH_BUCKETS = ("with the buckets", False, True)
+    AFTER = ("after the caller's work", True, False)
+    AFTER_AND_WITH_BUCKETS = ("with the buckets and after the caller's work", True, True)
+    AFTER_AND_ON_NAN = ("after the caller's work, and with the buckets when the last comes back NaN", True, False)
 
-    @property
-    def closes(self) -> bool:
-        """Whether the caller ends the step (``StepMachine.close``)."""
-        return self is not StatusMode.WITH_BUCKETS
-
-    @property
-    def with_buckets(self) -> bool:
-        """Whether a status is issued with the last bucket and checked with the buckets."""
-        return self is StatusMode.WITH_BUCKETS or self is StatusMode.AFTER_AND_WITH_BUCKETS
+    def __init__(self, description: str, closes: bool, with_buckets: bool) -> None:
+        self.description, self.closes, self.with_buckets = description, closes, with_buckets
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
     norm_type = float(norm_type)
     first = leaves[0].device
     stacks = []
-    for (device, _), ([group], _) in _internals.group_by_device_and_dtype(leaves).items():
+    for (device, _), ([group], _) in _internals.group_by_device_and_dtype([leaves]).items():
         if _internals.has_foreach_support(group, device):
             norms = torch._foreach_norm(group, norm_type)
         else:
@@ -86,7 +86,7 @@ def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     C-level reordering)."""
     if not tensors:
         return []
-    grouped = _internals.group_by_device_and_dtype(list(tensors), with_indices=True)
+    grouped = _internals.group_by_device_and_dtype([list(tensors)], with_indices=True)
     if len(grouped) == 1:
         ((device, _), ([group], _)), = grouped.items()
         if _internals.has_foreach_support(group, device):
@@ -116,7 +116,7 @@ def norm_of_norms(norms: list[Tensor], norm_type: float = 2.0) -> Tensor:
     if not norms:
         return torch.tensor(0.0)
     first = norms[0].device
-    grouped = _internals.group_by_device_and_dtype(list(norms))
+    grouped = _internals.group_by_device_and_dtype([list(norms)])
     groups = [group for ([group], _) in grouped.values()]  # (C-level maps below: no Python per norm)
     ordered = list(map(operator.methodcaller("to", first), itertools.chain.from_iterable(groups)))
     return torch.linalg.vector_norm(torch.stack(ordered), norm_type)

@@ -196,9 +196,9 @@ class FusedStep:
         return self._grad_step(params, opt_state, rest, kwargs, False)
 
     def _grad_step(self, params: Any, opt_state: Any, rest: tuple, kwargs: dict, active: bool) -> tuple:
-        engine, program, layout, mode = self._bind(params)
+        self._bind(params)  # (sets the engine, program, layout and mode this call runs with)
         try:
-            return engine.run_grad(program, mode, layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
+            return self._engine.run_grad(self._program, self._mode, self._layout, self.fn, self.has_aux, params, opt_state, rest, kwargs,
                                    self._acc_tree, self.donate, active=active if self.uneven else None)
         finally:
             self._last = self._engines.config.steps.last

@@ -70,7 +70,7 @@ OUTRO = """\
 # that module's public names). Every public name must land in exactly one section.
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
-    ("Models as pure functions", "fdp", ["functionalize", "Apply", "units"]),
+    ("Models as pure functions", "fdp", ["functionalize", "Apply", "units", "deferred_init", "DeferredInit"]),
     ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "ShardedParams", "StepMemory",
                           "local_grad", "local_grad_and_value",
                           "StepRecord", "Timeline", "BucketTimes",
@@ -78,7 +78,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Across ranks", "fdp", ["broadcast", "sync_buffers", "psum", "pmean", "any_rank", "assert_same_shapes",
                              "assert_replicas_equal", "ReplicaCheck"]),
     ("Checkpoints", "fdp", ["save", "load", "save_sharded", "load_sharded", "Shard", "rng_state", "set_rng_state",
-                            "RngState"]),
+                            "RngState", "save_safetensors", "safetensors_params", "SafetensorsParams"]),
     ("Errors", "fdp", ["ReplicaMismatchError", "CollectiveError", "CheckpointError"]),
     ("`fdp.hooks` — communication hooks", "fdp.hooks", ["*"]),
     ("`fdp.optim` — functional optimizers", "fdp.optim", ["*"]),
@@ -98,6 +98,8 @@ NOT_CONSTRUCTED: dict[str, str | None] = {
     "fdp.BucketPlan": None,  # built with BucketPlan.build
     "fdp.ShardedParams": None,  # returned by a fully sharded step (and FusedStep.shard)
     "fdp.StepMemory": None,  # returned by FusedStep.memory
+    "fdp.DeferredInit": None,  # returned by fdp.deferred_init
+    "fdp.SafetensorsParams": None,  # returned by fdp.safetensors_params
 }
 WIDTH = 100  # longer signatures get one parameter per line
 

@@ -38,6 +38,11 @@ from ._rng import RngState as RngState
 from ._rng import rng_state as rng_state
 from ._rng import set_rng_state as set_rng_state
 from ._shard import Shard as Shard
+from ._sources.deferred import DeferredInit as DeferredInit
+from ._sources.deferred import deferred_init as deferred_init
+from ._sources.safetensors import SafetensorsParams as SafetensorsParams
+from ._sources.safetensors import safetensors_params as safetensors_params
+from ._sources.safetensors import save_safetensors as save_safetensors
 from ._step.autodiff import local_grad as local_grad
 from ._step.autodiff import local_grad_and_value as local_grad_and_value
 from ._step.record import BucketTimes as BucketTimes
@@ -56,6 +61,7 @@ __all__ = [
     "BucketTimes",
     "CheckpointError",
     "CollectiveError",
+    "DeferredInit",
     "FusedState",
     "FusedStep",
     "Group",
@@ -64,6 +70,7 @@ __all__ = [
     "ReplicaCheck",
     "ReplicaMismatchError",
     "RngState",
+    "SafetensorsParams",
     "Shard",
     "ShardedParams",
     "StepMemory",
@@ -74,6 +81,7 @@ __all__ = [
     "assert_same_shapes",
     "broadcast",
     "cost",
+    "deferred_init",
     "functionalize",
     "hooks",
     "init",
@@ -85,7 +93,9 @@ __all__ = [
     "pmean",
     "psum",
     "rng_state",
+    "safetensors_params",
     "save",
+    "save_safetensors",
     "save_sharded",
     "set_rng_state",
     "sync_buffers",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 
 from . import _internals
-from ._protocols import UnitsView, units_of
+from ._protocols import GathersUnits, UnitsView, units_of
 
 Tree = dict[str, torch.Tensor]
 _shape = operator.attrgetter("shape")
@@ -73,6 +74,8 @@ class Apply:
         self._param_shapes = param_shapes
         self._buffer_shapes = buffer_shapes
         self._constants = constants
+        # A constant on the meta device (a model built there) cannot run: named at the call.
+        self._on_meta = next((k for k, v in constants.items() if isinstance(v, torch.Tensor) and v.is_meta), None)
         # Where each tensor is held, found once (when functionalize ran): a module changed
         # later (``model.to("meta")`` unties shared parameters) is still filled right.
         self._home = _Home(module) if home is None else home
@@ -151,6 +154,8 @@ class Apply:
         return out
 
     def __call__(self, params: Tree, buffers: Tree, *args: Any, **kwargs: Any) -> tuple[Any, Tree]:
+        if self._on_meta is not None:
+            self._refuse_meta()
         if type(params) is not dict:
             view = units_of(params)
             if view is not None:  # fully sharded params: gathered unit by unit (fdp/_units)
@@ -172,6 +177,55 @@ class Apply:
         # on many small leaves (docs/measurements.md, "Per-leaf costs behind design choices").
         call = _Call(self._home, (params, new_buffers, self._constants))
         return self._home.run(call, self._forward, args, kwargs), new_buffers
+
+    @contextlib.contextmanager
+    def bound(self, params: Tree, buffers: Tree) -> Iterator[nn.Module]:
+        """The module itself with ``params`` and ``buffers`` in its places, for code that calls
+        the module rather than ``apply`` (HF's ``generate``, an exporter, a metrics library)::
+
+            with torch.no_grad(), apply.eval().bound(params, buffers) as model:
+                ids = model.generate(prompt, max_new_tokens=20)
+
+        With ``fdp.ShardedParams`` every unit is gathered just before its module runs and
+        freed after, as in ``apply``, so every rank must run the same calls (the same inputs;
+        for sampling, the same seed), and the block runs under ``torch.no_grad()``. The module's own tensors are back when the block ends;
+        buffers are bound as copies (the caller's are not written).
+
+        Raises:
+          ValueError: ``params`` or ``buffers`` do not match (names the leaf).
+          RuntimeError: a constant is still on the meta device.
+        """
+        if self._on_meta is not None:
+            self._refuse_meta()
+        _check("buffers", buffers, self._buffer_shapes)
+        sharded = type(params) is not dict and isinstance(params, GathersUnits)
+        # (gathered units are for inference only: the block runs without autograd)
+        with torch.no_grad() if sharded else contextlib.nullcontext():
+            view = units_of(params) if sharded else None
+            new_buffers = {k: v.clone() for k, v in buffers.items()}
+            if view is not None:
+                by_unit, modules = self._unit_slots(view)
+                call: _Call = _UnitsCall(self._home, (new_buffers, self._constants), view, by_unit, modules)
+            else:
+                _check("params", params, self._param_shapes)
+                call = _Call(self._home, (params, new_buffers, self._constants))
+            if self._home.active is not None:
+                self._home.settle()
+            if self._forward.training != self.training or self.module.training != self.training:
+                self._forward.train(self.training)
+            saved = call.bind()
+            try:
+                yield self._forward
+            finally:
+                _put_back(call, saved)
+                if view is not None:
+                    view.done()
+
+    def _refuse_meta(self) -> None:
+        raise RuntimeError(
+            f"fdp.Apply: its constant {self._on_meta!r} (a frozen parameter or non-persistent buffer) is on the "
+            "meta device (the model was built there); give the constants their values first: "
+            "apply = apply.with_constants(init.materialize(apply.constants)) with init = fdp.deferred_init(model)")
 
     def _call_units(self, view: UnitsView, buffers: Tree, args: tuple, kwargs: dict) -> tuple[Any, Tree]:
         """The forward over fully sharded params (``view``: their ``UnitsView``): every unit

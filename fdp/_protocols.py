@@ -6,6 +6,8 @@
   unit through their ``units_view()``, a ``UnitsView``.
 * ``HasTemplate``: params that are not a tree of whole tensors (``fdp.ShardedParams``) give
   the tree of their leaves' shapes and dtypes that masks and ``opt.init`` read.
+* ``ParamSource``: params read a few leaves at a time (a deferred init, a safetensors
+  checkpoint): a fully sharded step cuts them unit by unit, so no rank holds the whole model.
 * ``Unsaveable``, ``PerRank``, ``ChecksLoad``: what a state tells ``fdp.save``/``fdp.load``
   about itself (a sharded ``FusedState`` is one rank's slices; an ``RngState`` holds a row
   per rank; a ``FusedState`` knows the layout it fits).
@@ -65,6 +67,18 @@ class HasTemplate(Protocol):
 
 
 @runtime_checkable
+class ParamSource(Protocol):
+    """Where params come from without a whole tree on any rank (``fdp.deferred_init``,
+    ``fdp.safetensors_params``): asked for some leaves at a time, it makes each (by key, with
+    the shape and dtype the step expects, on ``device``) as a whole tensor or as an
+    ``fdp.Shard`` holding at least the element range asked for (``(a, z)`` of the leaf's
+    flattening), and nothing else."""
+
+    def read(self, leaves: Sequence[tuple[Any, tuple[int, ...], torch.dtype]],
+             ranges: Sequence[tuple[int, int]], device: torch.device) -> list[Any]: ...
+
+
+@runtime_checkable
 class Unsaveable(Protocol):
     """A state that may not be written by ``fdp.save`` as it is: the reason, or None."""
 
@@ -97,5 +111,5 @@ def units_of(params: Any) -> UnitsView | None:
     return params.units_view()
 
 
-__all__ = ["ChecksLoad", "Engine", "GathersUnits", "HasTemplate", "PerRank", "Reach", "StepKind", "Unsaveable",
+__all__ = ["ChecksLoad", "Engine", "GathersUnits", "HasTemplate", "ParamSource", "PerRank", "Reach", "StepKind", "Unsaveable",
            "UnitsView", "template_of", "units_of"]

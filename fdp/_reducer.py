@@ -33,6 +33,7 @@ from ._log import debug_mode, log
 from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
 from ._protocols import StepKind
+from ._sources.trees import on_device
 from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
 from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
@@ -65,7 +66,10 @@ class Reducer:
 
     Args:
       params: the pytree being differentiated (e.g. ``params`` from ``fdp.functionalize``);
-        only its layout is used. Floating-point leaves on one device; may be empty.
+        only its layout is used. Floating-point leaves on one device; may be empty. Leaves
+        on the meta device (a model built under ``torch.device("meta")``) stand for leaves
+        on the group's device: give the step their values with ``fdp.deferred_init`` or
+        ``fdp.safetensors_params``, no rank ever holding the whole model.
       group: an ``fdp.Group``, a ProcessGroup, a 1-D DeviceMesh, a 2-D DeviceMesh with dims
         ``("replicate", "shard")`` (see ``shard``), or None for the world (a world of one
         without torch.distributed).
@@ -182,6 +186,7 @@ class Reducer:
     ) -> None:
         mesh = resolve_mesh(group)
         self.group = mesh.full
+        params = on_device(params, self.group.device)
         if shard not in (False, True, "state", "params"):
             raise ValueError(f"fdp.Reducer: shard must be False, True (or 'state': the optimizer state) or "
                              f"'params' (the params too), got {shard!r}")

@@ -123,6 +123,7 @@ LAYERS = [
      "fdp._functional", "fdp._slices"),                            # what users call beside the step; slices over ranks
     ("fdp._step",),                                                # one step over a plan
     ("fdp._units",),                                               # fully sharded params: units gathered on demand
+    ("fdp._sources",),                                             # where params come from: deferred init, safetensors
     ("fdp._fused", "fdp.cost"),                                    # the fused step; the cost model
     ("fdp._reducer",),                                             # the Reducer
     ("fdp", "fdp.testing", "fdp.viz", "fdp.bench"),                # the public face, tools

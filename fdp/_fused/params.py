@@ -27,6 +27,7 @@ from .. import _tree, kernels
 from .._internals import version
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._plan.buffers import held_elsewhere
+from .._protocols import ParamSource
 from .._shard import elements
 from .._slices.geometry import Slices
 from .._step.autodiff import Reused
@@ -215,6 +216,9 @@ class SliceSets(ParamSets):
                                  "(units, params or sharding); convert them with params.full()")
             target = self.free(avoid=self.cur)
             torch._foreach_copy_(target.flats, params.flats)
+        elif isinstance(params, ParamSource):
+            target = self.free(avoid=self.cur)
+            self._read(params, target)
         else:
             leaves = self.plan.leaves_of(params, f"{self.name} params")
             target = self.free(avoid=self.cur)
@@ -233,6 +237,28 @@ class SliceSets(ParamSets):
                         flat[a - lo:z - lo].copy_(got)
         self.cur = target
         return target, True
+
+    def _read(self, source: ParamSource, target: SliceSet) -> None:
+        """Fill ``target`` from ``source`` one bucket (a unit, per dtype) at a time: each read
+        is of the leaves of which this rank holds elements, and is dropped once its elements
+        are copied, so the rank holds its slices plus one unit's leaves at most."""
+        s, keys = self.slices, _tree.keys(self.plan.treedef)
+        for b, flat in zip(self.plan.buckets, target.flats):
+            lo, hi = s.lo[b.index], s.hi[b.index]
+            asked = [(i, off, max(off, lo), min(off + n, hi)) for i, off, n in zip(b.leaves, b.offsets, b.numels)]
+            asked = [x for x in asked if x[2] < x[3]]
+            if not asked:
+                continue
+            slots = self.plan.slots
+            got = source.read([(keys[i], tuple(slots[i].shape), slots[i].dtype) for i, _, _, _ in asked],
+                              [(a - off, z - off) for i, off, a, z in asked], b.device)
+            for (i, off, a, z), leaf in zip(asked, got):
+                part = elements(leaf, a - off, z - off)
+                if part is None:
+                    raise ValueError(f"{self.name}: the source gave params{slots[i].path} without this rank's "
+                                     f"elements {a - off}:{z - off}")
+                flat[a - lo:z - lo].copy_(part.reshape(-1))
+            del got
 
     def views(self, ps: SliceSet) -> ShardedParams:
         return ShardedParams(self.units, ps.flats)

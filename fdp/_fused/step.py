@@ -15,7 +15,7 @@ from typing import Any
 from .. import _tree
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
-from .._protocols import template_of
+from .._protocols import ParamSource, template_of
 from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
@@ -153,15 +153,21 @@ class FusedStep:
         rank's elements; no communication). Drop the whole tree afterwards (and the module's
         copy: ``model.to("meta")``): from then on the rank holds only its slices. The leaves
         may also be ``fdp.Shard`` s holding at least this rank's elements (``fdp.load_sharded``
-        with ``params.shards()`` as ``like``: a sharded checkpoint, on any world size).
+        with ``params.shards()`` as ``like``: a sharded checkpoint, on any world size). Or
+        ``params`` is where they come from, read unit by unit so that no rank ever holds the
+        whole model: ``fdp.deferred_init(model)`` (a model built on the meta device,
+        initialised module by module) or ``fdp.safetensors_params(path)`` (a HF-style
+        checkpoint, each rank reading only its elements).
 
         Raises:
           TypeError: the Reducer does not shard its params.
         """
-        engine, _, _, _ = self._bind(params)
+        source = isinstance(params, ParamSource)
+        engine, _, _, _ = self._bind(self._plan.template() if source else params)
         if engine.store.kind is not StoreKind.UNITS:
+            hint = (" (read whole params from this source with source.materialize(params))" if source else "")
             raise TypeError(f"{NAME}: step.shard(params) is for fully sharded params (Reducer(shard='params')); "
-                            "this step's params are whole on every rank")
+                            f"this step's params are whole on every rank{hint}")
         sets = engine.store.params
         pset, _ = sets.current(params, False)
         return sets.views(pset)

@@ -434,6 +434,12 @@ class BucketPlan:
             return out
         return self.views([f.to(dtype or b.dtype, copy=True) for b, f in zip(self.buckets, flats)])
 
+    def template(self) -> Any:
+        """The tree as tensors of the leaves' shapes, dtypes and device that hold one element
+        each (a zero expanded to the shape): what masks and ``opt.init`` need to know of it."""
+        return _tree.unflatten(self.treedef, [
+            torch.zeros((), dtype=s.dtype, device=s.device).expand(s.shape) for s in self.slots])
+
     def views(self, flats: Sequence[torch.Tensor], treedef: _tree.TreeDef | None = None) -> Any:
         """A tree of views into ``flats`` (no copy): valid as long as the buffers are.
 

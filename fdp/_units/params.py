@@ -10,6 +10,7 @@ a set (one copy of this rank's elements).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,9 +66,7 @@ class ShardedParams:
         """The params tree as tensors of the leaves' shapes, dtypes and device that hold one
         element each (a zero expanded to the shape): what masks and ``opt.init`` need to know
         of the params."""
-        plan = self.units.plan
-        return _tree.unflatten(plan.treedef, [
-            torch.zeros((), dtype=s.dtype, device=s.device).expand(s.shape) for s in plan.slots])
+        return self.units.plan.template()
 
     def shards(self) -> Any:
         """The params tree with each leaf an ``fdp.Shard`` of this rank's elements of it (views
@@ -108,6 +107,18 @@ class ShardedParams:
     def full(self) -> Any:
         """The whole params tree on every rank (a collective: every unit is all-gathered)."""
         return self.units.whole(self.flats, "fdp.ShardedParams.full")
+
+    def full_by_unit(self) -> Iterator[dict[Any, torch.Tensor]]:
+        """The whole leaves, one unit (bucket) at a time: each item maps the unit's keys to
+        whole tensors, gathered when the item is asked for and not kept afterwards by fdp, so
+        a rank holds its slices plus one unit (a collective: every rank must consume every
+        item, in order; ``fdp.save_safetensors`` writes them this way)."""
+        plan, keys = self.units.plan, self.units.keys
+        for b, bucket in enumerate(plan.buckets):
+            flat = self.units.gather_bucket(self.flats, b, "fdp.ShardedParams.full_by_unit")
+            yield {keys[i]: flat[off:off + n].view(plan.slots[i].shape)
+                   for i, off, n in zip(bucket.leaves, bucket.offsets, bucket.numels)}
+            del flat
 
     def unsaveable_reason(self) -> str:
         """Why ``fdp.save`` refuses these params (``fdp._protocols.Unsaveable``)."""

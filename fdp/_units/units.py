@@ -277,16 +277,18 @@ class Units:
     def whole(self, src: list[torch.Tensor], what: str) -> Any:
         """The whole params tree on every rank from the slices ``src`` (a collective: every
         bucket is all-gathered into a new tensor)."""
-        scatter, slices, plan = self.scatter, self.slices, self.plan
-        flats = []
-        for b, (bucket, n) in enumerate(zip(plan.buckets, slices.padded)):
-            out = torch.empty(n, dtype=bucket.dtype, device=bucket.device)
-            out[slices.lo[b]:slices.hi[b]].copy_(src[b])
-            if scatter is not None:
-                wait(scatter.gather(b, out), self.group, f"{what}: gathering bucket {b}'s params")
-                scatter.gathered(b)
-            flats.append(out)
-        return plan.views(flats)
+        return self.plan.views([self.gather_bucket(src, b, what) for b in range(len(self.plan.buckets))])
+
+    def gather_bucket(self, src: list[torch.Tensor], b: int, what: str) -> torch.Tensor:
+        """Bucket ``b``'s whole flat params on every rank, from the slices ``src``, in a new
+        tensor (a collective: one all-gather)."""
+        scatter, slices, bucket = self.scatter, self.slices, self.plan.buckets[b]
+        out = torch.empty(slices.padded[b], dtype=bucket.dtype, device=bucket.device)
+        out[slices.lo[b]:slices.hi[b]].copy_(src[b])
+        if scatter is not None:
+            wait(scatter.gather(b, out), self.group, f"{what}: gathering bucket {b}'s params")
+            scatter.gathered(b)
+        return out
 
     # ------------------------------------------------------------------ forward hooks
     def enter(self, u: int) -> None:

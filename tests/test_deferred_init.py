@@ -241,3 +241,37 @@ def test_a_rank_never_holds_more_than_its_slices_and_one_unit_while_it_is_initia
         bound = (r["total"] / r["world"] + r["unit"]) * 1.05
         assert r["peak"] <= bound, f"peak {r['peak'] / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
         assert r["peak"] < 0.75 * r["total"]
+
+
+def sharded_run(group, folder, start, stop, save):
+    """Fully sharded BlockNet steps ``start:stop``: from the deferred init at 0, else resumed
+    from the sharded checkpoint in ``folder`` on a model built on meta (no whole params)."""
+    net = meta_net()
+    apply, params, buffers = fdp.functionalize(net)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adamw(lr=1e-2, weight_decay=0.1))
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block)).grad_and_update(
+        lambda p, x, y: F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()), opt)
+    if start == 0:
+        params = step.shard(fdp.deferred_init(net, seed=2))
+        state = step.init(params)
+    else:
+        like = {"params": step.param_shards(), "opt": step.state_to_shards(step.init(params), params)}
+        got = fdp.load_sharded(folder, like)
+        params = step.shard(got["params"])
+        state = step.state_from_shards(got["opt"], params)
+    for i in range(start, stop):
+        params, state, _ = step(params, state, *tokens(group.rank, i))
+    if save:
+        fdp.save_sharded(folder, {"params": params.shards(), "opt": step.state_to_shards(state, params)})
+    return params.full(), step.state_to_tree(state, params)
+
+
+def test_a_model_built_on_meta_resumes_from_a_sharded_checkpoint_at_any_world_size(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    whole_run = fdp.testing.run(sharded_run, 2, args=(folder, 0, 4, False))
+    saved = fdp.testing.run(sharded_run, 2, args=(folder, 0, 2, True))
+    for rank, (params, state) in enumerate(fdp.testing.run(sharded_run, 3, args=(folder, 2, 2, False))):
+        assert_trees_equal(params, saved[0][0], f"loaded on 3 ranks, rank {rank}")
+        assert_trees_equal(state, saved[0][1], f"state loaded on 3 ranks, rank {rank}")
+    for rank, (params, _) in enumerate(fdp.testing.run(sharded_run, 2, args=(folder, 2, 4, False))):
+        assert_trees_equal(params, whole_run[rank][0], f"resumed, rank {rank}")

@@ -12,13 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .. import _tree
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import ParamSource, template_of
+from .._sources.trees import on_device
 from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
+from .._units.params import shards_of
 from ..optim import Optimizer
 from ..optim._flat import split_chain
 from . import eager
@@ -112,6 +116,7 @@ class FusedStep:
         self._engines, self._plan, self.opt = engines, plan, opt
         self.fn, self.has_aux, self.donate, self.uneven = fn, has_aux, donate, bool(uneven)
         self._acc_tree = accumulate  # (grad_and_update's accumulate=: a gradient tree, bound here)
+        self._device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
         self._program: Program | None = None
         self._engine: Engine | None = None
         self._layout: StateLayout | None = None
@@ -140,10 +145,11 @@ class FusedStep:
 
     def init(self, params: Any) -> FusedState:
         """A fresh optimizer state for ``params`` (collective the first time: the step's plan is
-        checked across ranks)."""
+        checked across ranks). ``params`` may be the meta tensors of a model built on the
+        meta device: the state is made on the step's device."""
         engine, _, layout, _ = self._bind(params)
         with autograd_on():  # (an inference tensor could not be updated in place by the step)
-            state = layout.init(template_of(params))
+            state = layout.init(on_device(template_of(params), self._device))
         engine.fresh_state()
         return state
 
@@ -171,6 +177,24 @@ class FusedStep:
         sets = engine.store.params
         pset, _ = sets.current(params, False)
         return sets.views(pset)
+
+    def param_shards(self) -> Any:
+        """The params tree with each leaf an ``fdp.Shard`` of the elements this rank holds in a
+        fully sharded step, holding no data (zero-strided): the ``like`` of
+        ``fdp.load_sharded`` before any ``ShardedParams`` exist (a model built on the meta
+        device, resumed from a sharded checkpoint on any world size)::
+
+            like = {"params": step.param_shards(), "opt": step.state_to_shards(step.init(params), params)}
+            got = fdp.load_sharded(d, like)
+            params, opt_state = step.shard(got["params"]), step.state_from_shards(got["opt"], params)
+
+        Raises:
+          TypeError: the step's params are not fully sharded.
+        """
+        engine, _, _, _ = self._bind(self._plan.template())
+        if engine.store.kind is not StoreKind.UNITS:
+            raise TypeError(f"{NAME}: step.param_shards() is for fully sharded params (Reducer(shard='params'))")
+        return shards_of(engine.store.params.units, None)
 
     @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:

@@ -20,7 +20,25 @@ from .._internals import version
 from .._shard import Shard
 from .units import Units, UnitsView
 
-__all__ = ["ShardedParams"]
+__all__ = ["ShardedParams", "shards_of"]
+
+
+def shards_of(units: Units, views: list[torch.Tensor] | None) -> Any:
+    """The params tree with each leaf an ``fdp.Shard`` of this rank's elements: views of the
+    slices ``views``, or, with None, zero-strided data holding nothing (what
+    ``fdp.load_sharded`` needs of a ``like``: the ranges, shapes, dtypes and devices)."""
+    plan, s = units.plan, units.slices
+    out = []
+    for slot in plan.slots:
+        b = slot.bucket
+        a, z = max(slot.offset, s.lo[b]), min(slot.offset + slot.numel, s.hi[b])
+        n = max(z - a, 0)
+        if views is None:
+            data = torch.zeros((), dtype=slot.dtype, device=slot.device).expand(n)
+        else:
+            data = views[b][a - s.lo[b]:z - s.lo[b]] if n else views[b][:0]
+        out.append(Shard(slot.shape, slot.dtype, ((a - slot.offset, z - slot.offset),) if n else (), data))
+    return _tree.unflatten(plan.treedef, out)
 
 
 class ShardedParams:
@@ -78,17 +96,7 @@ class ShardedParams:
             got = fdp.load_sharded(d, {"params": params.shards(), "opt": step.state_to_shards(opt_state, params)})
             params, opt_state = step.shard(got["params"]), step.state_from_shards(got["opt"], params)
         """
-        plan, s = self.units.plan, self.units.slices
-        out = []
-        for slot in plan.slots:
-            b = slot.bucket
-            a, z = max(slot.offset, s.lo[b]), min(slot.offset + slot.numel, s.hi[b])
-            if a < z:
-                out.append(Shard(slot.shape, slot.dtype, ((a - slot.offset, z - slot.offset),),
-                                 self._views[b][a - s.lo[b]:z - s.lo[b]]))
-            else:
-                out.append(Shard(slot.shape, slot.dtype, (), self._views[b][:0]))
-        return _tree.unflatten(plan.treedef, out)
+        return shards_of(self.units, self._views)
 
     @property
     def local(self) -> list[torch.Tensor]:

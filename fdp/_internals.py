@@ -54,7 +54,10 @@ def _constant(api: str, name: str, why: str, checked: str = "2.4, 2.13") -> None
 # ---------------------------------------------------------------------------- autograd and functorch
 try:
     from torch._C._functorch import (
+        TransformType,
+        get_interpreter_stack,
         get_unwrapped,
+        is_batchedtensor,
         is_functorch_wrapped_tensor,
         peek_interpreter_stack,
     )
@@ -63,7 +66,8 @@ try:
     FUNCTORCH = True
 except ImportError:  # pragma: no cover - exercised only on a torch without these APIs
     FUNCTORCH = False
-_constant("torch._C._functorch.{get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack}, "
+_constant("torch._C._functorch.{TransformType, get_interpreter_stack, get_unwrapped, is_batchedtensor, "
+          "is_functorch_wrapped_tensor, peek_interpreter_stack}, "
           "torch._functorch.pyfunctorch.temporarily_clear_interpreter_stack", "FUNCTORCH",
           "leaf hooks inside torch.func.grad (the overlapped functorch engine); without them the Reducer uses "
           "its non-overlapped path: torch.func.grad first, then a bucketed all-reduce")
@@ -83,6 +87,21 @@ def unwrap(t: torch.Tensor) -> torch.Tensor:
     while FUNCTORCH and is_functorch_wrapped_tensor(t):
         t = get_unwrapped(t)
     return t
+
+
+def unbatched(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under ``torch.func.vmap``'s batching wrappers (not under a grad transform's):
+    the one whose graph the enclosing backward runs (a hook on a batched tensor never fires)."""
+    while FUNCTORCH and is_batchedtensor(t):
+        t = get_unwrapped(t)
+    return t
+
+
+def in_forward_ad() -> bool:
+    """Whether a ``torch.func.jvp`` (forward-mode AD) transform is running on this thread."""
+    if not FUNCTORCH or peek_interpreter_stack() is None:
+        return False
+    return any(i.key() == TransformType.Jvp for i in get_interpreter_stack() or ())
 
 
 def in_functorch_transform() -> bool:

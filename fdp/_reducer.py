@@ -34,7 +34,7 @@ from ._plan.bucket import NO_CAP, BucketPlan
 from ._plan.buffers import BucketBuffers
 from ._protocols import StepKind
 from ._sources.trees import on_device
-from ._step.autodiff import autograd_on, local_grads, resolve_engine, select
+from ._step.autodiff import autograd_on, local_grads, refuse_sharded, resolve_engine, select
 from ._step.config import StepConfig
 from ._step.machine import HOOK_MEAN_BYTES, Step, StepMachine, Steps, StepSpec, all_finite
 from ._step.record import StepRecord
@@ -475,6 +475,7 @@ class Reducer:
         if accumulate is not None:
             acc = plan.leaves_of(accumulate, "accumulate")
             plan.check_devices(acc, "accumulate")
+        refuse_sharded(select(args, argnums), "fdp.Reducer.grad")
         leaves = plan.leaves_of(select(args, argnums), "reducer.grad params")
         plan.check_devices(leaves, "reducer.grad params")
         engine = self._config.engine

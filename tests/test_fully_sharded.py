@@ -2,6 +2,8 @@
 step's numbers (bit for bit on two ranks), DDP's and FSDP2's on the same data, 1/world of the
 params at rest, each unit gathered only while it runs; with the features users combine it with."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -502,3 +504,77 @@ def test_a_sharded_checkpoint_of_fully_sharded_params_resumes_on_any_world_size(
                     torch.testing.assert_close(again[k], straight[k], rtol=1e-5, atol=1e-6)
             else:
                 assert_trees_equal(straight, again, f"resumed on {world} ranks ({phase}), rank {rank}")
+
+
+def transformed_loss(group, kind, sharded):
+    """An MLP of blocks trained 3 steps with a loss that runs a ``torch.func`` transform through
+    the model: per-example losses under ``vmap``, an input-gradient penalty under ``grad``, a
+    Jacobian-vector penalty under ``jvp``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), Block(16), Block(16), nn.Linear(16, 4))
+    apply, params, _ = fdp.functionalize(net)
+    options = {"shard": "params", "units": fdp.units(net, Block)} if sharded else {}
+
+    def base(p, x, y):
+        return F.cross_entropy(apply(p, {}, x)[0], y)
+
+    def loss(p, x, y):
+        if kind == "vmap":
+            return torch.func.vmap(lambda xi, yi: base(p, xi[None], yi[None]))(x, y).mean()
+        if kind == "grad":
+            return base(p, x, y) + (torch.func.grad(lambda xx: base(p, xx, y))(x) ** 2).sum()
+        _, tangent = torch.func.jvp(lambda xx: apply(p, {}, xx)[0], (x,), (torch.ones_like(x),))
+        return base(p, x, y) + 0.1 * (tangent ** 2).mean()
+
+    step = fdp.Reducer(params, group, **options).grad_and_update(loss, fdp.optim.adamw(lr=1e-2))
+    state = step.init(params)
+    if sharded:
+        params = step.shard(params)
+    g = torch.Generator().manual_seed(group.rank)
+    for _ in range(3):
+        params, state, _ = step(params, state, torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g))
+    return params.full() if sharded else params
+
+
+@pytest.mark.parametrize("kind", ["vmap", "grad"])
+def test_vmap_and_grad_inside_the_loss_run_fully_sharded_with_the_unsharded_numbers(kind):
+    want = fdp.testing.run(transformed_loss, 2, args=(kind, False))
+    for rank, got in enumerate(fdp.testing.run(transformed_loss, 2, args=(kind, True))):
+        assert_trees_equal(got, want[rank], f"{kind}, rank {rank}")
+
+
+# torch registers its jvp decompositions with torch.jit.script on the first jvp of an nll_loss,
+# which warns that torch.jit.script is deprecated: torch's warning, not fdp's.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_jvp_through_a_unit_inside_the_loss_is_refused_by_name_on_every_rank():
+    fdp.testing.run(transformed_loss, 2, args=("jvp", False))  # the unsharded step runs it
+
+    def refused(group):
+        try:
+            transformed_loss(group, "jvp", True)
+        except RuntimeError as e:
+            return str(e)
+    for message in fdp.testing.run(refused, 2, timeout=60):
+        assert re.search(r"torch.func.jvp .* fully sharded params .* shard=True", message), message
+
+
+def grads_of_sharded(group):
+    net = block_net(seed=0)
+    apply, params, buffers = fdp.functionalize(net)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block))
+    loss = loss_of(apply, buffers)
+    sharded = reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1)).shard(params)
+    errors = []
+    for call in (lambda: reducer.grad(loss)(sharded, *tokens(0)), lambda: fdp.local_grad(loss)(sharded, *tokens(0))):
+        try:
+            call()
+        except TypeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_reducer_grad_and_local_grad_given_sharded_params_say_what_to_use():
+    for errors in fdp.testing.run(grads_of_sharded, 2):
+        assert len(errors) == 2
+        assert errors[0].startswith("fdp.Reducer.grad got fdp.ShardedParams") and "grad_and_update" in errors[0]
+        assert errors[1].startswith("fdp.local_grad got fdp.ShardedParams") and "params.full()" in errors[1]

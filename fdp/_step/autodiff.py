@@ -25,7 +25,7 @@ import torch
 from .. import _internals, _tree
 from .._functional import BINDINGS as bindings
 from .._functional import bindings_released
-from .._protocols import Engine
+from .._protocols import Engine, GathersUnits
 
 ENGINES = ("auto", *typing.get_args(Engine))  # ("auto", "autograd", "functorch")
 
@@ -55,6 +55,19 @@ def loss_of(out: Any, has_aux: bool) -> torch.Tensor:
 def select(args: tuple, argnums: int | tuple[int, ...]) -> Any:
     """The differentiated argument(s), as ``torch.func.grad``'s ``argnums`` picks them."""
     return args[argnums] if isinstance(argnums, int) else tuple(args[i] for i in argnums)
+
+
+def refuse_sharded(diff: Any, what: str) -> None:
+    """A differentiated argument that is ``fdp.ShardedParams`` (this rank's slices, gathered
+    only inside a fully sharded step) is refused, saying what to use instead."""
+    for x in diff if isinstance(diff, tuple) else (diff,):
+        if type(x) is not dict and isinstance(x, GathersUnits):
+            raise TypeError(
+                f"{what} got fdp.ShardedParams, the slices a fully sharded step (Reducer(shard='params')) "
+                "keeps; only that step gathers their units and reduce-scatters their gradients: train with "
+                "step(params, opt_state, ...) from reducer.grad_and_update (any fdp.optim optimizer, Muon "
+                "included, a chain that clips or masks, step.accumulate for micro-batches), or differentiate "
+                "params.full() (every leaf whole on every rank) with a Reducer that does not shard params")
 
 
 def replace(args: tuple, argnums: int | tuple[int, ...], new: Any) -> tuple:
@@ -258,6 +271,7 @@ def local_grad_and_value(fn: Callable, argnums: int | tuple[int, ...] = 0, has_a
       (tensor([2., 4.]), tensor(5.))
     """
     def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
+        refuse_sharded(select(args, argnums), "fdp.local_grad")
         if _tree.compiling() or _internals.in_functorch_transform():
             return torch.func.grad_and_value(fn, argnums, has_aux)(*args, **kwargs)
         with autograd_on():

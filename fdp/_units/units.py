@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _internals, _tree
 from .._comm.collectives import DONE, exchange, wait
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan, contiguous_strides
@@ -292,6 +292,12 @@ class Units:
 
     # ------------------------------------------------------------------ forward hooks
     def enter(self, u: int) -> None:
+        if self.training and torch.is_grad_enabled() and _internals.in_forward_ad():
+            raise RuntimeError(
+                "fdp: torch.func.jvp (forward-mode AD) through a unit of fully sharded params inside the step's "
+                "loss is not supported: the unit's gathers would pair differently across ranks in the backward. "
+                "vmap and torch.func.grad inside the loss work; for jvp use shard=True (sharded optimizer state) "
+                "or the unsharded step, where it runs")
         if u not in self.entered:
             self.entered.append(u)
         self.unshard_unit(u)
@@ -308,8 +314,10 @@ class Units:
         if self.training and torch.is_grad_enabled():
             hook = self._pre_backward_hook(u)
             for t in _tree.leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(hook)
+                if isinstance(t, torch.Tensor):
+                    t = _internals.unbatched(t)  # (inside torch.func.vmap: the tensor the backward sees)
+                    if t.requires_grad:
+                        t.register_hook(hook)
         if u != 0 and u not in self.kept and (self.reshard_after_forward or not self.training):
             for b in self.buckets_of[u]:
                 self.reshard(b)
@@ -372,8 +380,10 @@ class Units:
         full = self.fulls[b]
         alloc_storage(full, self.nbytes[b])
         s = self.slices
-        full[s.lo[b]:s.hi[b]].copy_(self.src[b])
-        self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
+        # (inside a transform in the loss, torch.func.jvp or grad: plain copies into fdp's buffer)
+        with _internals.outside_transforms():
+            full[s.lo[b]:s.hi[b]].copy_(self.src[b])
+            self.works[b] = self.scatter.gather(b, full) if self.scatter is not None else DONE
         self.count[b] += 1
         self.issued[b] = time.perf_counter()
         self.state[b] = UnitState.UNSHARDING
@@ -385,7 +395,8 @@ class Units:
         wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
                                f"(bucket {b})")
         if self.scatter is not None:
-            self.scatter.gathered(b)
+            with _internals.outside_transforms():
+                self.scatter.gathered(b)
         if self.times is not None:
             t0 = self.t0
             times = self.times[b]

@@ -249,3 +249,34 @@ def test_sharded_muon_on_three_gloo_ranks_keeps_replicas_identical_and_close_to_
         for k in pp:
             torch.testing.assert_close(fp[k], pp[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
             assert torch.equal(fp[k], results[0][0][k]), f"rank {rank}: {k} is not a replica"
+
+
+def fully_sharded_vs_plain(group, make, steps=8):
+    """Fully sharded params (a unit per hidden Linear) beside the plain path on the same data."""
+    model = mlp(seed=4)
+    apply, params, buffers = fdp.functionalize(model)
+
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0], y)
+
+    opt = make()
+    step = fdp.Reducer(params, group, shard="params", units=["2", "4"]).grad_and_update(loss, opt)
+    state, fp = step.init(params), step.shard(params)
+    plain = fdp.Reducer(params, group, **CAPS)
+    pp, ps = dict(params), opt.init(params)
+    for i in range(steps):
+        x, y = batch(group.rank, i)
+        fp, state, _ = step(fp, state, x, y)
+        pp, ps = opt.update(plain.grad(loss)(pp, x, y), ps, pp)
+    return fp.full(), pp, step.state_to_tree(state, fp), ps, owned_whole(step.state_to_shards(state, fp))
+
+
+@pytest.mark.parametrize("make", [muon_and_adamw, muon_alone], ids=["muon-adamw-clip", "muon-sgd"])
+def test_fully_sharded_muon_equals_the_plain_path_with_each_matrix_owned_by_one_rank(make):
+    """shard="params": each matrix's owner gets its gradient and its params whole, updates it
+    and sends the new elements back into the slices; the plain path's numbers bit for bit on
+    2 ranks (and so shard=True's), Muon's state split between the owners."""
+    results = fdp.testing.run(fully_sharded_vs_plain, 2, args=(make,))
+    assert_same(results, f"{make.__name__}, fully sharded")
+    owned = [r[4] for r in results]
+    assert owned[0] and owned[1] and not set(owned[0]) & set(owned[1]), f"whole matrices owned: {owned}"

@@ -79,10 +79,6 @@ class Engine:
         self.config, self.plan, self.keys, self.name = config, plan, keys, name
         self.mesh, self.group = config.mesh, config.mesh.full
         store: Store = store_for(config, plan, name)
-        if whole_parts and store.kind is StoreKind.UNITS:
-            raise TypeError(f"{name}: with shard='params' each rank holds a slice of every unit, and an optimizer "
-                            "that updates whole leaves (fdp.optim.muon) is not supported there yet; use "
-                            "shard=True (each matrix is updated whole by one rank) or an element-wise optimizer")
         self.store = store
         # The keys the kernel calls run over: a part decayed apart (``Program.decayed_apart``)
         # runs as group 1 (no decay) throughout, its group-0 runs decayed first (``decays``).

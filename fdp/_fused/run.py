@@ -77,6 +77,7 @@ class Run:
         self.replicas = Replicas(bk.mesh.replicate, nb) if bk.sharded and bk.mesh.replicate is not None else None
         self.gathers: list[tuple[int, Any]] = []
         self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
+        self.owned_params: dict[int, torch.Tensor] | None = None  # fully sharded: those leaves' params
         self.step: Step = bk.machine.start(StepSpec(
             kind, what=bk.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
             status=mode.status, on_filled=bk.store.on_filled))
@@ -180,7 +181,10 @@ class Run:
 
     def _owned(self, b: int, spans: list[Span]) -> list[torch.Tensor]:
         """The params of the whole leaves this rank owns in bucket ``b`` (views of the whole
-        bucket, in their shapes; copied from the set read first when the step is pure)."""
+        bucket, in their shapes; copied from the set read first when the step is pure; with
+        fully sharded params, the whole leaves brought to their owner)."""
+        if self.owned_params is not None:
+            return [self.owned_params[s.leaf] for s in spans]
         dst, src = self.dst.flats[b], self.src.flats[b]
         out = []
         for s in spans:
@@ -249,6 +253,9 @@ class Run:
         grads = [self.grads[b] if self.error is None and self.grads[b] is not None else self._zeros(b)
                  for b in range(len(self.slices))]
         wholes = bk.owners.to_owners(grads, shard)
+        if not bk.store.gathers_params and not bk.sliced_sets:
+            # Fully sharded params: no rank holds a whole leaf; its owner gets its params too.
+            self.owned_params = bk.owners.to_owners(self.src.flats, shard)
         if self.error is None:
             try:
                 if self.coef is not None and wholes:
@@ -260,6 +267,9 @@ class Run:
                     self.update(b)
             except Exception as e:  # noqa: BLE001 - reported through the step's status
                 self.fail(e)
+        if self.owned_params is not None:  # fully sharded: the owners' updated leaves back into slices
+            bk.owners.to_holders(self.dst.flats, shard, self.owned_params)
+            return
         bk.owners.to_holders(self.dst.flats, shard)
         for b in range(len(self.slices)):  # one all-gather in flight at a time (its staging buffer)
             if self.gathers:

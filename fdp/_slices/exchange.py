@@ -342,8 +342,9 @@ class Owners:
         return (hi - lo) * self.plan.slots[i].dtype.itemsize
 
     def to_owners(self, grads: list[torch.Tensor], group: Group) -> dict[int, torch.Tensor]:
-        """Every leaf this rank owns, whole, in its shape, from the ranks' reduced slices
-        (``grads``: this rank's slice of each bucket, the params' dtype). A collective."""
+        """Every leaf this rank owns, whole, in its shape, from the ranks' slices (``grads``:
+        this rank's slice of each bucket, the params' dtype: the reduced gradients, or the
+        params of a fully sharded step). A collective."""
         s, me, slots = self.slices, self.slices.rank, self.plan.slots
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
@@ -367,22 +368,36 @@ class Owners:
             out[i][lo - off:hi - off] = part.view(slots[i].dtype)
         return {i: t.view(slots[i].shape) for i, t in out.items()}
 
-    def to_holders(self, flats: list[torch.Tensor], group: Group) -> None:
-        """The owners' updated leaves (in their whole buckets ``flats``) into the slices of the
-        ranks that hold their parts, before the all-gather. A collective."""
+    def to_holders(self, flats: list[torch.Tensor], group: Group,
+                   wholes: dict[int, torch.Tensor] | None = None) -> None:
+        """The owners' updated leaves into the slices of the ranks that hold their parts. A
+        collective. ``flats``: this rank's whole buckets (the leaves updated in them, before
+        the all-gather: ``shard=True``); or, with ``wholes`` (the owned leaves, updated apart),
+        this rank's slices of each bucket, its own parts copied in too (fully sharded params)."""
         s, me, slots = self.slices, self.slices.rank, self.plan.slots
+        sliced = wholes is not None
+
+        def at(b: int, lo: int, hi: int) -> torch.Tensor:  # elements lo:hi of bucket b in ``flats``
+            return flats[b][lo - s.lo[b]:hi - s.lo[b]] if sliced else flats[b][lo:hi]
+
+        def new(i: int, b: int, lo: int, hi: int) -> torch.Tensor:  # the owner's updated elements
+            off = slots[i].offset
+            return wholes[i].reshape(-1)[lo - off:hi - off] if sliced else flats[b][lo:hi]
+
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
         for i, parts in sorted(self.parts.items()):
             o = self.owner[i]
             for b, lo, hi, r in parts:
                 if o == me and r != me:
-                    sends[r].append(flats[b][lo:hi].reshape(-1).view(torch.uint8))
+                    sends[r].append(new(i, b, lo, hi).reshape(-1).view(torch.uint8))
                 if r == me and o != me:
                     recvs[o].append((i, lo, hi))
+                if sliced and r == me and o == me:
+                    at(b, lo, hi).copy_(new(i, b, lo, hi))
         got = self._exchange(sends, recvs, group, "exchange of whole leaves' new params to their slices")
         for (i, lo, hi), part in got:
-            flats[slots[i].bucket][lo:hi] = part.view(slots[i].dtype)
+            at(slots[i].bucket, lo, hi).copy_(part.view(slots[i].dtype))
 
     def _exchange(self, sends: list[list[torch.Tensor]], recvs: list[list[tuple[int, int, int]]], group: Group,
                   what: str) -> list[tuple[tuple[int, int, int], torch.Tensor]]:

@@ -282,12 +282,6 @@ def test_what_cannot_be_fully_sharded_is_refused_with_the_way_out():
         fdp.Reducer(params, shard="everything")
     with pytest.raises(ValueError, match="no submodule of type Conv2d"):
         fdp.units(net, nn.Conv2d)
-    reducer = fdp.Reducer(params, shard="params", units=fdp.units(net, Block))
-    muon = fdp.optim.partition(lambda k, p: "m" if p.dim() == 2 else "a",
-                               {"m": fdp.optim.muon(lr=1e-2), "a": fdp.optim.adamw(lr=1e-2)})
-    step = reducer.grad_and_update(loss_of(apply, buffers), muon)
-    with pytest.raises(TypeError, match="whole leaves"):
-        step.init(params)
     # a tied param must lie inside one unit: the head tied to the embedding, the embedding a unit
     reducer = fdp.Reducer(params, shard="params", units=["emb"])
     step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.sgd(lr=0.1))

@@ -572,3 +572,43 @@ def test_reducer_grad_and_local_grad_given_sharded_params_say_what_to_use():
         assert len(errors) == 2
         assert errors[0].startswith("fdp.Reducer.grad got fdp.ShardedParams") and "grad_and_update" in errors[0]
         assert errors[1].startswith("fdp.local_grad got fdp.ShardedParams") and "params.full()" in errors[1]
+
+
+def averaged(group, fully, with_muon):
+    """An EMA of AdamW (or of Muon, in a partition beside AdamW) over 3 steps, read with
+    ``step.ema_params``: ShardedParams when fully sharded, evaluated with ``apply``."""
+    net = block_net(seed=0)
+    apply, params, buffers = fdp.functionalize(net)
+    if with_muon:
+        opt = fdp.optim.partition(lambda k, p: "m" if p.dim() == 2 and k.startswith("blocks") else "a",
+                                  {"m": fdp.optim.ema(fdp.optim.muon(lr=0.02), decay=0.9),
+                                   "a": fdp.optim.adamw(lr=1e-2)})
+    else:
+        opt = fdp.optim.ema(fdp.optim.adamw(lr=1e-2), decay=0.9)
+    options = {"shard": "params", "units": fdp.units(net, Block)} if fully else {}
+    step = fdp.Reducer(params, group, **options).grad_and_update(loss_of(apply, buffers), opt)
+    state = step.init(params)
+    if fully:
+        params = step.shard(params)
+    before = step.ema_params(state, params)
+    for i in range(3):
+        params, state, _ = step(params, state, *tokens(group.rank, i))
+    average = step.ema_params(state, params)
+    assert isinstance(average, fdp.ShardedParams) == fully
+    with torch.no_grad():
+        logits = apply.eval()(average, buffers, tokens(0, 9)[0])[0]
+    whole = (lambda p: p.full()) if fully else (lambda p: p)
+    if fully:
+        with pytest.raises(TypeError, match="step.ema_params"):
+            fdp.optim.ema_params(step.state_to_shards(state, params), params)
+    return whole(before), whole(average), whole(params), logits
+
+
+@pytest.mark.parametrize("with_muon", [False, True], ids=["ema-adamw", "ema-muon-in-a-partition"])
+def test_the_ema_of_fully_sharded_params_is_sharded_params_equal_to_the_fused_steps_average(with_muon):
+    want = fdp.testing.run(averaged, 2, args=(False, with_muon))
+    for rank, (before, average, params, logits) in enumerate(fdp.testing.run(averaged, 2, args=(True, with_muon))):
+        assert_trees_equal(average, want[rank][1], f"average, rank {rank}")
+        assert_trees_equal(before, want[rank][0], f"before any update, rank {rank}")
+        assert torch.equal(logits, want[rank][3])
+        assert not torch.equal(average["blocks.0.fc1.weight"], params["blocks.0.fc1.weight"])

@@ -18,12 +18,13 @@ from .. import _tree
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import ParamSource, template_of
+from .._shard import Shard
 from .._sources.trees import on_device
 from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
-from .._units.params import shards_of
-from ..optim import Optimizer
+from .._units.params import ShardedParams, average_slices, shards_of
+from ..optim import Optimizer, ema_params
 from ..optim._flat import split_chain
 from . import eager
 from .engine import Engine, StepMemory
@@ -263,6 +264,28 @@ class FusedStep:
             return engine.run_update(program, mode, layout, grads, opt_state, params, active, self.donate)
         finally:
             self._last = self._engines.config.steps.last
+
+    def ema_params(self, opt_state: FusedState, params: Any) -> Any:
+        """The average of the params that ``fdp.optim.ema(opt)`` keeps in ``opt_state``, as
+        params: with fully sharded params, ``fdp.ShardedParams`` of the average (each rank its
+        own slices, from its own state: no gather; a Muon matrix's average comes from its
+        owner, one exchange), to evaluate with ``apply`` or save with ``params.shards()``;
+        else the whole tree (``fdp.optim.ema_params(step.state_to_tree(opt_state, params),
+        params)``). Before the first update the average is ``params`` themselves; a
+        ``frozen()`` label's leaves are the params'.
+
+        Raises:
+          TypeError: ``opt_state``'s optimizer keeps no average (no ``fdp.optim.ema``).
+        """
+        engine, _, _, _ = self._bind(params)
+        if engine.store.kind is not StoreKind.UNITS:
+            return ema_params(self.state_to_tree(opt_state, params), params)
+        units = engine.store.params.units
+        avg = ema_params(self.state_to_shards(opt_state, params), self._plan.template())
+        if avg is None or not any(isinstance(leaf, Shard) for leaf in _tree.leaves(avg)):
+            return params  # (no average taken yet)
+        return ShardedParams(units, average_slices(units, self._plan.leaves_of(avg, f"{NAME} average"),
+                                                   params.flats, engine.owners))
 
     def state_to_tree(self, opt_state: FusedState, params: Any) -> Any:
         """The per-leaf optimizer state, as ``opt.init(params)`` lays it out, in ``params``'

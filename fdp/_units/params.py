@@ -17,10 +17,10 @@ import torch
 
 from .. import _tree
 from .._internals import version
-from .._shard import Shard
+from .._shard import Shard, elements
 from .units import Units, UnitsView
 
-__all__ = ["ShardedParams", "shards_of"]
+__all__ = ["ShardedParams", "average_slices", "shards_of"]
 
 
 def shards_of(units: Units, views: list[torch.Tensor] | None) -> Any:
@@ -39,6 +39,35 @@ def shards_of(units: Units, views: list[torch.Tensor] | None) -> Any:
             data = views[b][a - s.lo[b]:z - s.lo[b]] if n else views[b][:0]
         out.append(Shard(slot.shape, slot.dtype, ((a - slot.offset, z - slot.offset),) if n else (), data))
     return _tree.unflatten(plan.treedef, out)
+
+
+def average_slices(units: Units, leaves: list[Any], flats: list[torch.Tensor], owners: Any) -> list[torch.Tensor]:
+    """This rank's slices of a tree given per leaf as an ``fdp.Shard`` of this rank's elements
+    (an optimizer state's field, ``step.state_to_shards``), a whole Shard on the owner of a
+    leaf updated whole (Muon's matrices: sent to the slices that hold them, an exchange over
+    ``owners``), or a plain tensor where the field has no value (its elements taken from the
+    params' slices ``flats``)."""
+    plan, s = units.plan, units.slices
+    out = [torch.zeros_like(f) for f in flats]
+    wholes: dict[int, torch.Tensor] = {}
+    # An owned leaf without a value of its own (a label the field does not cover): the params'
+    # (the same leaves on every rank, so every rank takes part in the exchange or none does).
+    bare = owners is not None and any(not isinstance(leaves[i], Shard) for i in owners.owner)
+    params = owners.to_owners(flats, units.group) if bare else {}
+    for i, slot in enumerate(plan.slots):
+        b, off, leaf = slot.bucket, slot.offset, leaves[i]
+        if owners is not None and i in owners.owner:
+            if owners.owner[i] == s.rank:  # (sent to the slices by to_holders below)
+                wholes[i] = leaf.to_tensor() if isinstance(leaf, Shard) else params[i]
+            continue
+        a, z = max(off, s.lo[b]), min(off + slot.numel, s.hi[b])
+        if a >= z:
+            continue
+        got = elements(leaf, a - off, z - off) if isinstance(leaf, Shard) else None
+        out[b][a - s.lo[b]:z - s.lo[b]].copy_(flats[b][a - s.lo[b]:z - s.lo[b]] if got is None else got)
+    if owners is not None:
+        owners.to_holders(out, units.group, wholes)
+    return out
 
 
 class ShardedParams:

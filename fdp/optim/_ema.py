@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
+from .._protocols import HasTemplate
 from ._base import ChainState, Form, Optimizer, ParamLeaves, clone
 from ._transforms import Partitioned, PartitionState
 
@@ -369,7 +370,9 @@ def ema_params(state: Any, params: Any) -> Any:
 
     Args:
       state: the state of ``ema(opt)`` (``opt.update``'s, a chain's ``ChainState`` around
-        it, or the fused step's in per-leaf form: ``step.state_to_tree(opt_state, params)``).
+        it, or the fused step's in per-leaf form: ``step.state_to_tree(opt_state, params)``;
+        a fused step's own ``step.ema_params(opt_state, params)`` does this, and with fully
+        sharded params returns ``ShardedParams`` without gathering anything).
       params: the current params: before the first update the average is the params
         themselves (torch's ``AveragedModel`` starts as a copy of the model), and so are a
         ``frozen()`` label's leaves.
@@ -378,7 +381,8 @@ def ema_params(state: Any, params: Any) -> Any:
       The state's average (its own tensors, not a copy), or ``params`` before any update.
 
     Raises:
-      TypeError: ``state`` is not such a state (a ``FusedState``: convert it first).
+      TypeError: ``state`` is not such a state (a ``FusedState``: convert it first), or
+        ``params`` are ``fdp.ShardedParams`` (use ``step.ema_params``).
 
     Example:
       >>> opt = fdp.optim.ema(fdp.optim.adamw(lr=0.1), decay=0.99)
@@ -391,6 +395,9 @@ def ema_params(state: Any, params: Any) -> Any:
       True
     """
     name = "fdp.optim.ema_params"
+    if type(params) is not dict and isinstance(params, HasTemplate):
+        raise TypeError(f"{name}: params are fdp.ShardedParams (this rank's slices); the average of a fully "
+                        "sharded step is step.ema_params(opt_state, params), ShardedParams too (no gather)")
     inner = state.optimizer if isinstance(state, ChainState) else state
     buffers = getattr(inner, "buffers", None)
     if isinstance(buffers, dict) and any(key.split(":")[-1] == "ema" for key in buffers):

@@ -14,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn.parameter import is_lazy
 
-from . import _internals
+from . import _internals, _tree
 from ._protocols import GathersUnits, UnitsView, units_of
 
 Tree = dict[str, torch.Tensor]
@@ -65,8 +65,13 @@ class Apply:
         training: bool,
         forward: nn.Module | None = None,
         home: _Home | None = None,
+        probe: tuple[str, torch.dtype] | None = None,
+        cast_inputs: bool = True,
     ) -> None:
         self.module = module
+        # Mixed precision: (the first param's key, its own dtype); params given in another
+        # floating dtype make the call cast its floating inputs to it (``cast_inputs``).
+        self._probe, self._cast = probe, bool(cast_inputs)
         # What a call runs: the module, or the torch.compile wrapper it came in (whose
         # compiled forward reads the same parameter dicts the swap below fills).
         self._forward = module if forward is None else forward
@@ -83,7 +88,16 @@ class Apply:
     def train(self, mode: bool = True) -> Apply:
         """The same function in training (``mode=True``) or evaluation mode."""
         return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, bool(mode),
-                     self._forward, self._home)
+                     self._forward, self._home, self._probe, self._cast)
+
+    def cast_inputs(self, enabled: bool = True) -> Apply:
+        """The same function, casting (``True``, the default) or not (``False``) its floating-point
+        tensor inputs to the params' dtype when it is given params in another dtype than the
+        module's own: the bf16 params of a step with ``param_dtype=torch.bfloat16`` (FSDP2's
+        ``MixedPrecisionPolicy(cast_forward_inputs=True)``). Integer inputs (token ids) are
+        never cast; nor is anything the module makes itself."""
+        return Apply(self.module, self._param_shapes, self._buffer_shapes, self._constants, self.training,
+                     self._forward, self._home, self._probe, enabled)
 
     def eval(self) -> Apply:
         """The same function in evaluation mode (BatchNorm uses its running statistics)."""
@@ -117,7 +131,8 @@ class Apply:
         """
         _check("constants", constants, {k: v.shape for k, v in self._constants.items()})
         return Apply(self.module, self._param_shapes, self._buffer_shapes,
-                     {k: constants[k] for k in self._constants}, self.training, self._forward, self._home)
+                     {k: constants[k] for k in self._constants}, self.training, self._forward, self._home,
+                     self._probe, self._cast)
 
     def state_dict(self, params: Tree, buffers: Tree) -> dict[str, torch.Tensor]:
         """The module's ``state_dict`` for these params and buffers (and the constants).
@@ -162,6 +177,10 @@ class Apply:
                 return self._call_units(view, buffers, args, kwargs)
         _check("params", params, self._param_shapes)
         _check("buffers", buffers, self._buffer_shapes)
+        if self._cast and self._probe is not None:
+            dtype = params[self._probe[0]].dtype
+            if dtype != self._probe[1]:
+                args, kwargs = _floating_to(dtype, args, kwargs)
         new_buffers = {k: v.clone() for k, v in buffers.items()}
         if self._forward.training != self.training or self.module.training != self.training:
             self._forward.train(self.training)
@@ -237,6 +256,10 @@ class Apply:
                 raise RuntimeError("fdp: fully sharded params cannot run under torch.compile (each unit is gathered "
                                    "by a hook around its module's forward)")
             by_unit, modules = self._unit_slots(view)
+            if self._cast and self._probe is not None and view.placeholders:
+                dtype = view.placeholders[0].dtype  # (the first param's, gathered in param_dtype)
+                if dtype != self._probe[1]:
+                    args, kwargs = _floating_to(dtype, args, kwargs)
             new_buffers = {k: v.clone() for k, v in buffers.items()}
             if self._forward.training != self.training or self.module.training != self.training:
                 self._forward.train(self.training)
@@ -450,6 +473,13 @@ def _may_checkpoint(module: nn.Module) -> bool:
             if "checkpoint" in getattr(hook, "__module__", ""):
                 return True
     return False
+
+
+def _floating_to(dtype: torch.dtype, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every floating-point tensor in them cast to ``dtype``."""
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+    return _tree.tree_map(cast, (args, kwargs))
 
 
 def _put_back(call: _Call, saved: list[tuple[dict, str, Any]]) -> None:
@@ -779,6 +809,7 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
     for name, b in module.named_buffers():
         name = clean_name(name)
         (constants if name in skip else buffers)[name] = b.detach()
+    first = next(iter(params))
     apply = Apply(
         module,
         {k: v.shape for k, v in params.items()},
@@ -786,6 +817,7 @@ def functionalize(module: nn.Module, *, frozen: Iterable[str] = ()) -> tuple[App
         constants,
         module.training,
         forward,
+        probe=(first, params[first].dtype) if params[first].is_floating_point() else None,
     )
     return apply, params, buffers
 

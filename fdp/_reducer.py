@@ -113,13 +113,16 @@ class Reducer:
         dtype): the plan's buckets are the units, in reverse registration order. Without
         ``units`` every param is the root's: a rank holds 1/world of the params at rest,
         but the whole model is gathered for the whole step (no memory saved in the step).
-      param_dtype: with ``shard="params"``, the dtype units are gathered and computed in
-        (mixed precision, FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``): each rank keeps
-        its slices, their gradients and the optimizer state in the params' own dtype (fp32
-        masters), casts a unit's slice to ``param_dtype`` before the all-gather (half the
-        bytes for bf16), and the forward and backward run on the cast unit; gradients are
-        cast back at the fill and reduce-scattered in ``reduce_dtype`` (default: the
-        params' dtype).
+      param_dtype: the dtype the fused step's forward and backward run in (mixed precision:
+        FSDP2's ``MixedPrecisionPolicy(param_dtype=...)``, Megatron's bf16 params with fp32
+        main params). The params, their gradients' buckets and the optimizer state stay in
+        the params' own dtype (the masters); each step the loss gets the params cast to
+        ``param_dtype`` (with ``shard="params"``, each unit's slice is cast before its
+        all-gather: half the bytes for bf16), and the gradients are cast back at the bucket
+        fill and reduced in ``reduce_dtype`` (default: the params' dtype). ``apply`` casts
+        floating-point inputs to the params' dtype when it gets params in a lower one
+        (FSDP2's ``cast_forward_inputs``; ``apply.cast_inputs(False)`` turns it off). Only
+        ``grad_and_update``'s step uses it (``grad`` differentiates the params it is given).
       reshard_after_forward: with ``shard="params"``, free each unit after its forward and
         gather it again for its backward (default, FSDP2's); ``False`` keeps every unit
         gathered from its forward until its gradients are reduced (one gather per unit per
@@ -191,9 +194,8 @@ class Reducer:
             raise ValueError(f"fdp.Reducer: shard must be False, True (or 'state': the optimizer state) or "
                              f"'params' (the params too), got {shard!r}")
         self.shard = {True: "state"}.get(shard, shard)
-        if (units is not None or param_dtype is not None) and self.shard != "params":
-            what = "units=" if units is not None else "param_dtype="
-            raise ValueError(f"fdp.Reducer: {what} is for params gathered unit by unit, which only fully sharded "
+        if units is not None and self.shard != "params":
+            raise ValueError("fdp.Reducer: units= is for params gathered unit by unit, which only fully sharded "
                              "params are; pass shard='params'")
         if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
             raise ValueError(f"fdp.Reducer: param_dtype must be a floating dtype, got {param_dtype!r}")

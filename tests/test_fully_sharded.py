@@ -274,8 +274,8 @@ def test_what_cannot_be_fully_sharded_is_refused_with_the_way_out():
         fdp.Reducer(params, shard="params", units=["nope"])
     with pytest.raises(ValueError, match="units= is for params gathered unit by unit"):
         fdp.Reducer(params, units=fdp.units(net, Block))
-    with pytest.raises(ValueError, match="param_dtype= is for params gathered unit by unit"):
-        fdp.Reducer(params, shard=True, param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="param_dtype must be a floating dtype"):
+        fdp.Reducer(params, shard=True, param_dtype=torch.int8)
     with pytest.raises(ValueError, match="nothing to choose"):
         fdp.Reducer(params, shard="params", bucket_cap_mb="auto")
     with pytest.raises(ValueError, match="shard must be"):

@@ -215,7 +215,7 @@ class Engine:
         """The loss and its backward on the params in ``src``, each leaf's gradient handed to the
         step machine by its hook; returns the loss (or ``(loss, aux)``)."""
         machine, engine = self.machine, self.config.engine
-        if step.spec.acc_owned and engine == "autograd" and not machine.hooked_buckets:
+        if step.spec.acc_owned and engine == "autograd" and not machine.hooked_buckets and self.store.compute is None:
             # After step.accumulate, with every bucket launched when the backward returns: the
             # last micro-batch is added into the accumulation buffers by autograd too, and each
             # bucket is filled from its flat sum (no gradient tree, no per-leaf add or copy).

@@ -70,7 +70,9 @@ class Store(Protocol):
       all-gather (None: the buckets are all-reduced whole). straddles: the leaves that cross
       a slice boundary, for exact per-leaf statistics (None when unsliced). params: the
       param sets. gathers_params: the updated slices are all-gathered at the end of the step.
-      hook_threshold: the step machine's ``hook_threshold_bytes``.
+      compute: the dtype the loss sees whole params cast to (``param_dtype``; None: the
+      params themselves, or units gathered in it). hook_threshold: the step machine's
+      ``hook_threshold_bytes``.
     """
 
     kind: StoreKind
@@ -79,6 +81,7 @@ class Store(Protocol):
     straddles: Straddles | None
     params: ParamSets
     gathers_params: bool
+    compute: torch.dtype | None
     hook_threshold: int
 
     def comm_hook(self, hook: CommHook) -> CommHook:
@@ -156,6 +159,23 @@ class ReplicatedStore:
         self.slices = Slices(plan, 1, 0)
         self.params = ParamSets(plan, self.slices, name)
         self.hook_threshold = config.hook_threshold_bytes
+        # Mixed precision (``param_dtype``): the loss runs on a copy of the params cast to it,
+        # made again each step from the masters the update writes (Megatron's bf16 params
+        # with fp32 main params); the gradients are cast back at the bucket fill.
+        self.compute = config.param_dtype if any(b.dtype != config.param_dtype for b in plan.buckets) \
+            and config.param_dtype is not None else None
+        self._casts: list[torch.Tensor] | None = None
+        self._cast_leaves: list[torch.Tensor] = []
+
+    def cast(self, src: ParamSet) -> list[torch.Tensor]:
+        """The params of ``src`` cast to ``param_dtype`` (one buffer per bucket, made once and
+        written again each call), each leaf a view of them, in plan order."""
+        plan = self.plan
+        if self._casts is None:
+            self._casts = [torch.empty(b.numel, dtype=self.compute, device=b.device) for b in plan.buckets]
+            self._cast_leaves = _tree.leaves(plan.views(self._casts))
+        torch._foreach_copy_(self._casts, [f[:b.numel] for f, b in zip(src.flats, plan.buckets)])
+        return self._cast_leaves
 
     def comm_hook(self, hook: CommHook) -> CommHook:
         return hook
@@ -167,6 +187,8 @@ class ReplicatedStore:
         pass
 
     def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
+        if self.compute is not None:
+            return self.cast(src), None
         return src.inner(self.plan), None  # (the padding of a sliced step's flats is left out)
 
     def failed(self) -> bool:
@@ -181,7 +203,7 @@ class ReplicatedStore:
     def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
                    kwargs: dict) -> Any:
         return _accumulate_flat(self.plan, self.params, self.config.engine, acc, fn, has_aux, params, rest, kwargs,
-                                self.name)
+                                self.name, self.cast if self.compute is not None else None)
 
 
 class SlicedStore(ReplicatedStore):
@@ -208,6 +230,7 @@ class UnitStore:
 
     kind = StoreKind.UNITS
     gathers_params = False
+    compute = None  # (the units are gathered in param_dtype themselves: fdp._units)
     hook_threshold = 0  # every bucket hooked: a bucket launched only when the backward returns keeps its unit
 
     def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
@@ -313,13 +336,20 @@ class UnitStore:
 
 
 def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumulation, fn: Callable, has_aux: bool,
-                     params: Any, rest: tuple, kwargs: dict, name: str) -> Any:
+                     params: Any, rest: tuple, kwargs: dict, name: str,
+                     cast: Callable[[ParamSet], list[torch.Tensor]] | None = None) -> Any:
     """One micro-batch's local gradients added in place into flat per-bucket buffers (the first
     one copied); after the first, by autograd's own ``.grad`` accumulation on leaves kept from
-    call to call (the params the step returned: their set's views and autograd leaves)."""
+    call to call (the params the step returned: their set's views and autograd leaves).
+    ``cast``: mixed precision, the loss sees the params cast as in the step (their gradients
+    are added into the buffers in the params' own dtype)."""
     with autograd_on():
         leaves = plan.leaves_of(params, f"{name}.accumulate params")
-        if acc.count and engine == "autograd":  # added in place by autograd itself
+        if cast is not None:
+            pset, _ = sets.current(leaves, False)
+            leaves = cast(pset)
+            params = _tree.unflatten(plan.treedef, leaves)
+        if acc.count and engine == "autograd" and cast is None:  # added in place by autograd itself
             cur = sets.cur
             reused = None
             if type(cur) is ParamSet and cur.holds(leaves):
@@ -333,6 +363,8 @@ def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumu
             acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
             acc.grads = _tree.leaves(plan.views(acc.flats))
         if acc.count:
+            if grads and grads[0].dtype != acc.grads[0].dtype:  # (mixed precision: the sum kept in the masters' dtype)
+                grads = [g.to(a.dtype) for g, a in zip(grads, acc.grads)]
             torch._foreach_add_(acc.grads, grads)
         else:
             torch._foreach_copy_(acc.grads, grads)

@@ -38,7 +38,7 @@ class StepConfig:
         (``""``) first; the plan has one bucket per unit and dtype. None otherwise.
       reshard_after_forward: fully sharded, free a unit's gathered params after its forward
         (and gather them again for its backward) rather than keep them until then.
-      param_dtype: fully sharded, the dtype units are gathered and computed in (None: the
+      param_dtype: the dtype the fused step's loss runs in (fully sharded: units are gathered in it) (None: the
         params' own).
     """
 

@@ -178,6 +178,26 @@ def test_sharded_benchmark_prints_memory_and_time_of_every_kind(capsys):
     for row in timed:
         a, b = row[-1].split("/")
         assert a == b, row
+@pytest.mark.slow
+def test_large_model_benchmark_prints_memory_and_time_and_equals_fsdp2_without_muon_and_clipping(capsys):
+    """The recipe (meta init, fully sharded, bf16, checkpointing, accumulation 2, EMA) beside
+    FSDP2's and DDP: every kind's row; without Muon and clipping (where FSDP2 rounds its own
+    way) fdp's params are FSDP2's bit for bit after the run."""
+    from fdp.bench import large
+
+    code = large.main(["--width", "32", "--layers", "2", "--mem-width", "32", "--mem-layers", "2", "--steps", "2",
+                       "--warmup", "1", "--mem-steps", "1", "--batch", "1", "--no-muon", "--no-clip"])
+    text = capsys.readouterr().out
+    assert code == 0
+    rows = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and line.split()}
+    assert set(large.KINDS) <= set(rows), text
+    timed = text[text.index("time:"):]
+    fsdp2 = next(line for line in timed.splitlines() if line.startswith("  fsdp2 "))
+    equal = fsdp2.split()[-2]
+    a, b = equal.split("/")
+    assert a == b, fsdp2
+
+
 def test_micro_benchmark_prints_each_per_leaf_cost_through_the_bench_command(capsys):
     from fdp.bench import __main__ as bench
 

@@ -252,6 +252,9 @@ class Run:
         bk, shard = self.bk, self.bk.mesh.shard
         grads = [self.grads[b] if self.error is None and self.grads[b] is not None else self._zeros(b)
                  for b in range(len(self.slices))]
+        if not bk.store.gathers_params and not bk.sliced_sets and not self.program.suffix:
+            self._unit_whole_leaves(grads)
+            return
         wholes = bk.owners.to_owners(grads, shard)
         if not bk.store.gathers_params and not bk.sliced_sets:
             # Fully sharded params: no rank holds a whole leaf; its owner gets its params too.
@@ -277,6 +280,31 @@ class Run:
             self.gathers.append((b, bk.store.scatter.gather(b, self.dst.flats[b], apart=True)))
         for b, work in self.gathers:
             self._gathered(b, work)
+
+    def _unit_whole_leaves(self, grads: list[torch.Tensor]) -> None:
+        """``_sharded_whole_leaves`` with fully sharded params, one bucket (a unit) at a time:
+        each owner gets the bucket's owned leaves' gradients and params whole, updates the
+        bucket, and sends the new elements back into the holders' slices, so a rank holds one
+        unit's owned matrices whole at most (three collectives per bucket, every one issued on
+        every rank, also after a failure)."""
+        shard, owners = self.bk.mesh.shard, self.bk.owners
+        for b in range(len(self.slices)):
+            if not owners.in_bucket(b):
+                if self.error is None and not self.updated[b]:
+                    self._guarded(lambda b=b: self.update(b), None)
+                continue
+            wholes = owners.to_owners(grads, shard, b)
+            self.owned_params = owners.to_owners(self.src.flats, shard, b)
+            if self.error is None:
+                try:
+                    if self.coef is not None and wholes:
+                        torch._foreach_mul_(list(wholes.values()), self.coef)
+                    self.wholes = wholes
+                    self.update(b)
+                except Exception as e:  # noqa: BLE001 - reported through the step's status
+                    self.fail(e)
+            owners.to_holders(self.dst.flats, shard, self.owned_params, b)
+            self.wholes, self.owned_params = {}, {}
 
     def _guarded(self, fn: Any, default: Any) -> Any:
         if self.error is not None:

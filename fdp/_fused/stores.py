@@ -31,7 +31,7 @@ from .._slices.geometry import Slices
 from .._step.autodiff import autograd_on, local_grads, local_grads_into
 from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
-from .._units.units import Gathering, Units
+from .._units.units import Gathering, Units, alloc_storage, free_storage
 from ..hooks import CommHook
 from .params import ParamSet, ParamSets, SliceSets
 
@@ -247,7 +247,7 @@ class UnitStore:
                            config.param_dtype, self._check_idle)
         self.params = SliceSets(self.units, plan, self.slices, name)
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
-        self.on_filled = self.units.on_filled
+        self._acc: Accumulation | None = None  # step.accumulate's buffers, once made
 
     def _check_idle(self, what: str) -> None:
         if self.machine is not None:
@@ -272,6 +272,17 @@ class UnitStore:
         if buf is None:
             buf = self.kept[b] = torch.empty(self.slices.numel(b), dtype=mine.dtype, device=mine.device)
         return buf.copy_(mine)
+
+    def on_filled(self, b: int) -> None:
+        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer, so its unit's
+        params can go, and so can the accumulated micro-batches of its leaves when this step
+        took them (made again by the next ``step.accumulate``): the memory of one set of whole
+        gradients is not held into the update."""
+        self.units.on_filled(b)
+        acc = self._acc
+        if acc is not None and acc.count == 0 and acc.grads is not None:
+            for i in self.plan.buckets[b].leaves:
+                free_storage(acc.grads[i])
 
     def differentiated(self, src: Any, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
         units = self.units
@@ -302,7 +313,11 @@ class UnitStore:
             src, _ = self.params.current(params, False)
             if acc.grads is None:
                 acc.grads = [torch.empty(s.shape, dtype=s.dtype, device=s.device) for s in plan.slots]
+                self._acc = acc
             first = not acc.count
+            if first:  # (the last step freed them bucket by bucket)
+                for t in acc.grads:
+                    alloc_storage(t, t.numel() * t.element_size())
             grads, got = acc.grads, bytearray(len(plan.slots))
             pending = [len(b.leaves) for b in plan.buckets]
 

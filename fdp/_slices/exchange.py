@@ -341,27 +341,34 @@ class Owners:
     def _bytes(self, i: int, lo: int, hi: int) -> int:
         return (hi - lo) * self.plan.slots[i].dtype.itemsize
 
-    def to_owners(self, grads: list[torch.Tensor], group: Group) -> dict[int, torch.Tensor]:
-        """Every leaf this rank owns, whole, in its shape, from the ranks' slices (``grads``:
-        this rank's slice of each bucket, the params' dtype: the reduced gradients, or the
-        params of a fully sharded step). A collective."""
+    def in_bucket(self, b: int) -> list[int]:
+        """The whole leaves of bucket ``b`` (each exchanged with its owner)."""
+        return [i for i in sorted(self.parts) if self.plan.slots[i].bucket == b]
+
+    def to_owners(self, grads: list[torch.Tensor], group: Group, b: int | None = None) -> dict[int, torch.Tensor]:
+        """Every leaf this rank owns (of bucket ``b`` only, if given), whole, in its shape, from
+        the ranks' slices (``grads``: this rank's slice of each bucket, the params' dtype: the
+        reduced gradients, or the params of a fully sharded step). A collective."""
         s, me, slots = self.slices, self.slices.rank, self.plan.slots
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
         for i, parts in sorted(self.parts.items()):
+            if b is not None and slots[i].bucket != b:
+                continue
             o = self.owner[i]
-            for b, lo, hi, r in parts:
+            for c, lo, hi, r in parts:
                 if r == me and o != me:
-                    sends[o].append(grads[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8))
+                    sends[o].append(grads[c][lo - s.lo[c]:hi - s.lo[c]].reshape(-1).view(torch.uint8))
                 if o == me and r != me:
                     recvs[r].append((i, lo, hi))
+        mine = [i for i in self.mine if b is None or slots[i].bucket == b]
         out = {i: torch.empty(slots[i].numel, dtype=slots[i].dtype, device=grads[0].device if grads else None)
-               for i in self.mine}
-        for i in self.mine:  # this rank's own parts
-            for b, lo, hi, r in self.parts[i]:
+               for i in mine}
+        for i in mine:  # this rank's own parts
+            for c, lo, hi, r in self.parts[i]:
                 if r == me:
                     off = slots[i].offset
-                    out[i][lo - off:hi - off] = grads[b][lo - s.lo[b]:hi - s.lo[b]]
+                    out[i][lo - off:hi - off] = grads[c][lo - s.lo[c]:hi - s.lo[c]]
         got = self._exchange(sends, recvs, group, "exchange of whole leaves' gradients to their owners")
         for (i, lo, hi), part in got:
             off = slots[i].offset
@@ -369,7 +376,7 @@ class Owners:
         return {i: t.view(slots[i].shape) for i, t in out.items()}
 
     def to_holders(self, flats: list[torch.Tensor], group: Group,
-                   wholes: dict[int, torch.Tensor] | None = None) -> None:
+                   wholes: dict[int, torch.Tensor] | None = None, b: int | None = None) -> None:
         """The owners' updated leaves into the slices of the ranks that hold their parts. A
         collective. ``flats``: this rank's whole buckets (the leaves updated in them, before
         the all-gather: ``shard=True``); or, with ``wholes`` (the owned leaves, updated apart),
@@ -387,14 +394,16 @@ class Owners:
         sends = [[] for _ in range(s.size)]
         recvs = [[] for _ in range(s.size)]
         for i, parts in sorted(self.parts.items()):
+            if b is not None and slots[i].bucket != b:
+                continue
             o = self.owner[i]
-            for b, lo, hi, r in parts:
+            for c, lo, hi, r in parts:
                 if o == me and r != me:
-                    sends[r].append(new(i, b, lo, hi).reshape(-1).view(torch.uint8))
+                    sends[r].append(new(i, c, lo, hi).reshape(-1).view(torch.uint8))
                 if r == me and o != me:
                     recvs[o].append((i, lo, hi))
                 if sliced and r == me and o == me:
-                    at(b, lo, hi).copy_(new(i, b, lo, hi))
+                    at(c, lo, hi).copy_(new(i, c, lo, hi))
         got = self._exchange(sends, recvs, group, "exchange of whole leaves' new params to their slices")
         for (i, lo, hi), part in got:
             at(slots[i].bucket, lo, hi).copy_(part.view(slots[i].dtype))

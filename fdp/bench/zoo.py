@@ -1,7 +1,8 @@
 """The benchmark models and their synthetic data (shared by ``python -m fdp.bench`` and its
 subcommands): an MLP, a small CNN with BatchNorm, ``tiny1000`` (1,000 small layers: 2,000
 leaves), a small transformer, ``tiny50`` (50 layers 64 wide: a run of every step kind in
-seconds, for the benchmarks' own tests), and nanoGPT's GPT (``bench loop``, ``bench sharded``)."""
+seconds, for the benchmarks' own tests), nanoGPT's GPT (``bench loop``, ``bench sharded``) and a
+LLaMA-style decoder (``bench large``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class MLP(nn.Module):
@@ -125,6 +127,74 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class Rotary(nn.Module):
+    """RoPE's inverse frequencies (a non-persistent buffer, made again by ``reset_parameters``:
+    a model built on the meta device gets it from its init)."""
+
+    def __init__(self, head_dim: int, base: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim, self.base = head_dim, base
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.inv_freq.copy_(1.0 / self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32,
+                                                                   device=self.inv_freq.device) / self.head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (batch, heads, time, head_dim) rotated by position."""
+        t = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        cos, sin = freqs.cos().to(x.dtype), freqs.sin().to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class LlamaBlock(nn.Module):
+    """A LLaMA decoder layer: RMSNorm, causal attention with RoPE, RMSNorm, a SwiGLU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        hidden = 8 * width // 3
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+        self.rotary = Rotary(width // heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q, k, v = (z(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(self.rotary(q), self.rotary(k), v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, t, c))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """A LLaMA-style decoder: a token embedding, ``layers`` decoder layers (each run under
+    ``torch.utils.checkpoint`` when ``checkpointing``), a final RMSNorm and a head tied to the
+    embedding."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, checkpointing: bool = False) -> None:
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(LlamaBlock(width, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointing else block(x)
+        return self.head(self.norm(x))
 
 
 def images(n: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -298,11 +298,24 @@ class Engine:
                                    "optimizer state in place (and with donate=True the params)")
             raise RuntimeError(f"{self.name}: {self.refusal}")
         source = healthy[0]
-        tensors = [*src.flats, state.step, *(t for k in sorted(state.buffers) for t in state.buffers[k]),
-                   *(t for t in _tree.leaves(state.transforms) if isinstance(t, torch.Tensor)),
-                   *(state.hyperparams[k] for k in sorted(state.hyperparams or {}))]
         what = f"{self.name}: restoring the params and optimizer state of rank(s) {failed} from rank {source}"
-        sent = [t if t.device == group.device else t.to(group.device) for t in tensors]
+        # Every tensor of the state, whatever pytree holds it (a transform's state, injected
+        # hyper-parameters such as betas=(b1, b2)); plain Python values are the same everywhere.
+        try:
+            tensors = [*src.flats, state.step, *(t for k in sorted(state.buffers) for t in state.buffers[k]),
+                       *(t for t in _tree.leaves(state.transforms) if isinstance(t, torch.Tensor)),
+                       *(t for k in sorted(state.hyperparams or {}) for t in _tree.leaves(state.hyperparams[k])
+                         if isinstance(t, torch.Tensor))]
+            sent = [t if t.device == group.device else t.to(group.device) for t in tensors]
+            unready: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below, before any broadcast
+            tensors, sent, unready = [], [], e
+        # Every rank agrees it can take part before any broadcast: a rank that cannot would
+        # leave the others in a collective it never enters.
+        if count_ranks(unready is not None, group, f"{what}: ranks ready"):
+            self.refusal = refused(f"restoring rank(s) {failed} from rank {source} after step {n} failed "
+                                   f"({type(unready).__name__ + ': ' + str(unready) if unready else 'on another rank'})")
+            raise RuntimeError(f"{self.name}: {self.refusal}") from unready
         works = [broadcast(t, source, group, what, async_op=True) for t in sent]
         for work in works:
             wait(work, group, what)

@@ -249,6 +249,11 @@ class FusedStep:
         The same numbers as DDP's ``no_sync`` loop (the gradients summed in the same order,
         then averaged); no gradient tree is built or summed per micro-batch. Returns what
         ``fn`` returns (the loss, or ``(loss, aux)``), detached.
+
+        With fully sharded params (``shard="params"``) the gradients are not communicated but
+        the params are: each unit is all-gathered for the micro-batch's forward and backward,
+        as in a step, so ``accumulate`` is a collective there: every rank must call it the same
+        number of times (the sum is kept whole, unsharded, until the step averages it).
         """
         engine, _, _, _ = self._bind(params)
         return engine.accumulate(self.fn, self.has_aux, params, rest, kwargs)

@@ -43,6 +43,7 @@ that names them.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import multiprocessing as mp
 import multiprocessing.connection
@@ -294,8 +295,16 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
 # ----------------------------------------------------------------------------------- gloo
 
 
+def _stack_path(store_path: str, rank: int) -> str:
+    return os.path.join(os.path.dirname(store_path), f"stack-{rank}.txt")
+
+
 def _child(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, timeout: float, conn) -> None:
     code = 0
+    # First of all: on SIGUSR1 this rank writes every thread's Python stack where the parent
+    # finds it, so a rank that never reports can still say where it waits (_silent_stacks).
+    stacks = open(_stack_path(store_path, rank), "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
@@ -387,6 +396,7 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
                         first_error_at = time.monotonic()
                     errors[rank] = (msg[1], msg[2])
     finally:
+        silent = _silent_stacks(procs, sorted(conns.values()), store_path)
         for p in procs:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGKILL)
@@ -407,14 +417,47 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
         for r in sorted(errors):
             if r != rank:
                 exc.add_note(f"rank {r} also raised {type(errors[r][0]).__name__}: {errors[r][0]}")
+        for r, where in silent.items():
+            exc.add_note(f"rank {r} reported nothing; {where}")
         raise exc
     if conns:
         stuck = sorted(conns.values())
-        raise TimeoutError(
+        error = TimeoutError(
             f"fdp.testing.run: rank(s) {stuck} of {world_size} did not finish within "
             f"{timeout:g}s (a rank waiting for a collective that another rank never issued?)"
         )
+        for r, where in silent.items():
+            error.add_note(f"rank {r}: {where}")
+        raise error
     return [results[r] for r in range(world_size)]
+
+
+def _silent_stacks(procs: list, ranks: list[int], store_path: str) -> dict[int, str]:
+    """Where each rank that has not reported is (its threads' Python stacks, written on
+    SIGUSR1 by ``_child``): the rank that waits, and on what, when a run hangs."""
+    asked = []
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+                asked.append(r)
+            except ProcessLookupError:
+                pass
+    if asked:
+        time.sleep(0.5)  # (faulthandler writes from the signal handler at once)
+    out = {}
+    for r in ranks:
+        if r not in asked:
+            out[r] = "its process had exited"
+            continue
+        try:
+            with open(_stack_path(store_path, r)) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        out[r] = (f"its threads were at:\n{text}" if text else
+                  "it wrote no stack (stuck before it could register its handler: right after the fork)")
+    return out
 
 
 # torch's error in a forked child whose parent had started autograd's device threads.

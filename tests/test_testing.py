@@ -133,3 +133,22 @@ def test_each_rank_starts_from_the_callers_rng_state_and_leaves_it_alone(backend
     out = fdp.testing.run(lambda g: torch.randn(3), 3, backend=backend)
     assert all(torch.equal(o, expected) for o in out)
     assert torch.equal(torch.randn(3), expected), "run() consumed the caller's random stream"
+
+
+def waits_forever_on_rank_1(group):
+    import threading
+
+    if group.rank == 1:
+        threading.Event().wait()  # never reaches the collective below
+    fdp.pmean({"x": torch.ones(1)}, group)
+    return group.rank
+
+
+def test_a_gloo_rank_that_never_reports_says_where_it_waits():
+    """A forked rank stuck before its first collective (a lock inherited over the fork, say):
+    the run fails with the other rank's collective error, and a note gives the silent rank's
+    Python stack, so the hang is named, not only timed out."""
+    with pytest.raises(Exception) as e:
+        fdp.testing.run(waits_forever_on_rank_1, 2, backend="gloo", timeout=6)
+    notes = "\n".join(getattr(e.value, "__notes__", []))
+    assert "rank 1" in notes and "its threads were at" in notes and "waits_forever_on_rank_1" in notes, notes

@@ -53,9 +53,10 @@ def test_full_train_state_round_trips(tmp_path):
 
 
 def test_loaded_tensors_are_placed_on_the_devices_of_like(tmp_path):
+    # (a meta like is refused: it would load tensors without data)
     save(tmp_path / "c.pt", {"w": torch.ones(2), "n": 3})
-    out = load(tmp_path / "c.pt", like={"w": torch.empty(2, device="meta"), "n": 0})
-    assert out["w"].device.type == "meta" and out["n"] == 3
+    out = load(tmp_path / "c.pt", like={"w": torch.empty(2, device="cpu"), "n": 0})
+    assert out["w"].device.type == "cpu" and torch.equal(out["w"], torch.ones(2)) and out["n"] == 3
 
 
 def test_a_view_is_saved_without_its_whole_storage(tmp_path):
@@ -463,3 +464,14 @@ def test_load_without_like_reads_the_checkpoint_for_inspection(tmp_path):
     (tmp_path / "bad.pt").write_bytes(path.read_bytes()[:-100])
     with pytest.raises(fdp.CheckpointError, match="truncated, corrupt"):  # the same checks as with like
         fdp.load(tmp_path / "bad.pt")
+
+
+def test_a_meta_like_and_a_sharded_folder_given_to_load_are_named(tmp_path):
+    fdp.save(tmp_path / "c.pt", {"w": torch.ones(2)})
+    with pytest.raises(fdp.CheckpointError, match=r"like\['w'\] is on the meta device"):
+        fdp.load(tmp_path / "c.pt", like={"w": torch.empty(2, device="meta")})
+    fdp.save_sharded(tmp_path / "s", {"w": fdp.Shard.whole(torch.ones(2))})
+    with pytest.raises(fdp.CheckpointError, match=r"like\['w'\] is on the meta device"):
+        fdp.load_sharded(tmp_path / "s", {"w": torch.empty(2, device="meta")})
+    with pytest.raises(fdp.CheckpointError, match="is a sharded checkpoint .* fdp.load_sharded"):
+        fdp.load(tmp_path / "s")

@@ -21,6 +21,7 @@ import torch
 from .. import _tree
 from .._errors import CheckpointError
 from .._protocols import ChecksLoad, PerRank, Unsaveable
+from .._shard import Shard
 
 __all__ = ["PLAIN", "check_loaded", "crc32", "per_rank_paths", "refuse_unsaveable", "tensor_bytes"]
 
@@ -52,6 +53,18 @@ def refuse_unsaveable(tree: Any, who: str) -> None:
         reason = node.unsaveable_reason()
         if reason:
             raise CheckpointError(f"{who}: {p} cannot be saved as it is: {reason}")
+
+
+def refuse_meta(paths: list[str], leaves: list[Any], who: str) -> None:
+    """A ``like`` leaf on the meta device would load as a tensor without data: refused, naming
+    it (loaded tensors are placed on ``like``'s devices)."""
+    for p, leaf in zip(paths, leaves):
+        t = leaf.data if isinstance(leaf, Shard) else leaf
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            raise CheckpointError(
+                f"{who}: like{p} is on the meta device, where a loaded tensor would hold no data (loaded "
+                "tensors go to like's devices); give like on the device to load to: for fully sharded params "
+                "step.param_shards(), for a model built on meta its params after step.shard or materialize")
 
 
 def per_rank_paths(tree: Any) -> list[str]:

@@ -60,7 +60,14 @@ from .._errors import CheckpointError, ReplicaMismatchError
 from .._shard import Shard
 from . import manifest
 from .files import Sink, explain, fsync_folder, remove_quietly, write_atomically
-from .leaves import PLAIN, check_loaded, per_rank_paths, refuse_unsaveable, tensor_bytes
+from .leaves import (
+    PLAIN,
+    check_loaded,
+    per_rank_paths,
+    refuse_meta,
+    refuse_unsaveable,
+    tensor_bytes,
+)
 from .manifest import FileLayout, LeafMeta, Manifest
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -357,8 +364,9 @@ def _remove_other_saves(folder: str, save_id: str) -> None:
 
 
 def _load(folder: str, like: Any, group: Group, strict_world_size: bool | None, where: str) -> Any:
-    saved = manifest.read(folder, where)
     paths, leaves, treedef = _tree.flatten_with_paths(like)
+    refuse_meta(paths, leaves, where)
+    saved = manifest.read(folder, where)
     known = set(paths)
     for p in paths:
         if p not in saved.leaves:

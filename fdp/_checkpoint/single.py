@@ -37,7 +37,7 @@ from .._comm.group import Group, resolve
 from .._errors import CheckpointError
 from .._shard import Shard
 from .files import write_atomically
-from .leaves import PLAIN, check_loaded, crc32, per_rank_paths, refuse_unsaveable
+from .leaves import PLAIN, check_loaded, crc32, per_rank_paths, refuse_meta, refuse_unsaveable
 
 __all__ = ["load", "save"]
 
@@ -166,6 +166,7 @@ def load(
             )
     values = saved["leaves"]
     paths, leaves, treedef = _tree.flatten_with_paths(like)
+    refuse_meta(paths, leaves, "fdp.load")
     for p in paths:
         if p not in values:
             raise CheckpointError(f"fdp.load: {path} has no leaf {p}, which the train state has")
@@ -248,6 +249,11 @@ def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
 def _read(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise CheckpointError(f"fdp.load: no checkpoint at {path}")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "manifest.json")):
+            raise CheckpointError(f"fdp.load: {path} is a sharded checkpoint (a folder fdp.save_sharded wrote); read "
+                                  "it with fdp.load_sharded(path, like)")
+        raise CheckpointError(f"fdp.load: {path} is a folder, not a checkpoint file written by fdp.save")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a bad file

@@ -95,7 +95,9 @@ def unit_of_leaves(keys: Sequence[Any], units: Sequence[str], what: str) -> tupl
     unused = [names[u] for u in range(1, len(names)) if u not in used]
     if unused:
         raise ValueError(f"{what}: unit {unused[0]!r} holds no trainable param (the params' keys start "
-                         f"{list(keys)[:3]}...); name modules that have params")
+                         f"{list(keys)[:3]}...); name modules that have params. A param tied to another module's "
+                         "(a head tied to the embedding) is keyed by its first name, so it is that module's: leave "
+                         "the tied module out of units")
     return names, out
 
 

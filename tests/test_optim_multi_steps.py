@@ -201,3 +201,13 @@ def test_bad_k_and_a_foreign_state_are_refused():
     opt = fdp.optim.multi_steps(fdp.optim.sgd(0.1), 2)
     with pytest.raises(ValueError, match=r"grads\['w'\] has shape \(3,\)"):
         opt.update({"w": torch.ones(3)}, opt.init(params), params)
+
+
+def test_the_fused_step_refuses_multi_steps_and_adafactor_naming_them_and_the_way_out():
+    params = {"w": torch.zeros(2, 3)}
+    reducer = fdp.Reducer(params)
+    loss = lambda p: p["w"].sum()  # noqa: E731
+    with pytest.raises(TypeError, match=r"fdp.optim.multi_steps accumulates .* step.accumulate\(params"):
+        reducer.grad_and_update(loss, fdp.optim.multi_steps(fdp.optim.adamw(lr=1e-3), 2))
+    with pytest.raises(TypeError, match=r"fdp.optim.adafactor's update is not element-wise .* reducer.grad"):
+        reducer.grad_and_update(loss, fdp.optim.chain(fdp.optim.clip_by_global_norm(1.0), fdp.optim.adafactor()))

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import _tree
 from . import _kernels
-from ._base import KnownLeaves, Optimizer, ParamLeaves, check_state, clone, param_leaves
+from ._base import Form, KnownLeaves, Optimizer, ParamLeaves, check_state, clone, param_leaves
 from ._build import Hyper, Mask, MaskGroups, check_hyper, host_step, scalar_dtype, value_at
 
 __all__ = ["AdafactorState", "adafactor"]
@@ -183,4 +183,6 @@ def adafactor(lr: Hyper = 1e-2, beta2_decay: float = -0.8, eps: tuple[float | No
         trees = [_tree.unflatten(ps.treedef, x) for x in (rows, cols, variances)]
         return _tree.unflatten(ps.treedef, p), AdafactorState(state.step + 1, *trees)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, Form(unfused=(
+        "fdp.optim.adafactor's update is not element-wise (it factors each matrix's second moment over its rows "
+        "and columns), so it cannot run per bucket: use reducer.grad and opt.update")))

@@ -71,6 +71,8 @@ class Form(NamedTuple):
         holds them; ``None``: the values it was made with) fixed in it, its ``leaf_kernel``
         included (what the fused step runs with the values of each step's state);
         ``None`` otherwise.
+      unfused: for fdp's optimizers the fused step cannot run, why, and what to use instead
+        (the fused step's refusal says it); ``None`` otherwise.
     """
 
     leaf_kernel: LeafKernel | None = None
@@ -78,6 +80,7 @@ class Form(NamedTuple):
     hyper: Any = None  # a Hyperparams (fdp/optim/_hyperparams.py imports this module)
     partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
     bind: Callable[[Any], Optimizer] | None = None  # inject_hyperparams (fdp/optim/_inject.py)
+    unfused: str | None = None
 
 
 NO_FORM = Form()

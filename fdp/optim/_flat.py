@@ -40,6 +40,8 @@ def split_chain(opt: Optimizer, name: str, *, sharded: bool = False
     if not isinstance(opt, Optimizer):
         raise TypeError(f"{name}: opt must be an fdp.optim optimizer or chain, got {type(opt).__name__}")
     transforms, optimizer = (tuple(opt.form.parts[:-1]), opt.form.parts[-1]) if opt.form.parts else ((), opt)
+    if optimizer.form.unfused is not None:
+        raise TypeError(f"{name}: {optimizer.form.unfused}")
     # An inject_hyperparams optimizer runs as the inner optimizer its state's values bind.
     inner = bound(optimizer)
     if inner.form.partition is not None and any(o.form.bind is not None for o in inner.form.partition.optimizers.values()):

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .. import _tree
-from ._base import Optimizer, ParamLeaves, param_leaves
+from ._base import Form, Optimizer, ParamLeaves, param_leaves
 
 __all__ = ["MultiStepsState", "multi_steps"]
 
@@ -146,7 +146,12 @@ def multi_steps(opt: Optimizer, every_k_schedule: int | Callable[[int], int], us
         zeros = list(map(torch.zeros_like, acc))
         return params, MultiStepsState(mini, state.gradient_step + 1, inner, _tree.unflatten(ps.treedef, zeros))
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, Form(unfused=(
+        "fdp.optim.multi_steps accumulates the micro-batches' gradients in its state, whole per leaf; the fused "
+        "step accumulates them itself, in its flat buffers: call step.accumulate(params, *batch) for each "
+        "micro-batch but the last and the step for the last, with the optimizer multi_steps wraps (it sums "
+        "the micro-batches' gradients, as use_grad_mean=False does, and averages them over the ranks); or use "
+        "reducer.grad and opt.update")))
 
 
 def _check_k(k: Any, name: str) -> int:

@@ -398,6 +398,37 @@ def test_3_inference_mode_gives_the_right_gradients_and_updates(backend):
         assert_trees_equal(fused, plain, f"rank {rank}: fused step inside inference_mode")
 
 
+def batches_made_in_inference_mode(group):
+    """A batch from an inference-mode pipeline, the step itself outside it: every fdp gradient
+    path takes it as torch.func.grad does (it raised torch's "cannot be saved for backward")."""
+    apply, params, buffers = fdp.functionalize(mlp(seed=13))
+    loss = loss_of(apply, buffers)
+    with torch.inference_mode():
+        x, y = (t.clone() for t in batch(group.rank, 0))
+    assert x.is_inference()
+    reducer = fdp.Reducer(params, group, **CAPS)
+    opt = fdp.optim.adamw(lr=1e-2)
+    local = fdp.local_grad(loss)(params, x, y)
+    grads = reducer.grad(loss)(params, x, y)
+    step = reducer.grad_and_update(loss, opt)
+    state = step.init(params)
+    step.accumulate(params, x, y)
+    fused, state, _ = step(params, state, x, y)
+    ordinary = tuple(t.clone() for t in batch(group.rank, 0))
+    twice = fdp.psum({k: 2 * g / group.size for k, g in torch.func.grad(loss)(params, *ordinary).items()}, group)
+    return local, torch.func.grad(loss)(params, *ordinary), grads, fused, opt.update(twice, opt.init(params), params)[0]
+
+
+@pytest.mark.parametrize("backend", ["threads", "gloo"])
+def test_3b_a_batch_made_in_inference_mode_trains_as_under_torch_func_grad(backend):
+    for rank, (local, want, grads, fused, plain) in enumerate(
+            fdp.testing.run(batches_made_in_inference_mode, 2, backend=backend)):
+        assert_trees_equal(local, want, f"rank {rank}: fdp.local_grad")
+        assert all(g.abs().sum() > 0 for g in grads.values())
+        for k in plain:
+            torch.testing.assert_close(fused[k], plain[k], rtol=1e-6, atol=1e-7, msg=f"rank {rank}: {k}")
+
+
 def reordered(params):
     return {k: params[k] for k in reversed(list(params))}
 

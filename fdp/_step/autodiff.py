@@ -126,6 +126,21 @@ def autograd_leaves(leaves: list[torch.Tensor]) -> tuple[list[torch.Tensor], boo
     return list(map(torch.Tensor.requires_grad_, map(torch.Tensor.detach, leaves))), inference
 
 
+def _tracked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with each tensor made in ``torch.inference_mode()`` (a batch from
+    an inference-mode data pipeline) copied to an ordinary one: autograd cannot save an
+    inference tensor for the backward, where ``torch.func.grad`` takes it. Nothing is copied
+    otherwise."""
+    if not any(isinstance(t, torch.Tensor) and t.is_inference() for t in _tree.leaves((args, kwargs))):
+        return args, kwargs
+
+    def ordinary(t: Any) -> Any:
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t
+
+    with torch.inference_mode(False):
+        return _tree.tree_map(ordinary, (args, kwargs))
+
+
 def local_grads(engine: Engine, fn: Callable, argnums: Any, has_aux: bool, args: tuple, kwargs: dict,
                 leaves: list[torch.Tensor], treedef: _tree.TreeDef,
                 hooks: Sequence[Callable | None] | None,
@@ -147,6 +162,7 @@ def local_grads(engine: Engine, fn: Callable, argnums: Any, has_aux: bool, args:
         instrumented = _instrument(fn, argnums, has_aux, treedef, hooks, on_backward_start)
         grads, value = torch.func.grad_and_value(instrumented, argnums, has_aux)(*args, **kwargs)
         return _tree.leaves(grads), value
+    args, kwargs = _tracked(args, kwargs)
     inputs, _ = autograd_leaves(leaves)
     if hooks is not None:
         for leaf, hook in zip(inputs, hooks):
@@ -216,6 +232,7 @@ def local_grads_into(fn: Callable, has_aux: bool, args: tuple, kwargs: dict, lea
     no separate pass); a leaf the loss does not use adds nothing. Returns the value (the
     loss, or ``(loss, aux)``), detached. ``on_backward_start`` runs when the backward begins;
     ``reused`` keeps the autograd leaves from one call to the next. Autograd engine only."""
+    args, kwargs = _tracked(args, kwargs)
     inputs = (reused or Reused()).of(leaves, into)
     args = replace(args, 0, _tree.unflatten(treedef, inputs))
     bindings.depth += 1  # (as in local_grads)

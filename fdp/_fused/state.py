@@ -291,12 +291,15 @@ class StateLayout:
 
         values = [{f: [shard(i, key) if keys[i][0] == k else None for i in range(len(slots))]
                    for f, key in zip(part.kernel.fields, self.keys[k])} for k, part in enumerate(self.parts)]
-        return self._per_leaf(template, values, state, params, "state_to_shards")
+        return self._per_leaf(template, values, state, params, "state_to_shards", live=True)
 
     def _per_leaf(self, template: Any, values: list[dict[str, list]], state: FusedState, params: Any,
-                  what: str) -> Any:
+                  what: str, live: bool = False) -> Any:
         """``opt.init(params)``'s layout (``template``'s types) holding ``values``: per part, per
-        field, each leaf's value in the plan's leaf order (the part's leaves only)."""
+        field, each leaf's value in the plan's leaf order (the part's leaves only). ``live``:
+        the count and hyper-parameters are ``state``'s own tensors, as ``values`` are views of
+        its buffers, so every field reads the same moment (copies otherwise)."""
+        own = (lambda t: t) if live else _cloned
         # In params' own structure: a dict given in another key order than the plan's gets
         # its state in its own order, as opt.init(params) lays it out.
         want = _tree.structure(params)
@@ -308,17 +311,17 @@ class StateLayout:
 
         if not self.program.partitioned:
             fields = {f: _tree.unflatten(want, in_params_order(v)) for f, v in values[0].items()}
-            tree = template._replace(step=state.step.clone(), **fields)
+            tree = template._replace(step=own(state.step), **fields)
         else:
-            tree = self._partition_tree(template, values, state.step, params, in_params_order)
+            tree = self._partition_tree(template, values, state.step, params, in_params_order, own)
         if self.program.injected is not None:
-            tree = InjectHyperparamsState({k: _cloned(v) for k, v in state.hyperparams.items()}, tree)
+            tree = InjectHyperparamsState({k: own(v) for k, v in state.hyperparams.items()}, tree)
         if self.opt.form.parts:
             return ChainState(tuple(state.transforms), tree)
         return tree
 
     def _partition_tree(self, template: Any, values: list, count: torch.Tensor, params: Any,
-                        in_params_order: Callable[[list], list]) -> Any:
+                        in_params_order: Callable[[list], list], own: Callable[[Any], Any]) -> Any:
         partition = self.program.optimizer.form.partition
         labels, keys = partition.labels(params), partition.keys(params)
         part_of = {part.label: k for k, part in enumerate(self.parts)}
@@ -331,7 +334,8 @@ class StateLayout:
             per_field = {f: in_params_order(v) for f, v in values[k].items()}
             fields = {f: {keys[i]: v[i] for i in range(len(labels)) if labels[i] == label}
                       for f, v in per_field.items()}
-            states[label] = sub._replace(step=count.to(sub.step.dtype).clone(), **fields)
+            step = count if count.dtype == sub.step.dtype else count.to(sub.step.dtype)
+            states[label] = sub._replace(step=own(step), **fields)
         return PartitionState(states)
 
     def _every_rank(self, buffers: dict[str, list[torch.Tensor]]) -> list[tuple[int, dict[str, list[torch.Tensor]]]]:

@@ -313,8 +313,10 @@ class FusedStep:
         the state's fields an ``fdp.Shard`` of this rank's elements of that leaf; no
         communication. Sharded, a leaf's elements on a rank are those of its slice (one
         range), or the whole leaf on its owner (Muon), or none; unsharded, the whole leaf. The
-        count and the transforms' states are tensors (replicated). The Shards' data are views
-        of ``opt_state``'s buffers (no copy): save them before the next step changes them.
+        count and the transforms' states are tensors (replicated). Nothing is copied: the
+        Shards' data are views of ``opt_state``'s buffers, and the count and injected
+        hyper-parameters are its own tensors, so the tree always reads one moment, the latest
+        (save it before the next step if you want this step's).
 
         A sharded checkpoint without a gather, and its resumption on any world size::
 

@@ -144,10 +144,11 @@ class Reducer:
     same debug setting, and raises ``fdp.ReplicaMismatchError`` naming the first difference
     and the ranks otherwise.
 
-    A step that fails on one rank after it launched some buckets (an exception in the loss
-    or the backward) is finished with its remaining buckets marked as failed, so the other
-    ranks raise ``fdp.CollectiveError`` for that step too, and the next call starts a fresh
-    step on every rank: gradients of two steps are never summed.
+    A step that fails on one rank (an exception in the loss or the backward, before or after
+    it launched some buckets) is finished with its remaining buckets marked as failed, so the
+    other ranks raise ``fdp.CollectiveError`` for that step too, and the next call starts a
+    fresh step on every rank: gradients of two steps are never summed, and no rank's retry
+    pairs with the others' step.
 
     Raises:
       ValueError: a cap <= 0, params on several devices, or a bad ``reduce_dtype`` (not

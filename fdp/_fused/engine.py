@@ -196,7 +196,7 @@ class Engine:
                 if not active and acc.count:
                     raise ValueError(f"{self.name}: step.idle after step.accumulate: a rank with micro-batches of "
                                      "its own has data; call the step itself")
-            given, owned = None, False
+            given, owned, taken = None, False, acc.count
             if acc.count:
                 if accumulate is not None:
                     raise ValueError(f"{self.name}: step.accumulate(...) was called before this step, and it "
@@ -204,12 +204,30 @@ class Engine:
                 given, owned, acc.count = acc.grads, True, 0
             elif accumulate is not None:
                 given = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
+            lost, acc.lost = acc.lost, None
             src, dst = self._sets(params, donate)
             if owed is not None:
                 self.repair(owed, src, state, given=given is not None)
             run = Run(self.buckets, mode, program, layout, state, src, dst, kind="grad", acc=given, acc_owned=owned,
                       scale=self.machine.scale_for(n), active=active is None or bool(active))
-            return self._run(run, state, src, dst, lambda step: self.backward(step, src, fn, has_aux, rest, kwargs))
+
+            def feed(step: Step) -> Any:
+                if lost is not None:  # (inside the step: the other ranks learn of it in this call)
+                    raise RuntimeError(lost)
+                return self.backward(step, src, fn, has_aux, rest, kwargs)
+
+            try:
+                return self._run(run, state, src, dst, feed)
+            except BaseException:
+                if owned and (run.step.early or run.step.early_ranks or not any(run.updated)):
+                    # The micro-batches went into this step's buckets (added to in place, freed):
+                    # a retry of this call alone would average a gradient without them.
+                    acc.lost = (
+                        f"{self.name}: step {run.step.n} failed after step.accumulate(...) had summed {taken} "
+                        "micro-batch(es) on this rank, and they went with it; this call alone would average a "
+                        "gradient without them. Redo the whole cycle: step.accumulate(...) for each micro-batch "
+                        "again, then the step")
+                raise
 
     def backward(self, step: Step, src: ParamSet, fn: Callable, has_aux: bool, rest: tuple, kwargs: dict) -> Any:
         """The loss and its backward on the params in ``src``, each leaf's gradient handed to the
@@ -359,7 +377,7 @@ class Engine:
                 except BaseException:
                     # This rank failed in its forward or backward: what the others still expect of
                     # it outside the machine goes out first (a fully sharded step's gathers).
-                    step.issued_elsewhere = store.failed() or step.issued_elsewhere
+                    store.failed()
                     raise
                 machine.finish(step)
                 run.await_replicas()

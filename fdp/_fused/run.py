@@ -433,15 +433,20 @@ class Run:
             return Verdict(updated, status_failed(f"step {n}", e), e)
         if not failed:
             return Verdict(updated)
+        if self.step.early_ranks == bk.group.size and self.error is not None:
+            return Verdict(updated, None, self.error)  # every rank failed before its buckets: none updated
         mine = (f"rank {rank} had updated {sum(self.updated)} of {len(self.updated)} buckets of the optimizer "
                 "state in place (and with donate=True the params)" if any(self.updated) else
                 f"rank {rank} updated nothing, but other ranks may have updated their optimizer state in place "
                 "(and with donate=True the params)")
-        refusal = refused(f"step {n} failed on {failed} rank(s) after its buckets were reduced, and {mine}, so "
-                          "the replicas' states differ now")
+        when = "in their loss or backward" if self.step.early_ranks else "after its buckets were reduced"
+        refusal = refused(f"step {n} failed on {failed} rank(s) {when}, and {mine}, so the replicas' states differ now")
+        where = ("in their loss or backward" if self.step.early_ranks == failed else
+                 "after the backward (in a transform, the optimizer's kernel or a gather)" if not self.step.early_ranks
+                 else f"({self.step.early_ranks} in their loss or backward, the others after it)")
         error = self.error or CollectiveError(
-            f"fdp: step {n} of {bk.name} failed on {failed} other rank(s) of {bk.group.size} after the backward "
-            f"(in a transform, the optimizer's kernel or a gather); this is rank {rank}. "
+            f"fdp: step {n} of {bk.name} failed on {failed} other rank(s) of {bk.group.size} {where}; this is "
+            f"rank {rank}. "
             + ("This rank's state was updated" if any(self.updated) else "Other ranks may have updated their state")
             + ", so every rank refuses it now: load a saved state or make a new one (step.init) to go on.")
         return Verdict(updated, refusal, error)

@@ -237,9 +237,9 @@ class FusedStep:
     @eager_only
     def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
         """Gradient accumulation without communication (DDP's ``no_sync``): this rank's
-        gradients of ``fn(params, *rest, **kwargs)`` are added, in place, into the step's own
-        accumulation buffers (flat per bucket; the first micro-batch's copied), and nothing
-        else happens. The next call of the step adds its own micro-batch's gradients to the
+        gradients of ``fn(params, *rest, **kwargs)`` are added into the step's own
+        accumulation buffers (flat per bucket; the first micro-batch's copied) once its
+        backward has completed, and nothing else happens. The next call of the step adds its own micro-batch's gradients to the
         sum, averages it over the ranks while its backward runs, and updates, as usual::
 
             for x, y in micro_batches[:-1]:
@@ -247,8 +247,14 @@ class FusedStep:
             params, opt_state, loss = step(params, opt_state, *micro_batches[-1])
 
         The same numbers as DDP's ``no_sync`` loop (the gradients summed in the same order,
-        then averaged); no gradient tree is built or summed per micro-batch. Returns what
-        ``fn`` returns (the loss, or ``(loss, aux)``), detached.
+        then averaged). Returns what ``fn`` returns (the loss, or ``(loss, aux)``), detached.
+
+        Failures: a micro-batch whose loss or backward raises adds nothing (skipping it is
+        exact: the sum is the one without it). The step that closes the cycle takes the sum
+        into its buckets; when it fails (on any rank: every rank raises in that call), the
+        micro-batches go with it, and the next step called without accumulating again is
+        refused on every rank, saying to redo the cycle (a retry of the step alone would
+        average a gradient without them).
 
         With fully sharded params (``shard="params"``) the gradients are not communicated but
         the params are: each unit is all-gathered for the micro-batch's forward and backward,

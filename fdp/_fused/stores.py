@@ -28,7 +28,7 @@ from .._plan.bucket import BucketPlan
 from .._plan.buffers import BucketBuffers
 from .._slices.exchange import Scatter, Straddles
 from .._slices.geometry import Slices
-from .._step.autodiff import autograd_on, local_grads, local_grads_into
+from .._step.autodiff import autograd_on, local_grads
 from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._units.units import Gathering, Units, alloc_storage, free_storage
@@ -51,14 +51,18 @@ class StoreKind(enum.Enum):
 class Accumulation:
     """This rank's local gradients of the micro-batches since the last step (``step.accumulate``),
     summed in place: per leaf (``grads``), and where they lie in flat per-bucket buffers, those
-    (``flats``); ``count`` micro-batches so far."""
+    (``flats``); ``count`` micro-batches so far. A micro-batch is added only once its backward
+    has completed (a failed one adds nothing). ``lost``: the step that was to close the cycle
+    failed after taking its micro-batches (they went into its buckets): why the next step
+    alone is refused (None: nothing lost)."""
 
-    __slots__ = ("grads", "flats", "count")
+    __slots__ = ("grads", "flats", "count", "lost")
 
     def __init__(self) -> None:
         self.grads: list[torch.Tensor] | None = None
         self.flats: list[torch.Tensor] | None = None
         self.count = 0
+        self.lost: str | None = None
 
 
 class Store(Protocol):
@@ -318,7 +322,11 @@ class UnitStore:
             if first:  # (the last step freed them bucket by bucket)
                 for t in acc.grads:
                     alloc_storage(t, t.numel() * t.element_size())
+            # After the first, each leaf's new sum is written beside the old one (one pass, as an
+            # in-place add) and replaces it only when the whole backward has completed: a
+            # micro-batch that fails adds nothing. (The first is copied in: nothing to keep.)
             grads, got = acc.grads, bytearray(len(plan.slots))
+            sums: list[torch.Tensor | None] = [None] * len(plan.slots)
             pending = [len(b.leaves) for b in plan.buckets]
 
             def hook_for(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -327,7 +335,10 @@ class UnitStore:
                 def hook(grad: torch.Tensor) -> torch.Tensor:
                     if not got[i]:
                         got[i] = 1
-                        grads[i].copy_(grad) if first else grads[i].add_(grad)
+                        if first:
+                            grads[i].copy_(grad)
+                        else:
+                            sums[i] = torch.add(grads[i], grad, out=torch.empty_like(grads[i]))
                         pending[b] -= 1
                         if pending[b] == 0:
                             units.on_filled(b)
@@ -340,39 +351,40 @@ class UnitStore:
             try:
                 _, value = local_grads("autograd", fn, 0, has_aux, (None, *rest), kwargs, units.leaves, plan.treedef,
                                        [hook_for(i) for i in range(len(plan.slots))], None, wrap=gathering)
+            except BaseException:
+                units.drain()  # (the gathers the other ranks still expect of this micro-batch)
+                raise
             finally:
                 units.end()
             if first:
                 for i in range(len(plan.slots)):
                     if not got[i]:
                         grads[i].zero_()  # (unused this micro-batch: its gradient is zero)
+            else:
+                for i, s in enumerate(sums):
+                    if s is not None:
+                        grads[i] = s
             acc.count += 1
+            acc.lost = None
         return value
 
 
 def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumulation, fn: Callable, has_aux: bool,
                      params: Any, rest: tuple, kwargs: dict, name: str,
                      cast: Callable[[ParamSet], list[torch.Tensor]] | None = None) -> Any:
-    """One micro-batch's local gradients added in place into flat per-bucket buffers (the first
-    one copied); after the first, by autograd's own ``.grad`` accumulation on leaves kept from
-    call to call (the params the step returned: their set's views and autograd leaves).
-    ``cast``: mixed precision, the loss sees the params cast as in the step (their gradients
-    are added into the buffers in the params' own dtype)."""
+    """One micro-batch's local gradients added into flat per-bucket buffers (the first one
+    copied) once its backward has completed: a micro-batch that fails adds nothing. (Not by
+    autograd's own ``.grad`` accumulation: a backward that raised half-way would leave the
+    leaves it had reached added; the same one add per element, at the memory of one more set
+    of gradients while they are added.) ``cast``: mixed precision, the loss sees the params
+    cast as in the step (their gradients are added into the buffers in the params' own
+    dtype)."""
     with autograd_on():
         leaves = plan.leaves_of(params, f"{name}.accumulate params")
         if cast is not None:
             pset, _ = sets.current(leaves, False)
             leaves = cast(pset)
             params = _tree.unflatten(plan.treedef, leaves)
-        if acc.count and engine == "autograd" and cast is None:  # added in place by autograd itself
-            cur = sets.cur
-            reused = None
-            if type(cur) is ParamSet and cur.holds(leaves):
-                leaves, reused = cur.inner(plan), cur.reused
-            value = local_grads_into(fn, has_aux, (params, *rest), kwargs, leaves, plan.treedef, acc.grads,
-                                     reused=reused)
-            acc.count += 1
-            return value
         grads, value = local_grads(engine, fn, 0, has_aux, (params, *rest), kwargs, leaves, plan.treedef, None, None)
         if acc.grads is None:
             acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
@@ -384,4 +396,5 @@ def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumu
         else:
             torch._foreach_copy_(acc.grads, grads)
         acc.count += 1
+        acc.lost = None
     return value

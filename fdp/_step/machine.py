@@ -19,14 +19,15 @@ Only gradients of the *outer* backward count: a loss that itself differentiates 
 hooks during its forward too. A step is armed by a hook on the loss, which runs first in
 the outer backward; hooks that fire before it are inner calls and are left alone.
 
-A rank whose step fails half-way (an exception in the backward after some buckets were
-launched) must not leave the others with collectives it never issues: the next call would
-pair its buckets with the rest of the failed step on the other ranks and sum gradients of
-two steps. ``StepMachine.abort`` drains instead: it launches the remaining buckets (zeros)
+A rank whose step fails (an exception in its loss or backward, before or after some buckets
+were launched) must not leave the others with collectives it never issues: the next call
+would pair its buckets with the rest of the failed step on the other ranks and sum gradients
+of two steps. ``StepMachine.abort`` drains instead: it launches the remaining buckets (zeros)
 and the step's status marked as failed, so every rank issues the same collectives and every
-rank raises for that step. The status is one 3-element int64 all-reduce launched right after
-the last bucket and waited after it: (failed ranks, sum of step numbers, sum of their
-squares), so a rank that is a step ahead or behind is caught too. It is a separate
+rank raises for that step. The status is one 4-element int64 all-reduce launched right after
+the last bucket and waited after it: (failed ranks, those of them that failed in their loss
+or backward, sum of step numbers, sum of their squares), so a rank that is a step ahead or
+behind is caught too, and the others can say where a rank failed. It is a separate
 collective because any change to a bucket's size changes how gloo's ring splits it, and with
 it the summation order that makes fdp's results equal DDP's bit for bit.
 
@@ -198,7 +199,7 @@ class Steps:
         p, self.pending = self.pending, None
         if p is not None:
             wait(p.slot.work, p.group, f"step {p.n} status")
-            failed, steps, squares = map(int, p.slot.buf.tolist())
+            failed, _, steps, squares = map(int, p.slot.buf.tolist())
             check_same_step(p.n, p.group, steps, squares)
             if failed:  # (rare) which ranks
                 self.owed = (p.n, which_ranks(p.failed, p.group, f"step {p.n}'s failed ranks"))
@@ -219,7 +220,7 @@ class StatusSlot:
     __slots__ = ("buf", "work")
 
     def __init__(self, device: torch.device) -> None:
-        self.buf = torch.zeros(3, dtype=torch.int64, device=device)
+        self.buf = torch.zeros(4, dtype=torch.int64, device=device)
         self.work: Any = None
 
 
@@ -322,17 +323,19 @@ class StepMachine:
 
     def abort(self, step: Step, exc: BaseException | None = None) -> None:
         """This rank's step failed with ``exc``: issue the rest of its collectives marked as
-        failed, then return (the caller re-raises). A step that issued nothing yet needs
-        nothing: this rank's next call pairs with the others' current step (unless the caller
-        issued some of the step's collectives itself: ``Step.issued_elsewhere``). After a
-        ``CollectiveError`` nothing more is issued: the group is broken, or the failure was
-        another rank's and every rank already knows. A step whose status ``closes`` and that was
+        failed, then return (the caller re-raises). Also a step that issued nothing yet (a
+        failure in the forward, or in the backward before its first bucket): every rank learns
+        of the failure in this call, and no rank's next call pairs with the others' current
+        step (a retried step would sum gradients of different batches, or leave out
+        micro-batches the failed call had taken). After a ``CollectiveError`` nothing more is
+        issued: the group is broken, or the failure was another rank's and every rank already
+        knows. A step whose status ``closes`` and that was
         drained stays in flight when its only status is the close's: that status comes from
         ``close(step, failed=True)``, after the caller's own collectives (also one whose failure
         the buckets could not tell: ``AFTER_AND_ON_NAN`` after the last bucket was launched)."""
         drained = told = False
         try:
-            if (step.next > 0 or step.issued_elsewhere) and not isinstance(exc, CollectiveError):
+            if not isinstance(exc, CollectiveError):
                 drained = True
                 told = step.drain()
         except CollectiveError:
@@ -385,8 +388,8 @@ class Step:
                  "take", "span", "nones",
                  "status", "status_t", "status_work", "pending", "stash", "got", "next", "flats",
                  "handles", "in_flight", "acc", "scale", "active", "armed", "failed", "on_ready", "readied",
-                 "t0", "times", "bwd_start", "bwd_end", "defer", "issued_elsewhere", "flatten", "signalled",
-                 "summed")
+                 "t0", "times", "bwd_start", "bwd_end", "defer", "flatten", "signalled",
+                 "summed", "early", "early_ranks")
 
     def __init__(self, machine: StepMachine, spec: StepSpec) -> None:
         plan = machine.plan
@@ -416,10 +419,9 @@ class Step:
         self.bwd_start: float | None = None
         self.bwd_end: float | None = None
         self.defer = spec.defer
-        # The caller issued collectives of this step outside the machine (fully sharded params'
-        # all-gathers): a failure before any bucket launched must still drain them all.
-        self.issued_elsewhere = False
         self.signalled = False  # (AFTER_AND_ON_NAN) this rank failed and filled a bucket with NaN
+        self.early = False  # this rank failed in its loss or backward (``drain``), not after
+        self.early_ranks = 0  # how many ranks did (read from the status)
         self.summed: list[torch.Tensor] | None = None  # per bucket, its gradients' flat sum (``summed_into``)
 
     # ------------------------------------------------------------------ during the backward
@@ -541,7 +543,7 @@ class Step:
         # chains three), so for those the status waits until every bucket is collected:
         # issued earlier, it could interleave differently on different ranks.
         n, slot = self.n, self.status_t
-        slot.buf.copy_(torch.tensor([int(self.failed), n, n * n], dtype=torch.int64))
+        slot.buf.copy_(torch.tensor([int(self.failed), int(self.early), n, n * n], dtype=torch.int64))
         self.status_work = slot.work = all_reduce(slot.buf, self.group, f"step {n} status", async_op=True)
 
     def what(self, b: int) -> str:
@@ -609,7 +611,7 @@ class Step:
         """Issue the rest of this failed step's collectives, marked as failed, and wait for them.
         Returns whether every rank knows of the failure now (False: the caller's status will
         tell them, ``StatusMode.closes``)."""
-        self.failed = True
+        self.failed = self.early = True
         self.launch_ready(force=True)
         for b, handle in enumerate(self.handles):
             try:
@@ -638,11 +640,11 @@ class Step:
             self._start_status()
         n, size = self.n, self.group.size
         wait(self.status_work, self.group, f"step {n} status")
-        failed, steps, squares = map(int, self.status_t.buf.tolist())
+        failed, self.early_ranks, steps, squares = map(int, self.status_t.buf.tolist())
         if failed and raise_failed:
             raise CollectiveError(
-                f"fdp: step {n} failed on {failed} other rank(s) of {size} after they had launched some "
-                f"of its buckets (an exception in their loss or backward); its gradients are discarded on "
+                f"fdp: step {n} failed on {failed} other rank(s) of {size} (an exception in their loss or "
+                f"backward); its gradients are discarded on "
                 f"every rank (this is rank {self.group.rank}). The ranks are still in step: the next call "
                 "starts a fresh step everywhere."
             )

@@ -56,7 +56,12 @@ OUTRO = """\
 ## Environment variables
 
 * `FDP_DEBUG=1`: debug mode for every Reducer (a fingerprint check before each bucket
-  collective; see [concepts.md](concepts.md#debug-mode)).
+  collective and, with `shard="params"`, each unit's gather; see
+  [concepts.md](concepts.md#debug-mode)).
+* `FDP_STALL_S=5`: seconds a gloo collective may wait before the ranks compare, through the
+  group's store, what each waits on; ranks waiting on different collectives raise
+  `CollectiveError` naming both then, not at the timeout (`0`: off). See
+  [errors.md](errors.md#checked-always).
 * `FDP_LOG=INFO` (or `DEBUG`): fdp's log lines on stderr as `[fdp rank r] ...`, e.g. each
   Reducer's bucket plan.
 * `FDP_KERNELS=torch|triton`: force the flatten/unflatten implementation (default: Triton for

@@ -280,6 +280,18 @@ def backend_timeout(pg: Any, device: torch.device) -> timedelta | None:
     return t if isinstance(t, timedelta) else None
 
 
+@_use("torch.distributed.distributed_c10d._get_process_group_store", "the rendezvous store of a group, where a "
+      "stalled collective's ranks post what they wait on (fdp._comm.stall: a desync named without a collective)")
+def process_group_store(pg: Any) -> Any:
+    """``pg``'s store (None: torch does not say, or the group has none)."""
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        return c10d._get_process_group_store(pg)
+    except Exception:  # noqa: BLE001 - an older torch, or a group made without a store
+        return None
+
+
 FUTURE: type = torch._C.Future
 _constant("torch._C.Future", "FUTURE", "what a comm hook's Future is (torch.futures.Future and c10d's own)")
 

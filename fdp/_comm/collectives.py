@@ -18,6 +18,7 @@ from .._errors import CollectiveError
 from .._log import debug_mode
 from .group import Group, pg_timeout
 from .lifetime import RECENT, SMALL_BYTES, keep_until_exit, mark_failed
+from .stall import Stalled, stall_seconds, watch
 
 
 class Done:
@@ -52,32 +53,57 @@ def is_completed(handle: Any) -> bool:
     return handle.is_completed() if hasattr(handle, "is_completed") else handle.done()
 
 
-def collective_error(group: Group, what: str, exc: BaseException) -> CollectiveError:
-    """The error for a collective ``what`` that raised ``exc``: names the rank and timeout.
+def collective_error(group: Group, what: str, exc: BaseException, seen: str = "") -> CollectiveError:
+    """The error for a collective ``what`` that raised ``exc``: names the rank and timeout, and
+    ``seen``, what the stall check saw of the other ranks (``fdp._comm.stall``), if anything.
 
     Also marks the process group as failed, so that the exit hook of ``fdp.init`` does not
     meet the other ranks in a barrier over connections that may be broken.
     """
     mark_failed()
+    if seen:
+        cause = f"While it waited, {seen}"
+    else:
+        cause = "Another rank probably died, skipped this collective, or issued a different one"
     if debug_mode():  # the advice to set it would be noise; say what it already ruled out
-        hint = ("FDP_DEBUG is on, so a Reducer bucket issued differently by another rank would "
-                "have been named before it launched: look first for a rank that died or stalled")
+        hint = ("FDP_DEBUG is on, so a bucket or unit gather issued differently by another rank would "
+                "have been named before it launched")
     else:
         hint = "set FDP_DEBUG=1 to check collective fingerprints"
     return CollectiveError(
         f"fdp: {what} failed on rank {group.rank} of {group.size} "
-        f"(timeout {group.timeout.total_seconds():g}s): {exc}. "
-        f"Another rank probably died, skipped this collective, or issued a different one ({hint})."
+        f"(timeout {group.timeout.total_seconds():g}s): {exc}. {cause} ({hint})."
     )
 
 
 def wait(work: Any, group: Group, what: str) -> None:
-    """Wait for ``work`` within the group's timeout; raise ``CollectiveError`` naming ``what``."""
+    """Wait for ``work`` within the group's timeout; raise ``CollectiveError`` naming ``what``.
+    On gloo, a wait that stalls compares with the other ranks' (``fdp._comm.stall``): a rank
+    waiting on a different collective is named within seconds."""
     try:
         if group.backend == "threaded":
             work.wait()  # the threaded test PG has no timed wait; run() enforces its deadline
+        elif group.backend == "gloo" and isinstance(work, dist.Work) and not work.is_completed():
+            sighting = watch(work, group, what)
+            if sighting is not None:
+                keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+                raise collective_error(group, what, TimeoutError(
+                    f"not done after {group.timeout.total_seconds():g}s"), sighting.hint())
         else:
             work.wait(group.timeout)
+    except CollectiveError:
+        raise
+    except Stalled as s:
+        rank, theirs, since = s.args
+        keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+        mark_failed()
+        raise CollectiveError(
+            f"fdp: the ranks issued different collectives: rank {group.rank} of {group.size} waits on {what}, "
+            f"while rank {rank} has waited {since:.0f}s on {theirs}. Neither can finish: look at what the ranks ran "
+            "before (a unit or a branch called on some ranks only, a different number of micro-batches or steps "
+            "per rank, a call skipped after an error on one rank). Named after "
+            f"{stall_seconds():g}s of waiting (FDP_STALL_S), not at the {group.timeout.total_seconds():g}s "
+            "timeout.") from None
     except Exception as e:
         if group.backend != "threaded":  # threads share this process: nothing outlives it
             keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))

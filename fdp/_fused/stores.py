@@ -248,7 +248,7 @@ class UnitStore:
         self.straddles = Straddles(plan, self.slices) if config.sharded else None
         self.machine: StepMachine | None = None
         self.units = Units(plan, self.slices, self.scatter, shard, config.units, config.reshard_after_forward,
-                           config.param_dtype, self._check_idle)
+                           config.param_dtype, self._check_idle, config.debug)
         self.params = SliceSets(self.units, plan, self.slices, name)
         self.kept: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._acc: Accumulation | None = None  # step.accumulate's buffers, once made
@@ -346,7 +346,7 @@ class UnitStore:
                 return hook
 
             def gathering(inputs: list[torch.Tensor]) -> Gathering:
-                return Gathering(units.begin(src.flats, training=True, tensors=inputs))
+                return Gathering(units.begin(src.flats, training=True, tensors=inputs, phase=1))
 
             try:
                 _, value = local_grads("autograd", fn, 0, has_aux, (None, *rest), kwargs, units.leaves, plan.treedef,

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from .. import _internals, _tree
+from .._comm.agree import check_collective
 from .._comm.collectives import DONE, exchange, wait
 from .._comm.group import Group
 from .._plan.bucket import BucketPlan, contiguous_strides
@@ -153,6 +154,10 @@ class UnitsView:
             self._finish()
 
 
+# What a forward over the units is for (``Units.phase``), as messages name it.
+PHASES = ("a step", "step.accumulate", "an inference forward")
+
+
 class Units:
     """The gathered params of every unit of one fully sharded step (see the module docstring).
 
@@ -167,8 +172,13 @@ class Units:
 
     def __init__(self, plan: BucketPlan, slices: Slices, scatter: Scatter | None, group: Group,
                  names: tuple[str, ...], reshard_after_forward: bool, param_dtype: torch.dtype | None,
-                 check_idle: Callable[[str], None]) -> None:
+                 check_idle: Callable[[str], None], debug: bool = False) -> None:
         self.plan, self.slices, self.scatter, self.group = plan, slices, scatter, group
+        # ``debug`` (FDP_DEBUG): before each gather, every rank checks that the others gather
+        # the same unit's bucket in the same kind of call (a fingerprint all-gather), so a
+        # unit called on some ranks only, or an accumulate paired with a step, is named at
+        # once; ``calls`` counts the forwards begun, ``phase`` is this one's kind (PHASES).
+        self.debug, self.calls, self.phase = debug, 0, 0
         self.names, self.reshard_after_forward, self.check_idle = names, reshard_after_forward, check_idle
         self.keys = list(_tree.keys(plan.treedef))
         self.unit_of_bucket = [b.group if b.group < len(names) else 0 for b in plan.buckets]  # (bucket_groups)
@@ -208,7 +218,7 @@ class Units:
     # ------------------------------------------------------------------ a step
     def begin(self, src: list[torch.Tensor], training: bool, tensors: list[torch.Tensor] | None = None,
               finish: Callable[[], None] | None = None, times: list[BucketTimes] | None = None,
-              t0: float = 0.0) -> UnitsView:
+              t0: float = 0.0, phase: int = 0) -> UnitsView:
         """Start a forward over the param slices ``src`` (one per bucket); ``training``: a
         backward follows (the units' outputs get hooks, a unit is freed once its gradients
         are in their bucket). ``tensors``: the leaves the forward uses (a step's autograd
@@ -216,6 +226,7 @@ class Units:
         view's ``done`` calls. ``times``: the step's ``BucketTimes`` (since ``t0``), where
         each gather is recorded."""
         self.src, self.training, self.times, self.t0 = src, training, times, t0
+        self.calls, self.phase = self.calls + 1, phase
         self.entered, self.kept, self.backward = [], set(), False
         self.count = [0] * len(self.fulls)
         self.filled = bytearray(len(self.plan.buckets))
@@ -230,7 +241,7 @@ class Units:
                 "backward: run inference under torch.no_grad() (or torch.inference_mode()), and train "
                 "through the step (reducer.grad_and_update), which gathers them again for its backward")
         self.check_idle("a forward on ShardedParams")
-        return self.begin(src, training=False, finish=self.end)
+        return self.begin(src, training=False, finish=self.end, phase=2)
 
     def drain(self) -> bool:
         """This rank's forward or backward failed: issue, without waiting, the all-gathers the
@@ -238,11 +249,14 @@ class Units:
         one unless it stays gathered), so that they finish the step and learn of the failure
         from its status instead of waiting for the timeout. Only where gathers are point to
         point (gloo), which pairs them by unit whatever the order; elsewhere (NCCL, the threaded
-        test group) the order of every collective counts, and the others wait for the timeout.
+        test group, or with ``debug``'s fingerprints) the order of every collective counts, and
+        the others are stopped by the stall check or the timeout.
         Returns whether this rank has issued any gather this step."""
         issued = any(self.count)
         scatter = self.scatter
-        if scatter is None or scatter.mode != "p2p" or self.src is None:
+        # (Not under ``debug``: each gather's fingerprint is an ordered collective, which a
+        # failed rank cannot issue in the order the others reach them.)
+        if scatter is None or scatter.mode != "p2p" or self.src is None or self.debug:
             return issued
         scratch: dict[torch.dtype, torch.Tensor] = {}
         for b in range(len(self.fulls)):
@@ -380,6 +394,9 @@ class Units:
             raise RuntimeError("fdp: a unit of fully sharded params ran outside a step (its params are not "
                                "gathered); call apply inside the step's loss, or with ShardedParams under torch.no_grad()")
         full = self.fulls[b]
+        if self.debug and self.scatter is not None:
+            check_collective(self.group, self.calls * len(PHASES) + self.phase, b, full.numel(), full.dtype,
+                             self._what(b, self.count[b] + 1))
         alloc_storage(full, self.nbytes[b])
         s = self.slices
         # (inside a transform in the loss, torch.func.jvp or grad: plain copies into fdp's buffer)
@@ -390,12 +407,16 @@ class Units:
         self.issued[b] = time.perf_counter()
         self.state[b] = UnitState.UNSHARDING
 
+    def _what(self, b: int, n: int) -> str:
+        """Bucket ``b``'s ``n``-th gather of this call, as messages name it."""
+        return (f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params (bucket {b}, for "
+                f"{'the forward' if n == 1 else 'the backward'} of its call {self.calls}: {PHASES[self.phase]})")
+
     def wait_for_unshard(self, b: int) -> None:
         work, self.works[b] = self.works[b], None
         self.state[b] = UnitState.UNSHARDED  # (allocated: freed by ``end`` even when the wait fails)
         waited = time.perf_counter()
-        wait(work, self.group, f"all-gather of unit {self.names[self.unit_of_bucket[b]] or '(root)'}'s params "
-                               f"(bucket {b})")
+        wait(work, self.group, self._what(b, self.count[b]))
         if self.scatter is not None:
             with _internals.outside_transforms():
                 self.scatter.gathered(b)

@@ -1,0 +1,76 @@
+"""Ranks that issue different collectives are named within seconds, not at the timeout:
+gloo collectives that stall compare where every rank waits (``FDP_STALL_S``, through the
+group's store), and with ``debug`` a fully sharded step fingerprints each unit gather, so a
+unit called on some ranks only, or a step paired with another rank's ``step.accumulate``,
+is named before it is issued. Real gloo ranks, each run with a 60 s timeout: a desync that
+were only caught by the timeout would fail these tests on its message."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import Block, block_net, tokens
+
+import fdp
+from fdp._comm.collectives import all_reduce, broadcast
+
+
+def different_collectives(group):
+    os.environ["FDP_STALL_S"] = "2"
+    try:
+        if group.rank == 0:
+            all_reduce(torch.ones(100), group, "all-reduce of the loss (step 1)")
+        else:
+            broadcast(torch.ones(100), 1, group, "broadcast of the buffers (step 1)")
+        return "no error"
+    except fdp.CollectiveError as e:
+        return str(e)
+
+
+def test_ranks_waiting_on_different_collectives_are_named_after_the_stall_not_the_timeout():
+    """Rank 0 all-reduces while rank 1 broadcasts: neither can finish. The first rank to see
+    the other's post raises naming both collectives (the other may then see its peer leave)."""
+    out = fdp.testing.run(different_collectives, 2, backend="gloo", timeout=60)
+    named = [o for o in out if "the ranks issued different collectives" in o]
+    assert named, out
+    msg = named[0]
+    assert "all-reduce of the loss (step 1)" in msg and "broadcast of the buffers (step 1)" in msg, msg
+    assert "Named after 2s of waiting (FDP_STALL_S)" in msg, msg
+
+
+def fully_sharded(group, case):
+    net = block_net(seed=3)
+    if case == "branch":  # a data-dependent branch: rank 1 skips the second block
+        def forward(x):
+            x = net.emb(x)
+            for i, block in enumerate(net.blocks):
+                if not (i == 1 and group.rank == 1):
+                    x = block(x)
+            return net.head(net.ln(x))
+        net.forward = forward
+    apply, params, buffers = fdp.functionalize(net)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block), debug=True)
+    step = reducer.grad_and_update(
+        lambda p, x, y: F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()), fdp.optim.adamw(lr=1e-2))
+    params = step.shard(params)
+    state = step.init(params)
+    try:
+        if case == "uneven":  # rank 0 feeds three micro-batches, rank 1 two
+            for j in range(3 if group.rank == 0 else 2):
+                step.accumulate(params, *tokens(group.rank, j))
+        step(params, state, *tokens(group.rank, 5))
+        return "no error"
+    except fdp.ReplicaMismatchError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("case", ["branch", "uneven"])
+def test_debug_names_a_unit_gathered_on_some_ranks_only_before_its_gather(case):
+    out = fdp.testing.run(fully_sharded, 2, backend="gloo", timeout=60, args=(case,))
+    for rank, msg in enumerate(out):
+        assert "ranks are about to issue different collectives" in msg, (rank, msg)
+        if case == "branch":
+            assert "for the backward of its call 1: a step" in msg and "blocks." in msg, msg
+        else:
+            assert ("call 3: step.accumulate" in msg) != ("call 3: a step" in msg), msg

@@ -9,6 +9,7 @@ import pathlib
 import pickle
 import struct
 import sys
+import zlib
 
 import procs
 import pytest
@@ -130,7 +131,7 @@ def test_the_manifest_is_json_and_each_data_file_a_safetensors_file_of_its_piece
     rows = torch.arange(12.0).view(3, 4)
     save_sharded(tmp_path, {"w": Shard.whole(rows), "b": torch.ones(2, dtype=torch.bfloat16), "n": 7})
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert (manifest["format"], manifest["version"], manifest["world_size"]) == ("fdp.sharded_checkpoint", 1, 1)
+    assert (manifest["format"], manifest["version"], manifest["world_size"]) == ("fdp.sharded_checkpoint", 2, 1)
     leaves = {leaf["path"]: leaf for leaf in manifest["leaves"]}
     assert leaves["['n']"] == {"path": "['n']", "kind": "plain", "type": "int", "value": 7}
     w = leaves["['w']"]
@@ -480,19 +481,45 @@ def test_a_flipped_byte_is_caught_naming_the_leaf_and_the_rank_that_wrote_it(tmp
     assert fdp.testing.run(reading, 2, args=(str(tmp_path), lambda r: [(0, 10 + r)])) == ["loaded", "loaded"]
 
 
+def as_version_1(manifest):
+    """A manifest rewritten as fdp's version 1 wrote it (no crc32 of its own bytes): the
+    structural checks below are those a damaged version-1 manifest meets."""
+    return json.dumps({**{k: v for k, v in manifest.items() if k != "crc32"}, "version": 1})
+
+
 def test_a_manifest_pointing_outside_a_file_is_refused(tmp_path):
     save_sharded(tmp_path, {"a": torch.arange(10.0)})
     path = tmp_path / "manifest.json"
     manifest = json.loads(path.read_text())
     manifest["leaves"][0]["pieces"][0][1] = manifest["files"][0]["bytes"] - 8  # 40 bytes from 8 before the end
-    path.write_text(json.dumps(manifest))
+    path.write_text(as_version_1(manifest))
     with pytest.raises(fdp.CheckpointError, match=r"damaged: leaf \['a'\]: piece .* outside data-"):
         load_sharded(tmp_path, {"a": torch.zeros(10)})
     manifest["files"][0]["bytes"] += 1000  # and a file that is not as long as the manifest says
     manifest["leaves"][0]["pieces"][0][1] = 200
-    path.write_text(json.dumps(manifest))
+    path.write_text(as_version_1(manifest))
     with pytest.raises(fdp.CheckpointError, match="bytes, the manifest says"):
         load_sharded(tmp_path, {"a": torch.zeros(10)})
+
+
+def test_a_manifest_whose_bytes_changed_after_the_save_is_refused(tmp_path):
+    """The manifest's own CRC32 catches what no other check would: a plain value edited (the
+    step count 7 read as 8), a piece's CRC edited together with its data. Version 1
+    manifests (no crc32) are still read."""
+    save_sharded(tmp_path, {"a": torch.arange(10.0), "step": 7})
+    path = tmp_path / "manifest.json"
+    good = path.read_bytes()
+    assert json.loads(good)["crc32"] == zlib.crc32(good[:good.rindex(b',\n"crc32": ')])
+    path.write_bytes(good.replace(b'"value": 7', b'"value": 8'))
+    with pytest.raises(fdp.CheckpointError, match="damaged: its bytes do not match the CRC32 it was written with"):
+        load_sharded(tmp_path, {"a": torch.zeros(10), "step": 0})
+    for cut in (b',\n"crc32": ', b'"crc32": '):  # the field gone, or its line changed
+        at = good.rindex(cut)
+        path.write_bytes(good[:at] + b"}\n" if cut.startswith(b",") else good[:at] + b'"crc32": 1}\n')
+        with pytest.raises(fdp.CheckpointError, match="CRC32"):
+            load_sharded(tmp_path, {"a": torch.zeros(10), "step": 0})
+    path.write_text(as_version_1(json.loads(good)))
+    assert load_sharded(tmp_path, {"a": torch.zeros(10), "step": 0})["step"] == 7
 
 
 def test_neither_saving_nor_loading_unpickles(tmp_path, monkeypatch):

@@ -16,12 +16,18 @@ safetensors has no name for is stored as ``U8`` bytes (the manifest says what th
 
 ``manifest.json``::
 
-    {"format": "fdp.sharded_checkpoint", "version": 1, "world_size": 4, "save_id": "...",
+    {"format": "fdp.sharded_checkpoint", "version": 2, "world_size": 4, "save_id": "...",
      "torch": "2.13.0", "files": [{"name": "data-...-rank00000.safetensors", "bytes": 4096}, ...],
      "piece": ["file", "offset", "start", "stop", "crc32"],
      "leaves": [{"path": "['opt'].exp_avg['fc.weight']", "kind": "shard", "shape": [3, 4],
                  "dtype": "float32", "pieces": [[0, 136, 0, 6, 2818363478], [1, 88, 6, 12, 19282712]]},
-                {"path": "['step']", "kind": "plain", "type": "int", "value": 5}, ...]}
+                {"path": "['step']", "kind": "plain", "type": "int", "value": 5}, ...],
+     "crc32": 3735928559}
+
+``crc32``, the last field, is the CRC32 of every byte of the file before its line (the text
+up to and including ``]``): a flipped byte anywhere in the manifest, a plain value's
+included, is named at load (the pieces' own CRC32s cover the data files). Version 1 (fdp
+before it) had no ``crc32``; such a manifest is still read.
 
 A leaf's ``kind``: ``shard`` (parts written by the ranks that hold them), ``tensor`` (a
 replicated tensor, written once by rank 0), ``per_rank`` (a tensor of per-rank rows, an
@@ -41,6 +47,7 @@ import math
 import os
 import re
 import struct
+import zlib
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
@@ -55,7 +62,8 @@ __all__ = ["FORMAT", "MANIFEST", "VERSION", "FileLayout", "Leaf", "LeafMeta", "M
            "data_name", "dtype_of", "encode", "is_data_file", "plan", "read"]
 
 FORMAT = "fdp.sharded_checkpoint"
-VERSION = 1
+VERSION = 2
+_CRC_FIELD = b',\n"crc32": '
 MANIFEST = "manifest.json"
 KINDS = ("shard", "tensor", "per_rank", "plain")
 _DATA = re.compile(r"data-([0-9a-f]{12})-rank\d{5,}\.safetensors")
@@ -185,7 +193,8 @@ def encode(metas: list[LeafMeta], values: list[Any], world_size: int, save_id: s
     # One line per field and per leaf: readable, and diffable between two saves.
     lines = [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
     body = ",\n".join(json.dumps(leaf) for leaf in leaves)
-    return ("{\n" + "\n".join(lines) + '\n"leaves": [\n' + body + "\n]}\n").encode()
+    text = ("{\n" + "\n".join(lines) + '\n"leaves": [\n' + body + "\n]").encode()
+    return text + _CRC_FIELD + str(zlib.crc32(text)).encode() + b"}\n"
 
 
 # --------------------------------------------------------------------------------- loading
@@ -241,7 +250,8 @@ def read(folder: str, who: str) -> Manifest:
         raise CheckpointError(f"{who}: no sharded checkpoint at {folder}{hint}")
     try:
         with open(path, "rb") as f:
-            raw = json.loads(f.read())
+            data = f.read()
+        raw = json.loads(data)
     except FileNotFoundError:
         raise CheckpointError(f"{who}: no sharded checkpoint at {folder}: it has no {MANIFEST} (a save that "
                               "never completed leaves none)") from None
@@ -249,8 +259,17 @@ def read(folder: str, who: str) -> Manifest:
         raise CheckpointError(f"{who}: cannot read {path}: {e}") from e
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise CheckpointError(f"{who}: {path} is not the manifest of a checkpoint written by fdp.save_sharded")
-    if raw.get("version") != VERSION:
-        raise CheckpointError(f"{who}: {path} has format version {raw.get('version')!r}; this fdp reads version {VERSION}")
+    if raw.get("version") not in (1, VERSION):
+        raise CheckpointError(f"{who}: {path} has format version {raw.get('version')!r}; this fdp reads versions 1 "
+                              f"to {VERSION}")
+    if raw["version"] >= 2:
+        at = data.rfind(_CRC_FIELD)
+        crc = raw.get("crc32")
+        if at < 0 or type(crc) is not int or zlib.crc32(data[:at]) != crc:
+            raise CheckpointError(
+                f"{who}: {path} is damaged: its bytes do not match the CRC32 it was written with "
+                f"({'no crc32 field' if at < 0 or type(crc) is not int else f'{zlib.crc32(data[:at])} != {crc}'}): "
+                "it was edited or corrupted after the save")
     try:
         return _parse(raw)
     except _Damaged as e:

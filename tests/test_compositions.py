@@ -84,7 +84,7 @@ class TransformFault:
     """A per-leaf transform (after the clip: applied in each bucket's update, before its
     kernel) that raises on one rank when armed: that rank updates nothing at all."""
 
-    def __init__(self, rank):
+    def __init__(self, rank, reach="leaf"):
         self.armed, self.rank = False, rank
 
         def apply(tensors, state):
@@ -92,7 +92,7 @@ class TransformFault:
                 raise RuntimeError("injected failure in a transform")
             return state
 
-        self.transform = fdp.optim.GradientTransform(lambda params: (), lambda g, s, p: (g, s), reach="leaf",
+        self.transform = fdp.optim.GradientTransform(lambda params: (), lambda g, s, p: (g, s), reach=reach,
                                                      apply=apply)
 
 

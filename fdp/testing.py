@@ -69,6 +69,12 @@ from ._comm.lifetime import tune_malloc
 __all__ = ["run"]
 
 _threads_lock = threading.Lock()
+# The OS ids of rank threads (backend="threads") whose Python part has ended: the OS thread
+# still runs its C-level teardown (thread-local destructors: MKL's buffers, autograd's queues)
+# for a moment after ``join`` returns, holding locks a process forked then would inherit
+# held (its first matmul then waits forever). ``_settle`` waits for them to be gone.
+_ending: list[int] = []
+_TASKS = "/proc/self/task"
 # How long the other ranks get to report after the first failure (their errors are usually
 # consequences of it: a closed connection, a terminated collective).
 _GRACE_S = 2.0
@@ -265,6 +271,8 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
                 ProcessLocalGroup.exception_handle(TimeoutError("fdp.testing.run timeout"))
                 for t in threads:
                     t.join(1.0)
+            _ending.extend(t.native_id for t in threads if t.native_id is not None and not t.is_alive())
+            _settle()
         finally:
             for (owner, name), orig in zip(patched, originals):
                 setattr(owner, name, orig)
@@ -347,7 +355,24 @@ def _child(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
         os._exit(code)
 
 
+def _settle(timeout: float = 2.0) -> None:
+    """Wait (at most ``timeout`` seconds) until the OS threads of finished thread ranks have
+    exited (``_ending``; Linux: ``/proc/self/task``), so that a fork does not copy a lock one
+    of them holds in its teardown. Found as the suite's intermittent hang: a gloo rank forked
+    right after a threads run waited forever in its first ``F.linear``."""
+    if not _ending or not os.path.isdir(_TASKS):
+        _ending.clear()
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        _ending[:] = [t for t in _ending if os.path.exists(f"{_TASKS}/{t}")]
+        if not _ending or time.monotonic() > deadline:
+            return
+        time.sleep(0.0005)
+
+
 def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    _settle()  # (before forking: no thread of a threads run is still tearing down)
     ctx = mp.get_context("fork")
     # The rendezvous is a FileStore: it needs no server thread in this process. (A TCPStore
     # server here would be running a thread while we fork, and a child that inherits a lock

@@ -152,3 +152,37 @@ def test_a_gloo_rank_that_never_reports_says_where_it_waits():
         fdp.testing.run(waits_forever_on_rank_1, 2, backend="gloo", timeout=6)
     notes = "\n".join(getattr(e.value, "__notes__", []))
     assert "rank 1" in notes and "its threads were at" in notes and "waits_forever_on_rank_1" in notes, notes
+
+
+def _matmuls(group):
+    a = torch.randn(96, 96)
+    for _ in range(10):
+        a = torch.nn.functional.linear(a, a).tanh()  # MKL gives this thread buffers of its own
+    return float(a.sum())
+
+
+def _one_linear(group):
+    return float(torch.nn.functional.linear(torch.randn(8, 16), torch.randn(64, 16)).sum())
+
+
+@pytest.mark.slow
+def test_a_gloo_run_right_after_a_threads_run_does_not_inherit_a_dying_rank_threads_lock():
+    """The suite's intermittent hang: a threads run's rank thread, its Python part over
+    (``join`` returned), still frees MKL's per-thread buffers in its C-level teardown, holding
+    MKL's memory lock; a gloo rank forked at that moment inherits the lock held and spins
+    forever in its first matmul (``mkl_serv_allocate``, seen with py-spy --native). Measured
+    beside two CPU burners: 4 hangs in 19 alternations before the fix, 0 in 600 after it
+    (``fdp.testing`` now waits for those threads to be gone before forking). Two busy
+    processes run beside the loop here, as on a loaded CI machine."""
+    import subprocess
+    import sys
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for i in range(40):
+            fdp.testing.run(_matmuls, 2)
+            assert fdp.testing.run(_one_linear, 2, backend="gloo", timeout=30)[0] is not None, i
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()

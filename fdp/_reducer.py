@@ -216,7 +216,7 @@ class Reducer:
                 bucket_caps_mb=AutoCaps.CALIBRATION_CAPS_MB if self.tuning else bucket_caps_mb)
         plan.check_one_device("fdp.Reducer")
         self.hook = as_hook(comm_hook)
-        self.hook.check_config(reduce_dtype, bool(shard), "fdp.Reducer")
+        self.hook.check_config(reduce_dtype, shard, "fdp.Reducer")
         if not (isinstance(hook_threshold_bytes, int) and hook_threshold_bytes >= 0):
             raise ValueError(f"fdp.Reducer: hook_threshold_bytes must be an int >= 0, got {hook_threshold_bytes!r}")
         # Everything resolved once, in one frozen object every machine and fused step reads.

@@ -149,8 +149,8 @@ class CommHook:
             )
         return value.reshape(-1)
 
-    def check_config(self, reduce_dtype: torch.dtype | None, shard: bool, what: str) -> None:
-        """Raise if a Reducer's ``reduce_dtype`` or ``shard=True`` cannot go with this hook:
+    def check_config(self, reduce_dtype: torch.dtype | None, shard: bool | str, what: str) -> None:
+        """Raise if a Reducer's ``reduce_dtype`` or ``shard`` (True, ``"state"`` or ``"params"``) cannot go with this hook:
         ``ValueError`` for a non-floating ``reduce_dtype`` or one other than the hook's wire
         dtype; ``TypeError`` for sharding with a hook that is not a sum in place (sharding
         reduce-scatters the buckets in the hook's wire dtype instead of calling it)."""
@@ -160,7 +160,7 @@ class CommHook:
             raise ValueError(f"{what}: reduce_dtype={reduce_dtype} conflicts with comm hook {self.name}, "
                              f"which reduces in {self.dtype}")
         if shard and not self.in_place:
-            raise TypeError(f"{what}: shard=True reduce-scatters buckets in the comm hook's wire dtype, which "
+            raise TypeError(f"{what}: shard={shard!r} reduce-scatters buckets in the comm hook's wire dtype, which "
                             f"needs a summing hook (allreduce, fp16_compress, bf16_compress, or "
                             f"CommHook(in_place=True)); {self.name} is not one")
 

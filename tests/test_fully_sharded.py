@@ -612,3 +612,10 @@ def test_the_ema_of_fully_sharded_params_is_sharded_params_equal_to_the_fused_st
         assert_trees_equal(before, want[rank][0], f"before any update, rank {rank}")
         assert torch.equal(logits, want[rank][3])
         assert not torch.equal(average["blocks.0.fc1.weight"], params["blocks.0.fc1.weight"])
+
+
+def test_a_hook_that_is_not_a_sum_is_refused_naming_shard_params():
+    net = block_net(seed=1)
+    _, params, _ = fdp.functionalize(net)
+    with pytest.raises(TypeError, match=r"shard='params' reduce-scatters buckets .* noop is not one"):
+        fdp.Reducer(params, None, shard="params", units=fdp.units(net, Block), comm_hook=fdp.hooks.noop)

@@ -231,7 +231,8 @@ def test_mismatches_are_refused_naming_the_leaf_or_group():
         fdp.optim.state_from_torch(fdp.optim.adamw(0.01, weight_decay=0.5), sd, params)
     state = fdp.optim.state_from_torch(fdp.optim.adamw(0.01, weight_decay=0.5), sd, params, strict=False)
     assert int(state.step) == 2
-    with pytest.raises(ValueError, match=r"holds \['exp_avg', 'exp_avg_sq'\].*which opt does not use"):
+    with pytest.raises(ValueError, match=r"holds \['exp_avg', 'exp_avg_sq'\].*which torch.optim.SGD never keeps: "
+                                         r"it is another torch optimizer's state"):
         fdp.optim.state_from_torch(fdp.optim.sgd(0.01, weight_decay=0.1), sd, params, step=2, strict=False)
     with pytest.raises(ValueError, match=r"torch's exp_avg for params\['3.weight'\] \(torch parameter 0.*has shape \(16, 8\), the leaf \(4, 16\)"):
         fdp.optim.state_from_torch(fdp.optim.adamw(0.01, weight_decay=0.1), sd, params,
@@ -242,3 +243,18 @@ def test_mismatches_are_refused_naming_the_leaf_or_group():
     with pytest.raises(TypeError, match="convert a partition's states per label"):
         fdp.optim.state_from_torch(fdp.optim.partition(lambda path, p: "a", {"a": fdp.optim.sgd(0.1)}),
                                    sgd.state_dict(), params)
+
+
+def test_a_torch_state_fdp_does_not_convert_says_so():
+    """NAdam (and RAdam, Adamax, Adadelta, Muon) states are not converted: said as such, not as
+    a question about hyper-parameters; a NAdam state given with adam names the field that is
+    another optimizer's."""
+    net, opt = trained_torch(torch.optim.NAdam, lr=0.01)
+    _, params, _ = fdp.functionalize(net)
+    with pytest.raises(TypeError, match=r"converting a torch.optim.NAdam state is not supported.*convert SGD, Adam, "
+                                        r"AdamW, Adagrad, RMSprop states"):
+        fdp.optim.state_from_torch(fdp.optim.nadam(lr=0.01), opt.state_dict(), params)
+    with pytest.raises(TypeError, match="torch.optim.NAdam state is not supported"):
+        fdp.optim.state_to_torch(fdp.optim.nadam(lr=0.01), fdp.optim.nadam(lr=0.01).init(params), params)
+    with pytest.raises(ValueError, match=r"\['mu_product'\] .*which torch.optim.Adam never keeps"):
+        fdp.optim.state_from_torch(fdp.optim.adam(lr=0.01), opt.state_dict(), params)

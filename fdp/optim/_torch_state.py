@@ -38,7 +38,24 @@ def _parts(opt: Any, name: str) -> tuple[tuple, Optimizer]:
     if inner.form.hyper is None or inner.form.leaf_kernel is None or inner.form.hyper.torch_class is None:
         raise TypeError(f"{name}: only sgd, adam, adamw, adagrad and rmsprop (alone or at the end of a "
                         "chain) have a torch.optim counterpart; convert a partition's states per label")
+    cls = inner.form.hyper.torch_class
+    if cls not in _CONVERTED:
+        raise TypeError(f"{name}: converting a torch.optim.{cls.__name__} state is not supported (its "
+                        f"per-parameter state differs from fdp's); state_from_torch and state_to_torch "
+                        f"convert {', '.join(c.__name__ for c in _CONVERTED)} states. Start "
+                        f"fdp.optim.{cls.__name__.lower()}'s state fresh (opt.init), or save and resume with fdp's "
+                        "own checkpoints")
     return transforms, inner
+
+
+# The torch.optim classes whose states convert, and every per-parameter field each may keep
+# with any of its hyper-parameters (a field outside these is another optimizer's state).
+_CONVERTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop)
+_FIELDS = {torch.optim.SGD: {"momentum_buffer"},
+           torch.optim.Adam: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+           torch.optim.AdamW: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+           torch.optim.Adagrad: {"step", "sum"},
+           torch.optim.RMSprop: {"step", "square_avg", "momentum_buffer", "grad_avg"}}
 
 
 def _describe(keys: list[Any], idx: Sequence[int]) -> str:
@@ -219,6 +236,12 @@ def state_from_torch(opt: Optimizer, state_dict: dict[str, Any], params: Any, *,
                                  f"{count} updates (it never had a gradient?); fdp keeps state for every leaf")
             continue
         extra = sorted(set(entry) - set(fields))
+        foreign = [f for f in extra if f not in _FIELDS[hyper.torch_class]]
+        if foreign:
+            raise ValueError(f"{name}: torch's state holds {foreign} for {where}, which "
+                             f"torch.optim.{hyper.torch_class.__name__} never keeps: it is another torch "
+                             "optimizer's state; pass the fdp.optim optimizer that matches it (state_from_torch "
+                             f"converts {', '.join(c.__name__ for c in _CONVERTED)} states)")
         if extra:
             raise ValueError(f"{name}: torch's state holds {extra} for {where}, which opt does not use "
                              f"(its fields: {list(fields)}): was torch's optimizer built with other "

@@ -33,7 +33,12 @@ Two backends:
   child starts with the parent's RNG state. Because the ranks are forked, the calling process
   must not have started autograd's worker threads: on CUDA builds of torch a
   ``torch.compile`` or a CUDA backward in the caller does, and the ranks' first backward
-  then fails (fdp's error says so); compile inside ``fn`` instead.
+  then fails (fdp's error says so); compile inside ``fn`` instead. Nor may another thread of
+  the caller be inside torch when it forks: a child inherits the locks that thread holds
+  (MKL's memory lock, freed by a thread in its teardown: the child spins in its first
+  matmul). ``run`` waits for its own thread ranks to be gone before forking; join threads
+  of your own that ran torch ops before calling it. A rank that never reports is asked for
+  its threads' Python stacks (SIGUSR1), which the error then shows.
 
 In both, an exception on any rank is re-raised here (same type, message prefixed with the
 rank, remote traceback attached), and nothing runs past ``timeout`` seconds: collectives

@@ -475,3 +475,24 @@ def test_a_meta_like_and_a_sharded_folder_given_to_load_are_named(tmp_path):
         fdp.load_sharded(tmp_path / "s", {"w": torch.empty(2, device="meta")})
     with pytest.raises(fdp.CheckpointError, match="is a sharded checkpoint .* fdp.load_sharded"):
         fdp.load(tmp_path / "s")
+
+
+def saved_training_state(group, path):
+    fdp.save(path, {"params": {"w": torch.arange(6.0)}, "opt": {"m": torch.ones(6)}, "step": 3,
+                    "rng": fdp.rng_state()}, group)
+
+
+def test_a_partial_load_reads_the_leaves_asked_for_on_any_world(tmp_path):
+    """The params of a training checkpoint (its optimizer state and per-rank RNG states from 2
+    ranks left out), on one rank: partial=True; without it, the message says so."""
+    path = str(tmp_path / "ckpt.pt")
+    fdp.testing.run(saved_training_state, 2, args=(path,))
+    like = {"params": {"w": torch.zeros(6)}}
+    with pytest.raises(fdp.CheckpointError, match=r"has a leaf \['opt'\]\['m'\], which the train state lacks "
+                                                  r"\(to load part of a checkpoint, pass partial=True\)"):
+        fdp.load(path, like, strict_world_size=False)
+    assert torch.equal(fdp.load(path, like, partial=True)["params"]["w"], torch.arange(6.0))
+    with pytest.raises(fdp.CheckpointError, match="per-rank state"):
+        fdp.load(path, {**like, "rng": fdp.rng_state()}, partial=True)
+    with pytest.raises(fdp.CheckpointError, match=r"has no leaf \['params'\]\['b'\]"):
+        fdp.load(path, {"params": {"w": torch.zeros(6), "b": torch.zeros(1)}}, partial=True)

@@ -683,3 +683,44 @@ def test_state_to_shards_reads_one_moment_even_when_saved_steps_later(tmp_path):
     for rank, (loaded, live) in enumerate(fdp.testing.run(shards_kept_across_steps, 2, args=(str(tmp_path / "c"),))):
         a, b = fdp._tree.leaves(loaded), fdp._tree.leaves(live)
         assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), f"rank {rank}"
+
+
+def partial_loads(group, folder):
+    """A training checkpoint (params as Shards, the optimizer state, a step count, per-rank RNG
+    states) saved on this world; only the params loaded back, on this world or as whole tensors."""
+    w = torch.arange(24.0).view(4, 6)
+    lo, hi = cut(24, group.size, group.rank)[0]
+    save_sharded(folder, {"params": {"w": Shard.of(w, [(lo, hi)])}, "opt": {"m": torch.ones(3)}, "step": 5,
+                          "rng": fdp.rng_state()}, group)
+    out = {}
+    try:
+        load_sharded(folder, {"params": {"w": torch.zeros(4, 6)}}, group)
+    except fdp.CheckpointError as e:
+        out["strict"] = str(e)
+    out["whole"] = load_sharded(folder, {"params": {"w": torch.zeros(4, 6)}}, group, partial=True)
+    out["mine"] = load_sharded(folder, {"params": {"w": Shard.of(torch.zeros(4, 6), [(lo, hi)])}, "step": 0},
+                               group, partial=True)
+    try:
+        load_sharded(folder, {"params": {"w": torch.zeros(4, 6), "b": torch.zeros(2)}}, group, partial=True)
+    except fdp.CheckpointError as e:
+        out["missing"] = str(e)
+    return out
+
+
+def test_partial_loads_read_only_the_leaves_asked_for(tmp_path):
+    """As DCP and orbax do: the params of a training checkpoint for evaluation or export,
+    without a like for the optimizer state; on another world size too, since the per-rank
+    RNG states are not asked for. A leaf asked for that the checkpoint lacks is still refused."""
+    out = fdp.testing.run(partial_loads, 2, args=(str(tmp_path),))
+    for o in out:
+        assert "which the train state lacks (to load part of a checkpoint, pass partial=True)" in o["strict"], o
+        assert torch.equal(o["whole"]["params"]["w"], torch.arange(24.0).view(4, 6))
+        assert o["mine"]["step"] == 5
+        assert "has no leaf ['params']['b']" in o["missing"], o["missing"]
+    (lo, hi), = cut(24, 2, 1)
+    assert torch.equal(out[1]["mine"]["params"]["w"].data, torch.arange(float(lo), float(hi)))
+    # on one rank (the checkpoint holds per-rank RNG states of two): only the params
+    one = load_sharded(tmp_path, {"params": {"w": torch.zeros(4, 6)}}, partial=True)
+    assert torch.equal(one["params"]["w"], torch.arange(24.0).view(4, 6))
+    with pytest.raises(fdp.CheckpointError, match="per-rank state"):
+        load_sharded(tmp_path, {"params": {"w": torch.zeros(4, 6)}, "rng": fdp.rng_state()}, partial=True)

@@ -196,7 +196,7 @@ def save_sharded(path: PathLike, tree: Any, group: Group | Any | None = None) ->
 
 
 def load_sharded(path: PathLike, like: Any, group: Group | Any | None = None, *,
-                 strict_world_size: bool | None = None) -> Any:
+                 strict_world_size: bool | None = None, partial: bool = False) -> Any:
     """Read a checkpoint written by ``save_sharded``: each rank the ranges ``like`` asks for.
 
     ``like`` has the saved tree's structure; each of its leaves says what this rank wants:
@@ -219,6 +219,10 @@ def load_sharded(path: PathLike, like: Any, group: Group | Any | None = None, *,
       strict_world_size: whether the checkpoint must come from a world of ``group.size``
         ranks: ``None`` (default) only if it holds per-rank state (``fdp.rng_state()``),
         ``True`` always, ``False`` never (as in ``fdp.load``).
+      partial: load only the leaves ``like`` has (``{"params": like_params}`` from a
+        training checkpoint, for evaluation or export): the others are not read, nor looked
+        at by the world-size check. Every leaf of ``like`` must still be in the checkpoint.
+        Default: the two trees must have the same leaves.
 
     Returns:
       A tree with ``like``'s structure and the checkpoint's values.
@@ -241,7 +245,7 @@ def load_sharded(path: PathLike, like: Any, group: Group | Any | None = None, *,
     error: BaseException | None = None
     out = None
     try:
-        out = _load(folder, like, group, strict_world_size, where)
+        out = _load(folder, like, group, strict_world_size, where, partial)
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
     failed = which_ranks(error is not None, group, f"{LOAD}({folder!r})")
@@ -363,7 +367,8 @@ def _remove_other_saves(folder: str, save_id: str) -> None:
 # ------------------------------------------------------------------------------ loading
 
 
-def _load(folder: str, like: Any, group: Group, strict_world_size: bool | None, where: str) -> Any:
+def _load(folder: str, like: Any, group: Group, strict_world_size: bool | None, where: str,
+          partial: bool = False) -> Any:
     paths, leaves, treedef = _tree.flatten_with_paths(like)
     refuse_meta(paths, leaves, where)
     saved = manifest.read(folder, where)
@@ -372,10 +377,11 @@ def _load(folder: str, like: Any, group: Group, strict_world_size: bool | None, 
         if p not in saved.leaves:
             raise CheckpointError(f"{where}: the checkpoint has no leaf {p}, which the train state has")
     for p in saved.leaves:
-        if p not in known:
-            raise CheckpointError(f"{where}: the checkpoint has a leaf {p}, which the train state lacks")
+        if p not in known and not partial:
+            raise CheckpointError(f"{where}: the checkpoint has a leaf {p}, which the train state lacks (to load "
+                                  "part of a checkpoint, pass partial=True)")
     if saved.world_size != group.size and strict_world_size is not False:
-        per_rank = [p for p, leaf in saved.leaves.items() if leaf.kind == "per_rank"]
+        per_rank = [p for p, leaf in saved.leaves.items() if leaf.kind == "per_rank" and p in known]
         if strict_world_size or per_rank:
             held = f"it holds per-rank state ({', '.join(per_rank[:3])})" if per_rank else "strict_world_size=True"
             raise CheckpointError(

@@ -100,7 +100,7 @@ def save(path: PathLike, tree: Any, group: Group | Any | None = None) -> None:
 
 def load(
     path: PathLike, like: Any = None, group: Group | Any | None = None, *,
-    strict_world_size: bool | None = None
+    strict_world_size: bool | None = None, partial: bool = False
 ) -> Any:
     """Read a checkpoint written by ``save`` into a tree shaped like ``like``.
 
@@ -126,6 +126,10 @@ def load(
         trees, one row per rank, which do not carry over to another size) or is a version-1
         file (which does not record it); params, buffers and optimizer state load into any
         world. ``True``: always (e.g. for per-rank values of your own). ``False``: never.
+      partial: load only the leaves ``like`` has, leaving the checkpoint's others unread
+        (``{"params": like_params}`` from a training checkpoint, for evaluation or export);
+        the world-size check then looks at those leaves only. Every leaf of ``like`` must
+        still be in the checkpoint. Default: the two trees must have the same leaves.
 
     Returns:
       A tree with ``like``'s structure and the checkpoint's values (plain tensors).
@@ -154,6 +158,10 @@ def load(
     if like is None:
         return _nested(path, saved["leaves"])
     per_rank = saved.get("per_rank")  # None in version 1: unknown
+    paths, leaves, treedef = _tree.flatten_with_paths(like)
+    known = set(paths)
+    if partial and per_rank:
+        per_rank = [p for p in per_rank if p in known]
     if saved["world_size"] != group.size and strict_world_size is not False:
         if strict_world_size or per_rank is None or per_rank:
             held = (f"it holds per-rank state ({', '.join(per_rank[:3])})" if per_rank else
@@ -165,15 +173,14 @@ def load(
                 "anyway; per-rank state such as RNG states will not fit)"
             )
     values = saved["leaves"]
-    paths, leaves, treedef = _tree.flatten_with_paths(like)
     refuse_meta(paths, leaves, "fdp.load")
     for p in paths:
         if p not in values:
             raise CheckpointError(f"fdp.load: {path} has no leaf {p}, which the train state has")
-    known = set(paths)
     for p in values:
-        if p not in known:
-            raise CheckpointError(f"fdp.load: {path} has a leaf {p}, which the train state lacks")
+        if p not in known and not partial:
+            raise CheckpointError(f"fdp.load: {path} has a leaf {p}, which the train state lacks (to load "
+                                  "part of a checkpoint, pass partial=True)")
     out = [_match(path, p, values[p], want) for p, want in zip(paths, leaves)]
     loaded = _tree.unflatten(treedef, out)
     check_loaded(loaded, like, f"fdp.load: {path}")

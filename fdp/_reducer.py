@@ -19,6 +19,7 @@ the next call.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -227,6 +228,7 @@ class Reducer:
             overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward),
             param_dtype=param_dtype)
         self._fused = Engines(self._config)
+        self._built_with_accumulate = 0  # grad_and_update(..., accumulate=) calls (the old recipe, warned once)
         with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
             self._use_plan(plan)
 
@@ -330,7 +332,10 @@ class Reducer:
             ``chain`` after gradient transforms (``clip_by_global_norm``, ``clip_by_value``, ...);
             docs/optim.md's table says which run fused.
           has_aux: as for ``grad``.
-          accumulate: local gradients of earlier micro-batches, added before averaging.
+          accumulate: local gradients of earlier micro-batches, added before averaging. Built
+            anew each step (a gradient tree summed per micro-batch outside the step) this is
+            the slow recipe, and a second such build warns once: make the step once and call
+            ``step.accumulate(params, *micro_batch)`` for each micro-batch but the last.
           donate: update the params in place (the tree passed in is consumed) instead of
             writing a second set of flat buffers.
           uneven: some ranks may run out of data before others (DDP's ``join``): every call
@@ -351,6 +356,16 @@ class Reducer:
         if self.tuning is not None and not self.tuning.frozen:
             raise RuntimeError("fdp.Reducer.grad_and_update: bucket_cap_mb='auto' has not chosen its caps yet; "
                                "run fdp.cost.calibrate(reducer, loss_fn, *args, optimizer=opt) first (the fused plan is built once)")
+        if accumulate is not None:
+            self._built_with_accumulate += 1
+            if self._built_with_accumulate == 2:
+                warnings.warn(
+                    "fdp.Reducer.grad_and_update(..., accumulate=) is built again: built each step, the "
+                    "micro-batches' gradient trees are summed outside the step, which runs much slower than "
+                    "DDP's no_sync loop. Make the step once and call step.accumulate(params, *micro_batch) for "
+                    "each micro-batch but the last, then step(params, opt_state, *last_micro_batch): the same "
+                    "numbers, added in place in the step's own buffers (docs/migrating-from-ddp.md)",
+                    UserWarning, stacklevel=2)
         return FusedStep(self._fused, self.plan, opt, fn, has_aux, accumulate, donate, uneven)
 
     def all_reduce(self, grads: Any, *, active: bool | None = None) -> Any:

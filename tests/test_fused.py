@@ -142,6 +142,7 @@ def accumulated(group, k=3):
     return fused, plain
 
 
+@pytest.mark.filterwarnings(r"ignore:fdp.Reducer.grad_and_update\(..., accumulate=\) is built again")  # (the old recipe, on purpose)
 def test_accumulated_micro_batches_update_as_the_plain_path():
     for rank, (fused, plain) in enumerate(fdp.testing.run(accumulated, 2)):
         for k in plain:
@@ -461,3 +462,23 @@ def test_with_accumulation_a_kept_leaf_is_never_overwritten_and_otherwise_two_se
     for i in range(6, 9):
         params, state = one(params, state, i)
     assert torch.equal(leaf, value), "a kept leaf of an earlier set was overwritten"
+
+
+def test_the_old_accumulation_recipe_built_each_step_warns_once():
+    """grad_and_update(..., accumulate=) built anew each step still gives the right numbers
+    (test_accumulated_micro_batches_update_as_the_plain_path) but is the slow recipe: the
+    second build warns once, naming step.accumulate; step.accumulate itself never warns."""
+    import warnings
+
+    apply, params, buffers = fdp.functionalize(mlp(seed=4))
+    loss = loss_of(apply, buffers)
+    reducer = fdp.Reducer(params)
+    acc = {k: torch.zeros_like(v) for k, v in params.items()}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1), accumulate=acc)
+        step = reducer.grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+        step.accumulate(params, *batch(0, 0))
+    mine = [w for w in seen if "step.accumulate(params, *micro_batch)" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in seen]

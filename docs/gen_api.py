@@ -55,6 +55,9 @@ import fdp
 OUTRO = """\
 ## Environment variables
 
+`python -m fdp.env` prints what fdp sees (versions, devices, the backend `fdp.init()` picks,
+the world, threads, kernels) and each of these with its value or default.
+
 * `FDP_DEBUG=1`: debug mode for every Reducer (a fingerprint check before each bucket
   collective and, with `shard="params"`, each unit's gather; see
   [concepts.md](concepts.md#debug-mode)).

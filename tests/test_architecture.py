@@ -126,7 +126,7 @@ LAYERS = [
     ("fdp._sources",),                                             # where params come from: deferred init, safetensors
     ("fdp._fused", "fdp.cost"),                                    # the fused step; the cost model
     ("fdp._reducer",),                                             # the Reducer
-    ("fdp", "fdp.testing", "fdp.viz", "fdp.bench"),                # the public face, tools
+    ("fdp", "fdp.testing", "fdp.viz", "fdp.bench", "fdp.env"),     # the public face, tools
 ]
 
 

@@ -56,6 +56,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -127,6 +128,7 @@ def run(
       >>> mean0, uneven0  # only rank 1 was active in the second call
       (tensor([0.5000, 0.5000, 0.5000]), tensor([1., 1., 1.]))
     """
+    __tracebackhide__ = True  # (pytest starts the report at the rank's error, not in this harness)
     if world_size < 1:
         raise ValueError(f"fdp.testing.run: world_size must be >= 1, got {world_size}")
     if backend == "threads":
@@ -199,11 +201,23 @@ class _Turns:
         return wrapped
 
 
+def _thread_stack(thread: threading.Thread) -> str:
+    """Where a rank thread is now (its Python stack, innermost last), as the gloo backend's
+    ``_silent_stacks`` says it for a process."""
+    frame = sys._current_frames().get(thread.ident)
+    if frame is None:
+        return "it had ended"
+    lines = traceback.format_stack(frame)
+    start = max((i + 1 for i, line in enumerate(lines) if __file__ in line and "in worker" in line), default=0)
+    return "its thread was at:\n" + "".join(lines[start:]).rstrip()  # (from the rank's fn on)
+
+
 def _with_kwargs(fn: Callable, kwargs: Mapping[str, Any] | None) -> Callable:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
 def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    __tracebackhide__ = True
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
     from torch.testing._internal.distributed.multi_threaded_pg import (
         ProcessLocalGroup,
@@ -272,6 +286,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
             stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+            where = {r: _thread_stack(threads[r]) for r in stuck}  # (before they are woken)
             if stuck:
                 ProcessLocalGroup.exception_handle(TimeoutError("fdp.testing.run timeout"))
                 for t in threads:
@@ -293,12 +308,20 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
             for r in sorted(real):
                 if r != rank:
                     exc.add_note(f"rank {r} also raised {type(real[r]).__name__}: {real[r]}")
+            for r in sorted(set(errors) - set(real)):
+                # torch's threaded group ends a rank blocked in a collective with SystemExit once
+                # another rank has failed: that is what it was doing, not an error of its own
+                exc.add_note(f"rank {r} was stopped in a collective, waiting for the failed rank "
+                             f"({type(errors[r]).__name__}: {errors[r]})")
             raise exc
         if stuck:
-            raise TimeoutError(
+            error = TimeoutError(
                 f"fdp.testing.run: rank(s) {stuck} of {world_size} did not finish within "
                 f"{timeout:g}s (a rank waiting for a collective that another rank never issued?)"
             )
+            for r in stuck:
+                error.add_note(f"rank {r}: {where[r]}")
+            raise error
         if errors:  # only SystemExit from terminated collectives: should not happen
             rank = min(errors)
             raise RuntimeError(f"[rank {rank}] terminated: {errors[rank]}")
@@ -377,6 +400,7 @@ def _settle(timeout: float = 2.0) -> None:
 
 
 def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
+    __tracebackhide__ = True
     _settle()  # (before forking: no thread of a threads run is still tearing down)
     ctx = mp.get_context("fork")
     # The rendezvous is a FileStore: it needs no server thread in this process. (A TCPStore

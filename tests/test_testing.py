@@ -65,14 +65,28 @@ def skip_collective_on_rank_1(group):
 # it, the first would wait for rank 0 and the second for rank 1 until pytest-timeout fails them.
 @pytest.mark.slow  # (1 s, the timeout)
 def test_skipped_collective_times_out_on_threads():
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]"):
+    """The waiting rank is named, and where it waits (its thread's stack from its fn on)."""
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]") as info:
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=1)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "rank 0: its thread was at:" in notes and "in skip_collective_on_rank_1" in notes, notes
+    assert "all_reduce(t, group, \"bucket 0\")" in notes, notes
 
 
 @pytest.mark.slow  # (3 s, the timeout)
 def test_skipped_collective_times_out_on_gloo():
     with pytest.raises((fdp.CollectiveError, TimeoutError), match=r"rank 0|\[0\]"):
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="gloo", timeout=3)
+
+
+def test_ranks_stopped_by_another_ranks_failure_are_named_in_the_error():
+    """Threads backend: the ranks torch's threaded group stops (SystemExit) when rank 2 fails
+    are listed in the error's notes, as on gloo."""
+    with pytest.raises(Boom) as info:
+        fdp.testing.run(fail_on_rank_2, 3, backend="threads", timeout=10)
+    notes = getattr(info.value, "__notes__", [])
+    stopped = [n for n in notes if "was stopped in a collective, waiting for the failed rank" in n]
+    assert len(stopped) == 2 and "rank 0" in stopped[0] and "rank 1" in stopped[1], notes
 
 
 def test_threads_world_can_run_again_after_a_failure():

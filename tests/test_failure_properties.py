@@ -11,7 +11,7 @@ error one of fdp's named ones (or the injected one, on rank 1 only).
 
 import pytest
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from models import Block, FailOnce, block_net, tokens
 from test_compositions import TransformFault
@@ -144,6 +144,10 @@ def check(spec):
 
 @settings(max_examples=4)
 @given(SPECS)
+# Found by this test: a rank restored at a call given micro-batches (which every rank then
+# discards, raising) kept the stale params it had passed in, when the step had copied them in.
+@example({"kind": "replicated", "micro": 2, "clip": True, "wrapper": "adamw", "where": "update", "cycle": 0, "j": 0,
+          "checkpoint": False})
 def test_failures_anywhere_equal_the_run_without_the_failed_piece(spec):
     check(spec)
 

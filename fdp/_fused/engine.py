@@ -207,7 +207,7 @@ class Engine:
             lost, acc.lost = acc.lost, None
             src, dst = self._sets(params, donate)
             if owed is not None:
-                self.repair(owed, src, state, given=given is not None)
+                self.repair(owed, src, state, given=given is not None, inputs=params)
             run = Run(self.buckets, mode, program, layout, state, src, dst, kind="grad", acc=given, acc_owned=owned,
                       scale=self.machine.scale_for(n), active=active is None or bool(active))
 
@@ -261,7 +261,7 @@ class Engine:
             glist = self.plan.leaves_of(grads, f"{self.name} grads") if is_active else None
             src, dst = self._sets(params, donate)
             if owed is not None:
-                self.repair(owed, src, state, given=True)
+                self.repair(owed, src, state, given=True, inputs=params)
             if self.acc.count:
                 raise ValueError(f"{self.name}: step.accumulate(...) was called before step.update, which takes "
                                  "gradients computed any other way: accumulate into those instead")
@@ -294,7 +294,8 @@ class Engine:
             self.refusal = status_failed("the last step", e)
             raise
 
-    def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState, given: bool) -> None:
+    def repair(self, owed: tuple[int, list[int]], src: ParamSet, state: FusedState, given: bool,
+               inputs: Any = None) -> None:
         """Step ``n``'s update failed on the ranks ``failed`` after the others had made theirs
         (``owed``; its status, left in flight by ``Run.close``, was read at the start of this
         call): every rank's inputs to this call, the params in ``src`` and the optimizer
@@ -306,7 +307,11 @@ class Engine:
         Gradients this call was given (``given``: accumulated micro-batches, ``accumulate=``,
         ``step.update``'s) were computed by the failed ranks from params the others did not
         have: when any rank has some, every rank discards them after restoring and raises
-        (one more small all-reduce decides it), and the next call goes on."""
+        (one more small all-reduce decides it), and the next call goes on. The caller keeps
+        the params it passed then (this call returns nothing): when they are not views of
+        ``src`` (the params the step was first given, copied in), the restored values are
+        written into them too (``inputs``: the params this call was given), so the next
+        call starts from rank ``source``'s params on every rank."""
         n, failed = owed
         group, steps = self.group, self.config.steps
         steps.owed = None
@@ -344,6 +349,11 @@ class Engine:
         log.warning("%s: the update of step %d failed on rank(s) %s after the others had made theirs; their params "
                     "and optimizer state are restored from rank %d's", self.name, n, failed, source)
         if count_ranks(given, group, f"{what}: ranks given gradients"):
+            if inputs is not None:
+                leaves = self.plan.leaves_of(inputs, f"{self.name} params")
+                if not src.holds(leaves):
+                    with torch.no_grad():
+                        torch._foreach_copy_(leaves, src.inner(self.plan))
             raise CollectiveError(
                 f"fdp: {self.name}: the update of step {n} failed on rank(s) {failed} after the others had made theirs; "
                 f"every rank's params and optimizer state are now rank {source}'s (this is rank {group.rank}). The "

@@ -48,8 +48,8 @@ def full(params):
     return params.full() if isinstance(params, fdp.ShardedParams) else {k: v.clone() for k, v in params.items()}
 
 
-def micro_batch_fails(group, kind, failed_run):
-    """Two cycles of three micro-batches; in the first, rank 1's second micro-batch fails in
+def micro_batch_fails(group, kind, failed_run, which=1):
+    """Two cycles of three micro-batches; in the first, rank 1's micro-batch ``which`` fails in
     its backward (``failed_run``) or is fed with its loss times zero (the reference: the same
     collectives, a zero gradient added)."""
     step, params, state = make_step(group, kind)
@@ -57,7 +57,7 @@ def micro_batch_fails(group, kind, failed_run):
     for cycle in range(2):
         for j in range(2):
             x, y = tokens(group.rank, 10 * cycle + j)
-            hit = cycle == 0 and j == 1 and group.rank == 1
+            hit = cycle == 0 and j == which and group.rank == 1
             if hit and failed_run:
                 FailOnce.arm()
                 try:
@@ -72,11 +72,14 @@ def micro_batch_fails(group, kind, failed_run):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_micro_batch_whose_backward_fails_adds_nothing(kind):
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_micro_batch_whose_backward_fails_adds_nothing(kind, which):
     """The failed micro-batch's backward had reached most leaves before it raised; the sum is
-    the one without it, bit for bit (before: the leaves it reached stayed added)."""
-    failed = fdp.testing.run(micro_batch_fails, 2, backend="gloo", timeout=120, args=(kind, True))
-    clean = fdp.testing.run(micro_batch_fails, 2, backend="gloo", timeout=120, args=(kind, False))
+    the one without it, bit for bit (before: the leaves it reached stayed added). The first
+    micro-batch too: with fully sharded params the failed rank issues the gathers the others
+    still expect of it (before: they waited for the timeout)."""
+    failed = fdp.testing.run(micro_batch_fails, 2, backend="gloo", timeout=120, args=(kind, True, which))
+    clean = fdp.testing.run(micro_batch_fails, 2, backend="gloo", timeout=120, args=(kind, False, which))
     assert failed[1][0] == ["injected failure in the backward"], failed[1][0]
     for rank in range(2):
         assert_trees_equal(failed[rank][1], clean[rank][1], f"{kind}, rank {rank}")

@@ -140,7 +140,9 @@ def in_fork(fn, *args, timeout: float = 300):
         finally:
             os._exit(0)
 
-    proc = ctx.Process(target=child, daemon=True)
+    # (not daemonic: a block may start processes itself, as fdp.testing's gloo ranks; it is
+    # killed below when it outlives the timeout)
+    proc = ctx.Process(target=child, daemon=False)
     proc.start()
     send.close()
     try:
@@ -183,7 +185,7 @@ def as_torchrun(fn, world_size: int, *args, timeout: float = 240) -> list:
             finally:
                 os._exit(0)
 
-        procs.append(ctx.Process(target=child, daemon=True))
+        procs.append(ctx.Process(target=child, daemon=False))  # (as in in_fork)
         procs[-1].start()
         send.close()
         pipes.append(recv)

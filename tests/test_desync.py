@@ -39,7 +39,7 @@ def test_ranks_waiting_on_different_collectives_are_named_after_the_stall_not_th
     assert "Named after 2s of waiting (FDP_STALL_S)" in msg, msg
 
 
-def fully_sharded(group, case):
+def fully_sharded(group, case, debug=True):
     net = block_net(seed=3)
     if case == "branch":  # a data-dependent branch: rank 1 skips the second block
         def forward(x):
@@ -50,7 +50,7 @@ def fully_sharded(group, case):
             return net.head(net.ln(x))
         net.forward = forward
     apply, params, buffers = fdp.functionalize(net)
-    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block), debug=True)
+    reducer = fdp.Reducer(params, group, shard="params", units=fdp.units(net, Block), debug=debug)
     step = reducer.grad_and_update(
         lambda p, x, y: F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()), fdp.optim.adamw(lr=1e-2))
     params = step.shard(params)
@@ -74,3 +74,15 @@ def test_debug_names_a_unit_gathered_on_some_ranks_only_before_its_gather(case):
             assert "for the backward of its call 1: a step" in msg and "blocks." in msg, msg
         else:
             assert ("call 3: step.accumulate" in msg) != ("call 3: a step" in msg), msg
+
+
+@pytest.mark.slow  # (waits for the run's 8 s timeout)
+def test_without_debug_a_unit_gathered_on_some_ranks_only_ends_at_the_timeout_naming_the_unit_and_the_way():
+    """Gloo's point-to-point gathers pair by unit, so without debug the rank waiting for a
+    unit the other skipped waits for the timeout; its error names the unit, the call, and
+    FDP_DEBUG as the way to have it named before the gather."""
+    with pytest.raises((fdp.CollectiveError, TimeoutError)) as info:
+        fdp.testing.run(fully_sharded, 2, backend="gloo", timeout=8, args=("branch", False))
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert "all-gather of unit blocks." in text and "of its call 1: a step" in text, text
+    assert "FDP_DEBUG=1 (or Reducer(debug=True)) names such a call before its gather" in text, text

@@ -47,6 +47,7 @@ from .. import _internals, _tree
 from .._comm.agree import check_collective
 from .._comm.collectives import DONE, exchange, wait
 from .._comm.group import Group
+from .._errors import CollectiveError
 from .._plan.bucket import BucketPlan, contiguous_strides
 from .._slices.exchange import Scatter
 from .._slices.geometry import Slices
@@ -416,7 +417,16 @@ class Units:
         work, self.works[b] = self.works[b], None
         self.state[b] = UnitState.UNSHARDED  # (allocated: freed by ``end`` even when the wait fails)
         waited = time.perf_counter()
-        wait(work, self.group, self._what(b, self.count[b]))
+        try:
+            wait(work, self.group, self._what(b, self.count[b]))
+        except CollectiveError as e:
+            if not self.debug:
+                e.add_note(
+                    "fdp: a unit's gather pairs with the same unit's gather on the other ranks: a rank that never "
+                    "gathers it (a branch that skips the unit on some ranks, fewer step.accumulate calls than the "
+                    "others, a call skipped after an error) leaves the others waiting here until the timeout. "
+                    "FDP_DEBUG=1 (or Reducer(debug=True)) names such a call before its gather, on every rank.")
+            raise
         if self.scatter is not None:
             with _internals.outside_transforms():
                 self.scatter.gathered(b)

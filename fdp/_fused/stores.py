@@ -307,10 +307,11 @@ class UnitStore:
 
     def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
                    kwargs: dict) -> Any:
-        """This rank's gradients added in place into whole per-leaf accumulation buffers (the sum
-        of the micro-batches, unsharded until the step averages it: the numbers of DDP's
-        ``no_sync``, at the memory of one set of gradients), each unit gathered and freed as in
-        a step."""
+        """This rank's gradients added into whole per-leaf accumulation buffers (the sum of the
+        micro-batches, unsharded until the step averages it: the numbers of DDP's ``no_sync``),
+        each unit gathered and freed as in a step. The sum takes one set of gradients; after
+        the first micro-batch, each leaf's new sum is written beside the old one until the
+        backward completes (a failed micro-batch adds nothing), so up to two sets at the peak."""
         self._check_idle(f"{self.name}.accumulate")
         units, plan = self.units, self.plan
         with autograd_on():

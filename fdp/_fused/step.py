@@ -259,7 +259,9 @@ class FusedStep:
         With fully sharded params (``shard="params"``) the gradients are not communicated but
         the params are: each unit is all-gathered for the micro-batch's forward and backward,
         as in a step, so ``accumulate`` is a collective there: every rank must call it the same
-        number of times (the sum is kept whole, unsharded, until the step averages it).
+        number of times (the sum is kept whole, unsharded, until the step averages it; after
+        the first micro-batch the new sums are written beside the old ones until the backward
+        completes, so up to two sets of whole gradients at the peak).
         """
         engine, _, _, _ = self._bind(params)
         return engine.accumulate(self.fn, self.has_aux, params, rest, kwargs)

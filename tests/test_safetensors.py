@@ -14,8 +14,9 @@ from trees import assert_trees_equal
 import fdp
 
 
-def trained(group, folder, max_shard_size):
-    """GPT-2 trained 2 steps fully sharded, written to ``folder``; returns the whole params."""
+def trained_gpt2(group):
+    """GPT-2 trained 2 steps fully sharded, its module then moved to meta: ``(the module,
+    apply, buffers, the ShardedParams)``."""
     model, block = MODELS["gpt2"]()
     apply, params, buffers = fdp.functionalize(model)
     step = fdp.Reducer(params, group, shard="params", units=fdp.units(model, block)).grad_and_update(
@@ -25,6 +26,12 @@ def trained(group, folder, max_shard_size):
     model.to("meta")
     for i in range(2):
         params, state, _ = step(params, state, *batch(group.rank, i))
+    return model, apply, buffers, params
+
+
+def trained(group, folder, max_shard_size):
+    """GPT-2 trained 2 steps fully sharded, written to ``folder``; returns the whole params."""
+    *_, params = trained_gpt2(group)
     files = fdp.save_safetensors(folder, params, max_shard_size=max_shard_size, metadata={"step": "2"})
     return files, params.full()
 
@@ -128,15 +135,7 @@ def test_a_write_that_fails_on_rank_0_is_raised_on_every_rank_and_nothing_hangs(
 def generate(group):
     """GPT-2 trained fully sharded, then HF's generate run on the module with the sharded
     params bound (every rank the same calls), beside the whole params."""
-    model, block = MODELS["gpt2"]()
-    apply, params, buffers = fdp.functionalize(model)
-    step = fdp.Reducer(params, group, shard="params", units=fdp.units(model, block)).grad_and_update(
-        lm_loss(apply, buffers), fdp.optim.adamw(lr=1e-2))
-    state = step.init(params)
-    params = step.shard(params)
-    model.to("meta")
-    for i in range(2):
-        params, state, _ = step(params, state, *batch(group.rank, i))
+    model, apply, buffers, params = trained_gpt2(group)
     prompt = batch(0, 0)[0][:1, :4]
     with apply.eval().bound(params, buffers) as m:
         sharded = m.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -76,6 +76,11 @@ def collective_error(group: Group, what: str, exc: BaseException, seen: str = ""
     )
 
 
+def _outlive(work: Any, group: Group) -> None:
+    """A collective given up on stays referenced until it can no longer touch its tensors."""
+    keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+
+
 def wait(work: Any, group: Group, what: str) -> None:
     """Wait for ``work`` within the group's timeout; raise ``CollectiveError`` naming ``what``.
     On gloo, a wait that stalls compares with the other ranks' (``fdp._comm.stall``): a rank
@@ -86,7 +91,7 @@ def wait(work: Any, group: Group, what: str) -> None:
         elif group.backend == "gloo" and isinstance(work, dist.Work) and not work.is_completed():
             sighting = watch(work, group, what)
             if sighting is not None:
-                keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+                _outlive(work, group)
                 raise collective_error(group, what, TimeoutError(
                     f"not done after {group.timeout.total_seconds():g}s"), sighting.hint())
         else:
@@ -95,7 +100,7 @@ def wait(work: Any, group: Group, what: str) -> None:
         raise
     except Stalled as s:
         rank, theirs, since = s.args
-        keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+        _outlive(work, group)
         mark_failed()
         raise CollectiveError(
             f"fdp: the ranks issued different collectives: rank {group.rank} of {group.size} waits on {what}, "
@@ -106,7 +111,7 @@ def wait(work: Any, group: Group, what: str) -> None:
             "timeout.") from None
     except Exception as e:
         if group.backend != "threaded":  # threads share this process: nothing outlives it
-            keep_until_exit(work, max(group.timeout, pg_timeout(group.process_group, group.device)))
+            _outlive(work, group)
         raise collective_error(group, what, e) from e
 
 

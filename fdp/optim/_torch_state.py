@@ -50,12 +50,12 @@ def _parts(opt: Any, name: str) -> tuple[tuple, Optimizer]:
 
 # The torch.optim classes whose states convert, and every per-parameter field each may keep
 # with any of its hyper-parameters (a field outside these is another optimizer's state).
-_CONVERTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop)
 _FIELDS = {torch.optim.SGD: {"momentum_buffer"},
            torch.optim.Adam: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
            torch.optim.AdamW: {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
            torch.optim.Adagrad: {"step", "sum"},
            torch.optim.RMSprop: {"step", "square_avg", "momentum_buffer", "grad_avg"}}
+_CONVERTED = tuple(_FIELDS)
 
 
 def _describe(keys: list[Any], idx: Sequence[int]) -> str:

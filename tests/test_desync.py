@@ -2,10 +2,12 @@
 gloo collectives that stall compare where every rank waits (``FDP_STALL_S``, through the
 group's store), and with ``debug`` a fully sharded step fingerprints each unit gather, so a
 unit called on some ranks only, or a step paired with another rank's ``step.accumulate``,
-is named before it is issued. Real gloo ranks, each run with a 60 s timeout: a desync that
+is named before it is issued; without ``debug`` a watchdog thread compares the stalled
+gathers (point to point on gloo) and names them within seconds. Real gloo ranks, each run with a 60 s timeout: a desync that
 were only caught by the timeout would fail these tests on its message."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -55,6 +57,9 @@ def fully_sharded(group, case, debug=True):
         lambda p, x, y: F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()), fdp.optim.adamw(lr=1e-2))
     params = step.shard(params)
     state = step.init(params)
+    if case == "sleep" and group.rank == 1:  # computes (here: sleeps) instead of joining the step
+        time.sleep(12)
+        return "slept"
     try:
         if case == "uneven":  # rank 0 feeds three micro-batches, rank 1 two
             for j in range(3 if group.rank == 0 else 2):
@@ -76,13 +81,43 @@ def test_debug_names_a_unit_gathered_on_some_ranks_only_before_its_gather(case):
             assert ("call 3: step.accumulate" in msg) != ("call 3: a step" in msg), msg
 
 
+def named_without_debug(group, case):
+    os.environ["FDP_STALL_S"] = "2"
+    t0 = time.monotonic()
+    try:
+        return fully_sharded(group, case, debug=False)
+    except fdp.CollectiveError as e:
+        return time.monotonic() - t0, str(e)
+
+
+@pytest.mark.parametrize("case", ["branch", "uneven"])
+def test_without_debug_a_unit_gathered_on_some_ranks_only_is_named_within_seconds_on_every_rank(case):
+    """Gloo's point-to-point gathers pair by unit and cannot be waited for in pieces: the
+    watchdog thread compares the stalled gather with the other rank's wait and ends it. Both
+    ranks raise naming the two collectives (the rank that found them first, or both), long before
+    the 48 s timeout (the 60 s run's)."""
+    out = fdp.testing.run(named_without_debug, 2, backend="gloo", timeout=60, args=(case,))
+    for rank, got in enumerate(out):
+        assert isinstance(got, tuple), (rank, got)
+        seconds, msg = got
+        assert "the ranks issued different collectives" in msg, (rank, msg)
+        assert "Named after 2s of waiting (FDP_STALL_S), not at the 48s timeout" in msg, msg
+        assert seconds < 30, (rank, seconds, msg)
+        if case == "branch":  # rank 1 skipped blocks.1: it waits for blocks.0's backward gather
+            assert "all-gather of unit blocks.1's params (bucket 2, for the backward of its call 1: a step)" in msg, msg
+            assert "all-gather of unit blocks.0's params (bucket 3, for the backward of its call 1: a step)" in msg, msg
+        else:  # rank 1's step waits on its gradients; rank 0's step (its call 4) on a gather
+            assert "for the forward of its call 4: a step" in msg, msg
+
+
 @pytest.mark.slow  # (waits for the run's 8 s timeout)
-def test_without_debug_a_unit_gathered_on_some_ranks_only_ends_at_the_timeout_naming_the_unit_and_the_way():
-    """Gloo's point-to-point gathers pair by unit, so without debug the rank waiting for a
-    unit the other skipped waits for the timeout; its error names the unit, the call, and
-    FDP_DEBUG as the way to have it named before the gather."""
+def test_without_debug_a_gather_the_other_rank_never_joins_ends_at_the_timeout_naming_the_unit_and_the_way():
+    """A rank that waits in no collective cannot be told from a slow one: the gather waits for
+    the timeout, and its error names the unit and the call, what the stall check saw (the
+    other rank never waited), and FDP_DEBUG."""
     with pytest.raises((fdp.CollectiveError, TimeoutError)) as info:
-        fdp.testing.run(fully_sharded, 2, backend="gloo", timeout=8, args=("branch", False))
+        fdp.testing.run(fully_sharded, 2, backend="gloo", timeout=8, args=("sleep", False))
     text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
-    assert "all-gather of unit blocks." in text and "of its call 1: a step" in text, text
+    assert "all-gather of unit" in text and "of its call 1: a step" in text, text
+    assert "never waited in a collective of this group" in text, text
     assert "FDP_DEBUG=1 (or Reducer(debug=True)) names such a call before its gather" in text, text

@@ -18,7 +18,7 @@ from .._errors import CollectiveError
 from .._log import debug_mode
 from .group import Group, pg_timeout
 from .lifetime import RECENT, SMALL_BYTES, keep_until_exit, mark_failed
-from .stall import Stalled, stall_seconds, watch
+from .stall import Stalled, named_desync, stall_seconds, watch
 
 
 class Done:
@@ -88,8 +88,8 @@ def wait(work: Any, group: Group, what: str) -> None:
     try:
         if group.backend == "threaded":
             work.wait()  # the threaded test PG has no timed wait; run() enforces its deadline
-        elif group.backend == "gloo" and isinstance(work, dist.Work) and not work.is_completed():
-            sighting = watch(work, group, what)
+        elif group.backend == "gloo" and isinstance(work, (dist.Work, Batch)) and not work.is_completed():
+            sighting = watch(work, group, what, timed=not isinstance(work, Batch))
             if sighting is not None:
                 _outlive(work, group)
                 raise collective_error(group, what, TimeoutError(
@@ -102,17 +102,24 @@ def wait(work: Any, group: Group, what: str) -> None:
         rank, theirs, since = s.args
         _outlive(work, group)
         mark_failed()
-        raise CollectiveError(
-            f"fdp: the ranks issued different collectives: rank {group.rank} of {group.size} waits on {what}, "
-            f"while rank {rank} has waited {since:.0f}s on {theirs}. Neither can finish: look at what the ranks ran "
-            "before (a unit or a branch called on some ranks only, a different number of micro-batches or steps "
-            "per rank, a call skipped after an error on one rank). Named after "
-            f"{stall_seconds():g}s of waiting (FDP_STALL_S), not at the {group.timeout.total_seconds():g}s "
-            "timeout.") from None
+        raise CollectiveError(_desync(group, f"rank {group.rank} of {group.size} waits on {what}, while rank {rank} "
+                                             f"has waited {since:.0f}s on {theirs}")) from None
     except Exception as e:
         if group.backend != "threaded":  # threads share this process: nothing outlives it
             _outlive(work, group)
+        found = named_desync(group)
+        if found:  # (the rank that found it left the group: this collective failed as it closed)
+            mark_failed()
+            raise CollectiveError(_desync(group, f"{found}; then {what} failed on rank {group.rank} of {group.size} "
+                                                 f"as the group closed ({str(e).split('. ')[0]})")) from e
         raise collective_error(group, what, e) from e
+
+
+def _desync(group: Group, which: str) -> str:
+    return (f"fdp: the ranks issued different collectives: {which}. Neither can finish: look at what the ranks ran "
+            "before (a unit or a branch called on some ranks only, a different number of micro-batches or steps per "
+            f"rank, a call skipped after an error on one rank). Named after {stall_seconds():g}s of waiting "
+            f"(FDP_STALL_S), not at the {group.timeout.total_seconds():g}s timeout.")
 
 
 def all_reduce(t: torch.Tensor, group: Group, what: str, *, async_op: bool = False, op: str = "sum") -> Any:

@@ -420,11 +420,12 @@ class Units:
         try:
             wait(work, self.group, self._what(b, self.count[b]))
         except CollectiveError as e:
-            if not self.debug:
+            if not self.debug and "issued different collectives" not in str(e):
                 e.add_note(
                     "fdp: a unit's gather pairs with the same unit's gather on the other ranks: a rank that never "
                     "gathers it (a branch that skips the unit on some ranks, fewer step.accumulate calls than the "
-                    "others, a call skipped after an error) leaves the others waiting here until the timeout. "
+                    "others, a call skipped after an error) leaves the others waiting here; when that rank waits "
+                    "in another collective meanwhile, FDP_STALL_S names both, otherwise the timeout ends it. "
                     "FDP_DEBUG=1 (or Reducer(debug=True)) names such a call before its gather, on every rank.")
             raise
         if self.scatter is not None:

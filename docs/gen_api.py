@@ -106,6 +106,7 @@ NOT_CONSTRUCTED: dict[str, str | None] = {
     "fdp.BucketPlan": None,  # built with BucketPlan.build
     "fdp.ShardedParams": None,  # returned by a fully sharded step (and FusedStep.shard)
     "fdp.StepMemory": None,  # returned by FusedStep.memory
+    "fdp.optim.Inspection": None,  # returned by fdp.optim.inspect and FusedStep.inspect
     "fdp.DeferredInit": None,  # returned by fdp.deferred_init
     "fdp.SafetensorsParams": None,  # returned by fdp.safetensors_params
 }

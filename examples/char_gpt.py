@@ -220,8 +220,9 @@ for step in range(start, args.steps):
 
     done = step + 1
     if group.is_main and (step % 25 == 0 or done == args.steps):
-        print(f"step {done:5d}  loss {loss.item() * k:.4f}  grad norm "
-              f"{float(opt_state.transforms[0].norm):.3f}", flush=True)
+        info = fused.inspect(opt_state)  # the lr, the clip's norm, ... of this step (no collective)
+        print(f"step {done:5d}  loss {loss.item() * k:.4f}  grad norm {info.clip_norm:.3f}  lr {info.lr:.2e}",
+              flush=True)
     if done % args.eval_every == 0 or done == args.steps:
         val = evaluate(params, buffers)
         if group.is_main:

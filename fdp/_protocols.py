@@ -8,6 +8,8 @@
   the tree of their leaves' shapes and dtypes that masks and ``opt.init`` read.
 * ``ParamSource``: params read a few leaves at a time (a deferred init, a safetensors
   checkpoint): a fully sharded step cuts them unit by unit, so no rank holds the whole model.
+* ``FlatOptState``: an optimizer state kept flat per bucket (``FusedState``), which
+  ``fdp.optim.inspect`` reads without ``fdp.optim`` importing the fused step.
 * ``Unsaveable``, ``PerRank``, ``ChecksLoad``: what a state tells ``fdp.save``/``fdp.load``
   about itself (a sharded ``FusedState`` is one rank's slices; an ``RngState`` holds a row
   per rank; a ``FusedState`` knows the layout it fits).
@@ -99,6 +101,17 @@ class ChecksLoad(Protocol):
     def check_load(self, like: Any) -> str | None: ...
 
 
+@runtime_checkable
+class FlatOptState(Protocol):
+    """An optimizer state kept flat per bucket (the fused step's ``FusedState``): its count,
+    its chain's transforms' states, and an injected optimizer's values (None: none)."""
+
+    step: torch.Tensor
+    buffers: dict
+    transforms: tuple
+    hyperparams: dict | None
+
+
 def template_of(params: Any) -> Any:
     """``params``, or the template of params that give one (``HasTemplate``)."""
     return params.template() if type(params) is not dict and isinstance(params, HasTemplate) else params
@@ -111,5 +124,5 @@ def units_of(params: Any) -> UnitsView | None:
     return params.units_view()
 
 
-__all__ = ["ChecksLoad", "Engine", "GathersUnits", "HasTemplate", "ParamSource", "PerRank", "Reach", "StepKind", "Unsaveable",
+__all__ = ["ChecksLoad", "Engine", "FlatOptState", "GathersUnits", "HasTemplate", "ParamSource", "PerRank", "Reach", "StepKind", "Unsaveable",
            "UnitsView", "template_of", "units_of"]

@@ -24,7 +24,7 @@ from .._step.autodiff import autograd_on
 from .._step.config import StepConfig
 from .._step.record import StepRecord
 from .._units.params import ShardedParams, average_slices, shards_of
-from ..optim import Optimizer, ema_params
+from ..optim import Inspection, Optimizer, ema_params, inspect
 from ..optim._flat import split_chain
 from . import eager
 from .engine import Engine, StepMemory
@@ -374,6 +374,23 @@ class FusedStep:
             raise RuntimeError(f"{NAME}: step.memory() before the step was bound to its params (call step.init "
                                "or the step first)")
         return engine.memory()
+
+    def inspect(self, opt_state: FusedState, *, next_update: bool = False) -> Inspection:
+        """What the last step did, for logging: ``fdp.optim.inspect(step.opt, opt_state)`` (the
+        count, the lr and other hyper-parameters per label, the clip's norm, the loss scale, the
+        EMA's decay) with the last call's ``finite`` verdict and the Reducer's count of steps
+        skipped as non-finite. Reads scalars every rank holds: no gather, also sharded.
+
+        Example::
+
+            params, opt_state, loss = step(params, opt_state, x, y)
+            info = step.inspect(opt_state)
+            log({"loss": float(loss), **info.scalars()}, step=info.step)
+        """
+        info = inspect(self.opt, opt_state, next_update=next_update)
+        last = self._last
+        return info._replace(finite=None if last is None else last.finite,
+                             skipped=self._engines.config.steps.nonfinite)
 
     @property
     def last_step(self) -> StepRecord | None:

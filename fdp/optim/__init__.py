@@ -47,6 +47,8 @@ from ._hyperparams import hyperparams as hyperparams
 from ._inject import InjectHyperparamsState as InjectHyperparamsState
 from ._inject import inject_hyperparams as inject_hyperparams
 from ._inject import set_hyperparams as set_hyperparams
+from ._inspect import Inspection as Inspection
+from ._inspect import inspect as inspect
 from ._lion import LionState as LionState
 from ._lion import lion as lion
 from ._loss_scale import LossScaleState as LossScaleState
@@ -90,6 +92,7 @@ __all__ = [
     "GradientTransform",
     "Hyperparams",
     "InjectHyperparamsState",
+    "Inspection",
     "LeafKernel",
     "LionState",
     "LossScaleState",
@@ -119,6 +122,7 @@ __all__ = [
     "global_scale",
     "hyperparams",
     "inject_hyperparams",
+    "inspect",
     "lion",
     "loss_scale",
     "multi_steps",

@@ -73,6 +73,10 @@ class Form(NamedTuple):
         ``None`` otherwise.
       unfused: for fdp's optimizers the fused step cannot run, why, and what to use instead
         (the fused step's refusal says it); ``None`` otherwise.
+      wraps: for a wrapper that keeps another optimizer's state inside its own
+        (``multi_steps``), that optimizer (what ``fdp.optim.inspect`` reads on); ``None`` otherwise.
+      about: ``(name, value)`` pairs ``fdp.optim.inspect`` reports as they are (``ema``'s
+        ``("ema_decay", decay)``).
     """
 
     leaf_kernel: LeafKernel | None = None
@@ -81,6 +85,8 @@ class Form(NamedTuple):
     partition: Any = None  # a Partitioned (fdp/optim/_transforms.py)
     bind: Callable[[Any], Optimizer] | None = None  # inject_hyperparams (fdp/optim/_inject.py)
     unfused: str | None = None
+    wraps: Any = None  # an Optimizer (multi_steps)
+    about: tuple = ()
 
 
 NO_FORM = Form()

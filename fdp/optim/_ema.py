@@ -335,7 +335,7 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
                 return params, ChainState(new.transforms, state.optimizer)
             return params, ChainState(new.transforms, join(state.optimizer, new.optimizer, info, params))
 
-        return Optimizer(init, update, Form(parts=(*opt.form.parts[:-1], ema_last)))
+        return Optimizer(init, update, Form(parts=(*opt.form.parts[:-1], ema_last), about=(('ema_decay', decay),)))
 
     def init(params: Any) -> Any:
         return wrap(opt.init(params), params)
@@ -362,7 +362,7 @@ def ema(opt: Optimizer, decay: float = 0.999, *, donate: bool = False) -> Optimi
     if part is not None:  # the fused step runs each label's optimizer: each label averages its own
         partitioned = part._replace(optimizers={label: ema(o, decay, donate=donate) if averaged[label] else o
                                                 for label, o in part.optimizers.items()})
-    return Optimizer(init, update, Form(kernel, hyper=opt.form.hyper, partition=partitioned))
+    return Optimizer(init, update, Form(kernel, hyper=opt.form.hyper, partition=partitioned, about=(('ema_decay', decay),)))
 
 
 def ema_params(state: Any, params: Any) -> Any:

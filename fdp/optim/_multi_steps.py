@@ -151,7 +151,7 @@ def multi_steps(opt: Optimizer, every_k_schedule: int | Callable[[int], int], us
         "step accumulates them itself, in its flat buffers: call step.accumulate(params, *batch) for each "
         "micro-batch but the last and the step for the last, with the optimizer multi_steps wraps (it sums "
         "the micro-batches' gradients, as use_grad_mean=False does, and averages them over the ranks); or use "
-        "reducer.grad and opt.update")))
+        "reducer.grad and opt.update"), wraps=opt))
 
 
 def _check_k(k: Any, name: str) -> int:

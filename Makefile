@@ -15,11 +15,15 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadf
 
 .PHONY: demo test quick perf lint bench clean
 
+# -qq: the installer's errors only. (setuptools prints an "Editable installation" notice for
+# every editable install, a warning block pip shows at -q; the project's output is the tests'.)
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,viz,examples]' ruff
-	touch $(STAMP)
+	@echo "make: installing fdp (editable), the CPU torch of constraints.txt and the test tools into $(VENV) (first run only)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -qq --upgrade pip
+	@$(PY) -m pip install -qq -c constraints.txt -e '.[test,viz,examples]' ruff
+	@touch $(STAMP)
+	@echo "make: installed: $$($(PY) -c 'import torch, fdp; print("torch", torch.__version__, "| fdp", fdp.__version__)')"
 
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_mlp.py

@@ -43,7 +43,13 @@ Two backends:
 In both, an exception on any rank is re-raised here (same type, message prefixed with the
 rank, remote traceback attached), and nothing runs past ``timeout`` seconds: collectives
 get the timeout, and ranks still running at the deadline are stopped with a ``TimeoutError``
-that names them.
+that names them. A rank stopped in an fdp collective by another rank's failure raises
+``fdp.CollectiveError`` on both (threads: the group's stop is raised as ``RanksStopped``,
+which fdp's collectives name; gloo: the closed connection). On threads, ranks that all wait
+for one another with none able to go on (a collective that some rank never joins because
+it returned, failed or issued fewer) are stopped after a second with "the ranks deadlocked",
+naming where each waits; on gloo the stall check (``FDP_STALL_S``) names ranks waiting on
+different collectives.
 """
 
 from __future__ import annotations
@@ -72,7 +78,7 @@ from . import _internals
 from ._comm.group import Group
 from ._comm.lifetime import tune_malloc
 
-__all__ = ["run"]
+__all__ = ["RanksStopped", "run"]
 
 _threads_lock = threading.Lock()
 # The OS ids of rank threads (backend="threads") whose Python part has ended: the OS thread
@@ -169,13 +175,24 @@ class _Turns:
         self.start = torch.get_rng_state()
         self._states: dict[int, torch.Tensor] = {}
         self._local = threading.local()
+        self.blocked: set[int] = set()  # the ranks waiting for the others (in ``waiting``)
+        self.queued: set[int] = set()  # the ranks waiting for their turn
+        self.moved = time.monotonic()  # when a rank last began or ended such a wait
+        self.stopped = "another rank failed"  # what a rank stopped in a collective is told
 
     def take(self, rank: int) -> None:
         with self._cond:
+            self.queued.add(rank)
             self._cond.wait_for(lambda: self._holder is None)
+            self.queued.discard(rank)
             self._holder = rank
         torch.set_rng_state(self._states.get(rank, self.start))
         self._local.rank = rank
+
+    @property
+    def holder(self) -> int | None:
+        """The rank running now (None: none)."""
+        return self._holder
 
     def give(self) -> int | None:
         """Give up the turn (if this thread holds it); returns the rank to ``take`` it back."""
@@ -190,15 +207,50 @@ class _Turns:
         return rank
 
     def waiting(self, wait: Callable) -> Callable:
-        """``wait`` (a blocking call of torch's threaded group) run without the turn."""
+        """``wait`` (a blocking call of torch's threaded group) run without the turn. When the
+        group ends it (another rank failed, or the ranks deadlocked), the rank raises
+        ``RanksStopped`` (fdp's collectives turn it into a ``CollectiveError`` naming what they
+        waited for, as a closed connection on gloo), not the group's ``SystemExit``."""
         def wrapped(*a: Any, **kw: Any) -> Any:
             rank = self.give()
+            if rank is not None:
+                self.blocked.add(rank)
+                self.moved = time.monotonic()
             try:
                 return wait(*a, **kw)
+            except SystemExit:  # (the threaded group's way to end a collective: not the rank's own exit)
+                raise RanksStopped(self.stopped) from None
             finally:
                 if rank is not None:
+                    self.blocked.discard(rank)
+                    self.moved = time.monotonic()
                     self.take(rank)
         return wrapped
+
+    def deadlocked(self, alive: list[int], after: float) -> bool:
+        """Whether every rank still running has waited for the others, none moving, for
+        ``after`` seconds: none can go on (the threaded group completes a collective as soon as
+        every rank has joined it, so they wait for a rank that has ended or never joins)."""
+        return bool(alive) and self.blocked >= set(alive) and time.monotonic() - self.moved >= after
+
+
+class RanksStopped(RuntimeError):
+    """A rank of ``backend="threads"`` stopped in a collective: another rank failed, or the
+    ranks deadlocked (the message says which). fdp's collectives raise it as a
+    ``CollectiveError`` that names the collective, as gloo's closed connections are."""
+
+
+def _waiting_on(thread: threading.Thread) -> str:
+    """The collective a rank thread waits in, as fdp names it (the ``what`` of the innermost
+    call of ``fdp._comm.collectives``), or ``"a collective"``."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("_comm", "collectives.py")):
+            what = frame.f_locals.get("what")
+            if isinstance(what, str):
+                return what
+        frame = frame.f_back
+    return "a collective"
 
 
 def _thread_stack(thread: threading.Thread) -> str:
@@ -210,6 +262,35 @@ def _thread_stack(thread: threading.Thread) -> str:
     lines = traceback.format_stack(frame)
     start = max((i + 1 for i, line in enumerate(lines) if __file__ in line and "in worker" in line), default=0)
     return "its thread was at:\n" + "".join(lines[start:]).rstrip()  # (from the rank's fn on)
+
+
+# Every rank left waiting for the others this long, none moving: a deadlock (threads).
+_DEADLOCK_S = 1.0
+
+
+def _collective_running(pg_class: Any) -> bool:
+    """Whether a collective of torch's threaded group has every rank in and is running (its
+    rank 0 copies the data around): slow, not stuck."""
+    for coll in list(getattr(pg_class, "_cur_coll_on_pgs", {}).values()):
+        if getattr(coll, "_count", 0) == getattr(coll, "_world_size", -1) and not getattr(coll, "_done", True):
+            return True
+    return False
+
+
+def _deadlock(alive: list[int], threads: list[threading.Thread], results: list[Any],
+              errors: dict[int, BaseException], finished: list[bool]) -> str:
+    """What a deadlock of thread ranks looks like: where each rank waits, or how it ended."""
+    parts = []
+    for r in range(len(threads)):
+        if r in alive:
+            parts.append(f"rank {r} waits in {_waiting_on(threads[r])}")
+        elif r in errors:
+            parts.append(f"rank {r} raised {type(errors[r]).__name__}")
+        elif finished[r]:
+            parts.append(f"rank {r} has returned")
+    return (f"the ranks deadlocked: {'; '.join(parts)}. Every rank still running waits for the others (found "
+            f"by fdp.testing after {_DEADLOCK_S:g}s of it, not at the timeout): a collective issued on some ranks "
+            "only, or a different number of them per rank")
 
 
 def _with_kwargs(fn: Callable, kwargs: Mapping[str, Any] | None) -> Callable:
@@ -283,10 +364,29 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
             for t in threads:
                 t.start()
             deadline = time.monotonic() + timeout
-            for t in threads:
-                t.join(max(0.0, deadline - time.monotonic()))
-            stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+            stuck: list[int] = []
+            while True:
+                alive = [r for r, t in enumerate(threads) if t.is_alive()]
+                if not alive:
+                    break
+                if turns.deadlocked(alive, _DEADLOCK_S) and not _collective_running(ProcessLocalGroup):
+                    # every rank left waits for the others: say so now, not at the deadline
+                    turns.stopped = _deadlock(alive, threads, results, errors, finished)
+                    ProcessLocalGroup.exception_handle(RanksStopped(turns.stopped))
+                    for t in threads:
+                        t.join(max(1.0, deadline - time.monotonic()))
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    stuck = alive
+                    break
+                threads[alive[0]].join(min(left, 0.1))
             where = {r: _thread_stack(threads[r]) for r in stuck}  # (before they are woken)
+            for r in stuck:
+                if r in turns.blocked:
+                    where[r] = f"waits in {_waiting_on(threads[r])}; {where[r]}"
+                elif r in turns.queued:
+                    where[r] = f"waits for its turn (rank {turns.holder} runs: the ranks take turns); {where[r]}"
             if stuck:
                 ProcessLocalGroup.exception_handle(TimeoutError("fdp.testing.run timeout"))
                 for t in threads:
@@ -303,16 +403,14 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
 
         real = {r: e for r, e in errors.items() if not isinstance(e, SystemExit)}
         if real:
-            rank = min(real)
+            rank = min(real, key=lambda r: _error_rank_order(real[r], r))
             exc = _tag(real[rank], rank)
             for r in sorted(real):
                 if r != rank:
                     exc.add_note(f"rank {r} also raised {type(real[r]).__name__}: {real[r]}")
             for r in sorted(set(errors) - set(real)):
-                # torch's threaded group ends a rank blocked in a collective with SystemExit once
-                # another rank has failed: that is what it was doing, not an error of its own
-                exc.add_note(f"rank {r} was stopped in a collective, waiting for the failed rank "
-                             f"({type(errors[r]).__name__}: {errors[r]})")
+                # (a SystemExit of the rank's own, e.g. sys.exit() in fn)
+                exc.add_note(f"rank {r} exited ({type(errors[r]).__name__}: {errors[r]})")
             raise exc
         if stuck:
             error = TimeoutError(
@@ -519,7 +617,7 @@ _AUTOGRAD_FORK = "Unable to handle autograd's threading in combination with fork
 
 # What gloo says when the *other* end of a collective went away: a consequence, not a cause.
 _PEER_FAILURES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                  "remote worker", "Timed out waiting")
+                  "remote worker", "Timed out waiting", "the ranks deadlocked", "another rank failed")
 
 
 def _error_rank_order(exc: BaseException, rank: int) -> tuple[int, int]:

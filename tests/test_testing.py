@@ -1,6 +1,7 @@
 """fdp.testing.run: simulated ranks on threads and on gloo processes."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -61,16 +62,39 @@ def skip_collective_on_rank_1(group):
     return "done"
 
 
-# Only the run's timeout ends these runs (on gloo, the collective's, a little earlier): without
-# it, the first would wait for rank 0 and the second for rank 1 until pytest-timeout fails them.
+def test_a_collective_skipped_by_a_thread_rank_is_named_as_a_deadlock_not_at_the_timeout():
+    """Threads backend: rank 1 returns while rank 0 waits in a collective. Every rank still
+    running waits for the others: fdp.testing says so after a second, naming the collective
+    (fdp's name for it) and how the other rank ended, long before the 60 s timeout."""
+    with pytest.raises(fdp.CollectiveError) as info:
+        fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=60)
+    msg = str(info.value)
+    assert msg.startswith("[rank 0] fdp: bucket 0 failed on rank 0 of 2"), msg
+    assert "the ranks deadlocked: rank 0 waits in bucket 0; rank 1 has returned" in msg, msg
+    assert "not at the timeout" in msg, msg
+
+
+def sleep_on_rank_1(group):
+    if group.rank == 1:
+        time.sleep(4)  # computes (holding its turn: the threads take turns)
+        return "slept"
+    fdp._comm.collectives.all_reduce(torch.ones(1), group, "bucket 0")
+    return "done"
+
+
+# Only the run's timeout ends these runs (on gloo, the collective's, a little earlier): a rank
+# that computes cannot be told from a stuck one.
 @pytest.mark.slow  # (1 s, the timeout)
-def test_skipped_collective_times_out_on_threads():
-    """The waiting rank is named, and where it waits (its thread's stack from its fn on)."""
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0\]") as info:
-        fdp.testing.run(skip_collective_on_rank_1, 2, backend="threads", timeout=1)
+def test_a_rank_that_never_joins_ends_at_the_timeout_on_threads():
+    """The ranks still running are named, with where they are (each thread's stack from its fn
+    on) and what rank 0 waits for: the collective, or its turn while rank 1 computes (which of
+    the two depends on which rank the threads let run first)."""
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\]") as info:
+        fdp.testing.run(sleep_on_rank_1, 2, backend="threads", timeout=1)
     notes = "\n".join(getattr(info.value, "__notes__", []))
-    assert "rank 0: its thread was at:" in notes and "in skip_collective_on_rank_1" in notes, notes
-    assert "all_reduce(t, group, \"bucket 0\")" in notes, notes
+    assert ("rank 0: waits in bucket 0; its thread was at:" in notes or
+            "rank 0: waits for its turn (rank 1 runs: the ranks take turns)" in notes), notes
+    assert "rank 1: its thread was at:" in notes and "time.sleep(4)" in notes, notes
 
 
 @pytest.mark.slow  # (3 s, the timeout)
@@ -79,14 +103,37 @@ def test_skipped_collective_times_out_on_gloo():
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="gloo", timeout=3)
 
 
-def test_ranks_stopped_by_another_ranks_failure_are_named_in_the_error():
-    """Threads backend: the ranks torch's threaded group stops (SystemExit) when rank 2 fails
-    are listed in the error's notes, as on gloo."""
+def others_catch(group):
+    if group.rank == 2:
+        return "left"  # skips the collective and ends (on gloo its process exits)
+    try:
+        fdp.Reducer({"w": torch.ones(2)}, group).all_reduce({"w": torch.ones(2)})
+        return "no error"
+    except fdp.CollectiveError as e:
+        return type(e).__name__
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_other_ranks_see_the_same_error_type_on_both_backends(backend):
+    """A rank that leaves while the others wait in an fdp collective: on gloo its connections
+    close, on threads fdp.testing finds the deadlock; either way the waiting ranks raise
+    fdp.CollectiveError (catchable as an Exception, which the threaded group's SystemExit
+    was not)."""
+    assert fdp.testing.run(others_catch, 3, backend=backend, timeout=60) == ["CollectiveError", "CollectiveError",
+                                                                              "left"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ranks_stopped_by_another_ranks_failure_are_named_in_the_error(backend):
+    """The ranks stopped in a collective when rank 2 fails are listed in the error's notes, with
+    what stopped them (threads: fdp.testing.RanksStopped; gloo: the closed connection)."""
     with pytest.raises(Boom) as info:
-        fdp.testing.run(fail_on_rank_2, 3, backend="threads", timeout=10)
+        fdp.testing.run(fail_on_rank_2, 3, backend=backend, timeout=20)
     notes = getattr(info.value, "__notes__", [])
-    stopped = [n for n in notes if "was stopped in a collective, waiting for the failed rank" in n]
-    assert len(stopped) == 2 and "rank 0" in stopped[0] and "rank 1" in stopped[1], notes
+    stopped = [n for n in notes if n.startswith(("rank 0 also raised", "rank 1 also raised"))]
+    assert len(stopped) == 2, notes
+    if backend == "threads":
+        assert all("RanksStopped: another rank failed" in n for n in stopped), notes
 
 
 def test_threads_world_can_run_again_after_a_failure():

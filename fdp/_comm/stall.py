@@ -122,10 +122,12 @@ def watch(work: Any, group: Any, what: str, *, timed: bool = True) -> Sighting |
     return _compare(board, group, what, t0, lambda seconds: _wait(work, seconds))
 
 
-def _compare(board: _Board, group: Any, what: str, t0: float, wait_more: Any) -> Sighting | None:
+def _compare(board: _Board, group: Any, what: str, t0: float, wait_more: Any,
+             seen: Any = None) -> Sighting | None:
     """Post this rank's wait (begun at monotonic ``t0``) and compare it with the others' every
     ``_POLL_S``, waiting with ``wait_more(seconds) -> done`` between reads, until the wait ends
-    (None), a desync (``Stalled``) or the timeout (the last ``Sighting``)."""
+    (None), a desync (``Stalled``) or the timeout (the last ``Sighting``). ``seen(sighting)``
+    is told each read's."""
     deadline = t0 + group.timeout.total_seconds()
     board.serial += 1
     mine = f"{board.serial}|{time.time() - (time.monotonic() - t0):.3f}|{what}"  # (since it began to wait)
@@ -136,6 +138,8 @@ def _compare(board: _Board, group: Any, what: str, t0: float, wait_more: Any) ->
         previous: dict[int, str] = {}
         while True:
             sighting, posts = _read(board, group)
+            if seen is not None:
+                seen(sighting)
             for r, post in posts.items():
                 if post is None or post.split("|", 2)[2] == what:
                     continue
@@ -222,7 +226,8 @@ class _Slot:
     board: _Board
     t0: float
     stalled: tuple | None = None  # Stalled's args, once a desync was found
-    sighting: Sighting | None = None  # the last look, if the comparing reached the timeout
+    sighting: Sighting | None = None  # the last look at the others' posts
+    compared: bool = False  # the watchdog is done with this wait
 
 
 class _Dog:
@@ -260,15 +265,18 @@ class _Dog:
         while True:
             time.sleep(_POLL_S / 2)
             slot = self.slot
-            if slot is None or slot.stalled or slot.sighting or time.monotonic() - slot.t0 < stall_seconds():
+            if slot is None or slot.compared or time.monotonic() - slot.t0 < stall_seconds():
                 continue
 
             def wait_more(seconds: float, slot: _Slot = slot) -> bool:
                 time.sleep(seconds)
                 return self.slot is not slot
 
+            def seen(sighting: Sighting, slot: _Slot = slot) -> None:
+                slot.sighting = sighting
+
             try:
-                slot.sighting = _compare(slot.board, slot.group, slot.what, slot.t0, wait_more)
+                _compare(slot.board, slot.group, slot.what, slot.t0, wait_more, seen)
             except Stalled as s:
                 slot.stalled = s.args
                 if self.slot is not slot:  # (it ended meanwhile: the next wait will stall in turn)
@@ -280,3 +288,5 @@ class _Dog:
                         break
             except Exception:  # noqa: BLE001 - a watchdog that fails leaves the wait to its timeout
                 pass
+            finally:
+                slot.compared = True

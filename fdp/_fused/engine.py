@@ -378,6 +378,7 @@ class Engine:
     def _run(self, run: Run, state: FusedState, src: ParamSet, dst: ParamSet,
              feed: Callable[[Step], Any]) -> tuple[Any, FusedState, Any]:
         machine, step, store = self.machine, run.step, self.store
+        failing = True
         try:
             try:
                 try:
@@ -406,8 +407,9 @@ class Engine:
                         "optimizer state in place (and with donate=True the params)")
                 raise
             updated = self._take(run.finish())
+            failing = False
         finally:
-            store.ended()
+            store.ended(quiet=failing)
         sets = store.params
         if updated:
             state.step.add_(1)

@@ -118,8 +118,9 @@ class Store(Protocol):
         outside the step machine; returns whether it had issued any such collective."""
         ...
 
-    def ended(self) -> None:
-        """The step is over (or failed)."""
+    def ended(self, quiet: bool = False) -> None:
+        """The step is over (or failed: ``quiet``, a collective that fails in the clean-up is
+        not raised, so the step's own error is the one the caller sees)."""
         ...
 
     def accumulate(self, acc: Accumulation, fn: Callable, has_aux: bool, params: Any, rest: tuple,
@@ -198,7 +199,7 @@ class ReplicatedStore:
     def failed(self) -> bool:
         return False
 
-    def ended(self) -> None:
+    def ended(self, quiet: bool = False) -> None:
         pass
 
     def gathered_bytes(self) -> int:
@@ -299,8 +300,8 @@ class UnitStore:
     def failed(self) -> bool:
         return self.units.drain()
 
-    def ended(self) -> None:
-        self.units.end()
+    def ended(self, quiet: bool = False) -> None:
+        self.units.end(quiet)
 
     def gathered_bytes(self) -> int:
         return sum(f.untyped_storage().nbytes() for f in self.units.fulls)

@@ -275,21 +275,30 @@ class Units:
                 self.drained.append((b, (work, mine, buf)))
         return issued or bool(self.drained)
 
-    def end(self) -> None:
+    def end(self, quiet: bool = False) -> None:
         """The step is over (or failed): wait for any gather in flight, free everything, and
-        keep this forward's unit order for the next step's prefetches."""
+        keep this forward's unit order for the next step's prefetches. A gather in flight that
+        fails is raised once everything is freed, unless ``quiet`` (the step failed already:
+        its own error is the one to raise)."""
         drained, self.drained = self.drained, []
         for b, (work, _, _) in drained:  # (the tensors stay alive until their exchange is done)
             try:
                 wait(work, self.group, f"all-gather of bucket {b}'s params (a failed step's)")
             except Exception:  # noqa: BLE001 - the step's own error is the one to raise
                 pass
+        error: Exception | None = None
         for b in range(len(self.fulls)):
-            self.reshard(b)
+            try:
+                self.reshard(b)
+            except Exception as e:  # (a gather in flight failed: free the rest, then say so)
+                error = error or e
+                self.reshard(b)  # (its wait left it gathered: free it)
         if self.entered:
             rest = [u for u in self.order if u not in self.entered]
             self.order = self.entered + rest
         self.src, self.times = None, None
+        if error is not None and not quiet:
+            raise error
 
     def whole(self, src: list[torch.Tensor], what: str) -> Any:
         """The whole params tree on every rank from the slices ``src`` (a collective: every

@@ -52,6 +52,7 @@ import fdp
 
 from . import zoo
 from .rss import reset_peak_rss, rss
+from .table import Table, ratio, render
 
 KINDS = ("fdp", "fsdp2", "ddp")
 VOCAB, CONTEXT, DECAY = 256, 64, 0.99
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kinds must include fdp and come from {list(KINDS)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, Any] = {"config": vars(cfg)}
-    lines = []
+    tables: list[Table] = []
     if not cfg.no_memory:
         os.environ["FDP_MALLOC"] = "os"  # (see _map_each_tensor)
         mem = {}
@@ -294,31 +295,32 @@ def main(argv: list[str] | None = None) -> int:
         net = zoo.Llama(VOCAB, cfg.mem_width, cfg.mem_layers, cfg.heads)
         whole = sum(p.numel() * 4 for p in net.parameters()) / 2**20
         unit = sum(p.numel() * 4 for p in net.blocks[0].parameters()) / 2**20
-        lines.append(f"memory: {whole:.0f} MiB of fp32 params ({unit:.1f} MiB per layer), {cfg.world_size} ranks, "
-                     f"2 x {cfg.batch}x{CONTEXT} per step; init bound params/world + one layer = "
-                     f"{whole / cfg.world_size + unit:.0f} MiB")
-        lines.append(f"  {'kind':<6} {'init MiB':>9} {'step MiB':>9} {'step vs ddp':>11} {'step vs fsdp2':>13}")
+        mem_table = Table(f"memory: {whole:.0f} MiB of fp32 params ({unit:.1f} MiB per layer), {cfg.world_size} "
+                          f"ranks, 2 x {cfg.batch}x{CONTEXT} per step; init bound params/world + one layer = "
+                          f"{whole / cfg.world_size + unit:.0f} MiB",
+                          ["kind", "init MiB", "step MiB", "step x ddp", "step x fsdp2"])
         for kind in cfg.kinds:
             m = mem[kind]
             if m["step_mib"] is None:
-                lines.append(f"  {kind:<6} n/a (no /proc/self/clear_refs here)")
+                mem_table.row(kind, "n/a")
+                mem_table.note(f"({kind}: no /proc/self/clear_refs here)")
                 continue
-            vs = [f"{m['step_mib'] / mem[o]['step_mib']:.3f}" if o in mem and mem[o]["step_mib"] else "-"
-                  for o in ("ddp", "fsdp2")]
-            lines.append(f"  {kind:<6} {m['init_mib']:9.1f} {m['step_mib']:9.1f} {vs[0]:>11} {vs[1]:>13}")
+            mem_table.row(kind, f"{m['init_mib']:.1f}", f"{m['step_mib']:.1f}",
+                          *(ratio(m["step_mib"], mem[o]["step_mib"] if o in mem else None) for o in ("ddp", "fsdp2")))
+        tables.append(mem_table)
     if not cfg.no_time:
         r = fdp.testing.run(time_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
         results["time"] = r
         ms = r["ms"]
-        lines.append(f"time: {r['params_m']:.2f} M params, {cfg.world_size} ranks, 2 x {cfg.batch}x{CONTEXT} per "
-                     f"step, {cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)")
-        lines.append(f"  {'kind':<6} {'ms':>9} {'vs fsdp2':>9}  fdp's params against it")
+        time_table = Table(f"time: {r['params_m']:.2f} M params, {cfg.world_size} ranks, 2 x {cfg.batch}x{CONTEXT} per "
+                           f"step, {cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
+                           ["kind", "ms", "x fsdp2", "max |diff| to fsdp2", "params == fsdp2's"])
         for kind in cfg.kinds:
-            vs = f"{ms[kind] / ms['fsdp2']:9.3f}" if "fsdp2" in ms else ""
             d = r["diffs"].get(kind)
-            lines.append(f"  {kind:<6} {ms[kind]:9.1f} {vs}  "
-                         + ("" if d is None else f"max |diff| {d[0]:.2e}, {d[1]}/{d[2]} equal"))
-    print("\n".join(lines))
+            time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms.get("fsdp2")),
+                           *(("", "") if d is None else (f"{d[0]:.2e}", f"{d[1]}/{d[2]}")))
+        tables.append(time_table)
+    print(render(tables))
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -42,6 +42,7 @@ from torch import nn
 import fdp
 
 from . import zoo
+from .table import Table, ratio
 
 KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
@@ -215,22 +216,21 @@ def run(group: fdp.Group, cfg: dict) -> dict:
     return out
 
 
-def report(results: list[dict], kinds: tuple[str, ...]) -> tuple[str, bool]:
+def report(results: list[dict], kinds: tuple[str, ...], title: str = "nanoGPT-style loop") -> tuple[str, bool]:
     """The table (rank 0's numbers; the step time is the slowest rank's) and whether every
     eager kind was bit-identical with DDP on every rank."""
     times = {k: [max(r["times"][k][i] for r in results) for i in range(len(results[0]["times"][k]))] for k in kinds}
     ddp_total = sum(times["ddp"]) if "ddp" in times else None
-    lines = [f"{'kind':12s} {'total s':>9s} {'median ms':>10s} {'x DDP':>7s} {'identical':>10s}"]
+    table = Table(title, ["kind", "total s", "median ms", "x ddp", "identical to ddp"])
     ok = True
     for k in kinds:
         total, med = sum(times[k]), statistics.median(times[k]) * 1e3
-        ratio = f"{total / ddp_total:.3f}" if ddp_total else "-"
-        same = "-" if k == "ddp" else f"{min(r['identical'][k] for r in results)}/{results[0]['leaves']}"
+        same = "" if k == "ddp" else f"{min(r['identical'][k] for r in results)}/{results[0]['leaves']}"
         if k not in ("ddp", "compiled") and results[0]["leaves"] and any(
                 r["identical"][k] != r["leaves"] for r in results):
             ok = False
-        lines.append(f"{k:12s} {total:9.3f} {med:10.2f} {ratio:>7s} {same:>10s}")
-    return "\n".join(lines), ok
+        table.row(k, f"{total:.3f}", f"{med:.2f}", ratio(total, ddp_total), same)
+    return table.render(), ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
            "autocast": a.autocast}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)
-    table, ok = report(results, kinds)
-    print(f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
-          f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
-          f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else ""))
+    table, ok = report(results, kinds, (
+        f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
+        f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
+        f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else "")))
     print(table)
     if a.json:
         with open(a.json, "w") as f:

@@ -55,6 +55,7 @@ from torch import nn
 import fdp
 
 from .rss import reset_peak_rss, rss
+from .table import Table, ratio, render
 from .zoo import MODELS, loss
 
 KINDS = ("local", "ddp", "fdp", "fdp-after", "func-ar", "fused", "fused-pure", "sharded")
@@ -355,30 +356,29 @@ def _launch(fn: Callable, cfg: argparse.Namespace, *extra: Any) -> list:
 
 
 def table(results: dict, cfg: argparse.Namespace) -> str:
-    lines = [f"{'model':<12} {'step':<10} {'ms':>9} {'vs ddp':>7} {'exposed ms':>11} {'comm cpu':>9} {'faults':>7} "
-             f"{'peak MiB':>9} {'opt MiB':>8}"]
+    world = cfg.world_size if "RANK" not in os.environ else int(os.environ.get("WORLD_SIZE", cfg.world_size))
+    main = Table(f"models: one step of each kind, {world} ranks, median of {cfg.steps} steps (interleaved, after "
+                 f"{cfg.warmup} warm-up); exposed = ms - local's", [
+                     "model", "step", "ms", "x ddp", "exposed ms", "comm cpu", "faults", "peak MiB", "opt MiB"], keys=2)
     for name, r in results["models"].items():
         for kind in cfg.kinds:
             ms = r[kind]
-            ratio = ms / r["ddp"]
-            exposed = "" if kind == "local" else f"{ms - r['local']:.2f}"
             mem = r.get("memory", {}).get(kind)
             faults = r.get("faults", {}).get(kind)
             other = r.get("other_cpu", {}).get(kind)
-            lines.append(f"{name:<12} {kind:<10} {ms:9.2f} {ratio:7.3f} {exposed:>11} "
-                         f"{'' if other is None else f'{other:9.2f}':>9} "
-                         f"{'' if faults is None else f'{faults:7.0f}':>7} "
-                         f"{'' if mem is None else f'{mem:9.1f}':>9} "
-                         f"{r.get('state_mib', {}).get(kind, 0):8.2f}")
+            main.row(name, kind, f"{ms:.2f}", ratio(ms, r["ddp"]), "" if kind == "local" else f"{ms - r['local']:.2f}",
+                     "" if other is None else f"{other:.2f}", "" if faults is None else f"{faults:.0f}",
+                     "" if mem is None else f"{mem:.1f}", f"{r.get('state_mib', {}).get(kind, 0):.2f}")
         tl = r["fdp_timeline_exposed"]
-        lines.append(f"{'':<12} ({r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets"
-                     + ("" if tl is None else f"; fdp timeline exposed comm {tl:.2f} ms") + ")")
+        main.note(f"({name}: {r['leaves']} leaves, {r['mbytes']:.1f} MiB in {r['buckets']} buckets"
+                  + ("" if tl is None else f"; fdp timeline exposed comm {tl:.2f} ms") + ")")
+    tables = [main]
     if results.get("sweep"):
-        lines.append("")
-        lines.append(f"bucket cap sweep ({cfg.sweep_model}): cap MiB, buckets, ddp ms, fdp ms, fdp/ddp")
+        sweep = Table(f"bucket cap sweep ({cfg.sweep_model})", ["cap MiB", "buckets", "ddp ms", "fdp ms", "x ddp"])
         for cap, r in results["sweep"].items():
-            lines.append(f"  {cap:>7} {r['buckets']:>4} {r['ddp']:9.2f} {r['fdp']:9.2f} {r['fdp'] / r['ddp']:7.3f}")
-    return "\n".join(lines)
+            sweep.row(f"{cap}", f"{r['buckets']}", f"{r['ddp']:.2f}", f"{r['fdp']:.2f}", ratio(r["fdp"], r["ddp"]))
+        tables.append(sweep)
+    return render(tables)
 
 
 def plot(results: dict, path: str) -> None:

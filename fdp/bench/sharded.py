@@ -52,6 +52,7 @@ import fdp
 
 from . import zoo
 from .rss import reset_peak_rss, rss
+from .table import Table, ratio, render
 
 KINDS = ("ddp", "zero2", "zero3", "fsdp2")
 VOCAB, CONTEXT = 256, 32
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kinds must include ddp and come from {list(KINDS)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, Any] = {"config": vars(cfg)}
-    lines = []
+    tables: list[Table] = []
     if not cfg.no_memory:
         os.environ["FDP_MALLOC"] = "os"  # (see _map_each_tensor; the timing phase keeps fdp's default)
         mem = {}
@@ -246,34 +247,36 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("FDP_MALLOC", None)
         results["memory"] = mem
         params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
-        lines.append(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and AdamW "
-                     f"state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}")
-        lines.append(f"  {'kind':<7} {'peak MiB':>9} {'vs ddp':>7}")
+        mem_table = Table(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and "
+                          f"AdamW state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}",
+                          ["kind", "peak MiB", "x ddp", "bound MiB", "gathered MiB"])
         ddp_peak = mem["ddp"]["peak_mib"]
         for kind in cfg.kinds:
             m = mem[kind]
             if m["peak_mib"] is None:
-                lines.append(f"  {kind:<7} {'n/a':>9} (no /proc/self/clear_refs here)")
+                mem_table.row(kind, "n/a")
+                mem_table.note(f"({kind}: no /proc/self/clear_refs here)")
                 continue
-            extra = "" if "bound_mib" not in m else (
-                f"   (bound {m['bound_mib']:.0f} MiB: state/world + 2 units + root; gathered at most "
-                f"{m['gathered_mib']:.0f} MiB)")
-            lines.append(f"  {kind:<7} {m['peak_mib']:9.0f} {m['peak_mib'] / ddp_peak:7.3f}{extra}")
+            bound = ("", "") if "bound_mib" not in m else (f"{m['bound_mib']:.0f}", f"{m['gathered_mib']:.0f}")
+            mem_table.row(kind, f"{m['peak_mib']:.0f}", ratio(m["peak_mib"], ddp_peak), *bound)
+        if any("bound_mib" in mem[k] for k in cfg.kinds):
+            mem_table.note("(bound: state/world + 2 units + root; gathered: the most params held gathered at once)")
+        tables.append(mem_table)
     if not cfg.no_time:
         r = fdp.testing.run(time_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
         results["time"] = r
         ms = r["ms"]
-        lines.append(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
-                     f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)")
-        lines.append(f"  {'kind':<7} {'ms':>9} {'vs ddp':>7} {'vs fsdp2':>8}  params == ddp's")
+        time_table = Table(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
+                           f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
+                           ["kind", "ms", "x ddp", "x fsdp2", "params == ddp's"])
         for kind in cfg.kinds:
-            vs_fsdp = f"{ms[kind] / ms['fsdp2']:8.3f}" if "fsdp2" in ms else ""
             same = r["same"].get(kind)
-            lines.append(f"  {kind:<7} {ms[kind]:9.1f} {ms[kind] / ms['ddp']:7.3f} {vs_fsdp}  "
-                         + ("" if same is None else f"{same[0]}/{same[1]}"))
+            time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms["ddp"]), ratio(ms[kind], ms.get("fsdp2")),
+                           "" if same is None else f"{same[0]}/{same[1]}")
         if r["exposed_gather_ms"] is not None:
-            lines.append(f"  zero3: median all-gather wait not hidden by compute {r['exposed_gather_ms']:.2f} ms/step")
-    print("\n".join(lines))
+            time_table.note(f"(zero3: median all-gather wait not hidden by compute {r['exposed_gather_ms']:.2f} ms/step)")
+        tables.append(time_table)
+    print(render(tables))
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(results, f, indent=1, default=str)

@@ -2,8 +2,8 @@
 
 The versions (fdp, torch, Python, Triton), the devices and the backend ``fdp.init()`` would
 pick, the world torchrun describes (or a world of one), the threads torch computes with, the
-flatten kernels each device gets, and every ``FDP_*`` setting with its value and its
-default. Paste it into an issue; compare it between two machines.
+flatten kernels each device gets, and every ``FDP_*`` setting as fdp uses it, with the
+value set (``INVALID`` when fdp cannot use it) or the default. Paste it into an issue; compare it between two machines.
 
     $ python -m fdp.env
     fdp        0.x (/path/to/fdp)
@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,39 @@ SETTINGS = {
     "FDP_KERNELS": "unset: Triton for CUDA tensors when installed, torch ops otherwise",
     "FDP_MALLOC": "unset: fdp.init tunes glibc's malloc thresholds",
 }
+
+
+def _in_use(key: str) -> str:
+    """What fdp makes of ``key``'s value here, as it will use it (and whether the value is valid)."""
+    from ._comm.stall import stall_seconds
+    from ._log import debug_mode
+
+    raw = os.environ.get(key)
+    if key == "FDP_DEBUG":
+        return "on: collective fingerprints checked" if debug_mode() else "off"
+    if key == "FDP_STALL_S":
+        try:
+            valid = raw is None or float(raw) >= 0
+        except ValueError:
+            valid = False
+        with warnings.catch_warnings():  # (said here, in the line itself)
+            warnings.simplefilter("ignore")
+            seconds = stall_seconds()
+        used = "off (no stall check)" if not seconds else f"{seconds:g} s"
+        return used if valid else f"{used}   (INVALID: {raw!r} is not a number of seconds >= 0)"
+    if key == "FDP_LOG":
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        if not raw:
+            return "off"
+        return f"{raw.upper()} lines to stderr" if raw.upper() in levels else f"INVALID: {raw!r} (one of {levels})"
+    if key == "FDP_KERNELS":
+        return "auto" if not raw else raw if raw in ("torch", "triton", "auto") else (
+            f"INVALID: {raw!r} (torch, triton or auto)")
+    if key == "FDP_MALLOC":
+        return "keep (tuned)" if not raw else raw if raw in ("keep", "os") else f"INVALID: {raw!r} (keep or os)"
+    return raw or ""
+
+
 # What torchrun sets, and the threads' variables torch reads at import.
 WORLD = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 THREADS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -65,7 +99,8 @@ def describe() -> dict[str, Any]:
                    + "".join(f", {k}={os.environ[k]}" for k in THREADS if k in os.environ),
         "cpus": str(os.cpu_count()),
         "kernels": ", ".join(f"{d}: {k}" for d, k in kernels.items()),
-        **{k: (f"{os.environ[k]}" if k in os.environ else f"(default) {v}") for k, v in SETTINGS.items()},
+        **{k: (f"{_in_use(k)}   (set: {os.environ[k]!r})" if k in os.environ else f"{_in_use(k)}   (default; {v})")
+           for k, v in SETTINGS.items()},
     }
 
 

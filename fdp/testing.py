@@ -54,12 +54,15 @@ different collectives.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
+import inspect
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -216,10 +219,23 @@ class _Turns:
             if rank is not None:
                 self.blocked.add(rank)
                 self.moved = time.monotonic()
+            whats = _whats_of(a[0] if a else None)
+            if whats is not None and rank is not None:
+                whats[rank] = _what_here()
             try:
-                return wait(*a, **kw)
+                out = wait(*a, **kw)
             except SystemExit:  # (the threaded group's way to end a collective: not the rank's own exit)
                 raise RanksStopped(self.stopped) from None
+            except Exception as e:  # (data of different collectives, mixed: a size mismatch, say)
+                mixed = _mixed(whats)
+                if mixed:
+                    raise RanksStopped(mixed) from e
+                raise
+            else:
+                mixed = _mixed(whats)
+                if mixed:  # (paired by order and of equal sizes: the data were mixed silently)
+                    raise RanksStopped(mixed)
+                return out
             finally:
                 if rank is not None:
                     self.blocked.discard(rank)
@@ -238,6 +254,44 @@ class RanksStopped(RuntimeError):
     """A rank of ``backend="threads"`` stopped in a collective: another rank failed, or the
     ranks deadlocked (the message says which). fdp's collectives raise it as a
     ``CollectiveError`` that names the collective, as gloo's closed connections are."""
+
+
+def _whats_of(coll: Any) -> dict[int, str] | None:
+    """The ``what`` each rank joined a collective of torch's threaded group with (kept on the
+    collective: one per round), or None for a wait that is not a collective's."""
+    if coll is None or not hasattr(coll, "_data") or not hasattr(coll, "_count"):
+        return None
+    whats = coll.__dict__.get("_fdp_whats")
+    if whats is None:
+        whats = coll.__dict__["_fdp_whats"] = {}
+    return whats
+
+
+def _what_here() -> str:
+    """``_waiting_on`` for the calling thread."""
+    frame: Any = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("_comm", "collectives.py")):
+            what = frame.f_locals.get("what")
+            if isinstance(what, str):
+                return what
+        frame = frame.f_back
+    return "a collective"
+
+
+# fdp's collectives of a step (buckets, unit gathers): their names say which one, the same on
+# every rank that issues it, so two of them joined together are two different collectives.
+_STEP_COLLECTIVE = re.compile(r"(all-gather|all-reduce|reduce-scatter) of (unit|bucket) ")
+
+
+def _mixed(whats: dict[int, str] | None) -> str:
+    """The message for ranks that joined different step collectives together ("": they did not)."""
+    if not whats or len(set(whats.values())) < 2 or not all(_STEP_COLLECTIVE.match(w) for w in whats.values()):
+        return ""
+    shown = "; ".join(f"rank {r} in {w}" for r, w in sorted(whats.items()))
+    return (f"the ranks issued different collectives, which torch's threaded group paired by order: {shown}. "
+            "Look at what the ranks ran before (a unit or a branch called on some ranks only, a different number "
+            "of micro-batches or steps per rank)")
 
 
 def _waiting_on(thread: threading.Thread) -> str:
@@ -297,6 +351,17 @@ def _with_kwargs(fn: Callable, kwargs: Mapping[str, Any] | None) -> Callable:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
+@contextlib.contextmanager
+def _keep_excepthook() -> Any:
+    """``sys.excepthook`` as it was: each rank's ``init_process_group`` installs torch's, which
+    prefixes every later uncaught exception of the process with ``[rank0]: [rank1]: ``."""
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = hook
+
+
 def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> list[Any]:
     __tracebackhide__ = True
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
@@ -306,7 +371,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
         _uninstall_threaded_pg,
     )
 
-    with _threads_lock:
+    with _threads_lock, _keep_excepthook():
         if dist.is_initialized():
             raise RuntimeError(
                 "fdp.testing.run(backend='threads') needs a process without an initialised "
@@ -411,6 +476,9 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
             for r in sorted(set(errors) - set(real)):
                 # (a SystemExit of the rank's own, e.g. sys.exit() in fn)
                 exc.add_note(f"rank {r} exited ({type(errors[r]).__name__}: {errors[r]})")
+            for r in range(world_size):
+                if finished[r] and r not in errors:
+                    exc.add_note(f"rank {r} had returned from fn normally")
             raise exc
         if stuck:
             error = TimeoutError(
@@ -571,6 +639,8 @@ def _run_gloo(fn: Callable, world_size: int, timeout: float, args: tuple) -> lis
                 exc.add_note(f"rank {r} also raised {type(errors[r][0]).__name__}: {errors[r][0]}")
         for r, where in silent.items():
             exc.add_note(f"rank {r} reported nothing; {where}")
+        for r in sorted(results):  # (a rank that ended fn closes its connections: the others' "connection reset")
+            exc.add_note(f"rank {r} had returned from fn normally (its connections closed when it ended)")
         raise exc
     if conns:
         stuck = sorted(conns.values())

@@ -125,3 +125,19 @@ def test_without_debug_a_gather_the_other_rank_never_joins_ends_at_the_timeout_n
     # the gather that timed out is the error, not one the clean-up met on the closed group after
     assert "pair closure" not in str(info.value), text
     assert "FDP_DEBUG=1 (or Reducer(debug=True)) names such a call before its gather" in text, text
+
+
+def threads_uneven(group):
+    return fully_sharded(group, "uneven", debug=False)
+
+
+def test_on_threads_ranks_joining_different_collectives_are_named_at_once():
+    """torch's threaded group pairs collectives by order, whatever they are: fdp.testing
+    compares what each rank joined with, so rank 0's third micro-batch (a gather) against
+    rank 1's step (its gradients' collective) is named, not a size mismatch deep in torch or
+    data mixed silently."""
+    with pytest.raises(fdp.CollectiveError) as info:
+        fdp.testing.run(threads_uneven, 2, timeout=60)
+    msg = str(info.value)
+    assert "the ranks issued different collectives, which torch's threaded group paired by order" in msg, msg
+    assert "rank 0 in all-gather of" in msg and "rank 1 in " in msg, msg

@@ -68,7 +68,8 @@ def test_the_plain_paths_inspection_equals_what_torchs_objects_report_each_step(
     state = opt.init(params)
     info = fdp.optim.inspect(opt, state, next_update=True)
     assert info.step == 0 and info.lr == {"a": lr_a(0), "b": lr_b(0)}, info
-    assert fdp.optim.inspect(opt, state).hyperparams == {"a": {}, "b": {}}  # no update yet
+    before = fdp.optim.inspect(opt, state)  # no update yet: nothing to report but the values to come
+    assert (before.hyperparams, before.clip_norm, before.lr) == ({"a": {}, "b": {}}, None, {}), before
 
     for t in range(STEPS):
         x, y = data(t)
@@ -221,3 +222,7 @@ def test_a_state_of_another_optimizer_is_refused_by_name():
         fdp.optim.inspect(opt, {"w": torch.ones(2)})
     with pytest.raises(TypeError, match="opt must be an fdp.optim optimizer"):
         fdp.optim.inspect(torch.optim.SGD, opt.init({"w": torch.ones(2)}))
+    params = {"w": torch.ones(2)}
+    step = fdp.Reducer(params).grad_and_update(lambda p: p["w"].sum(), opt)
+    with pytest.raises(TypeError, match=r"must be the FusedState this step returned .* fdp.optim.inspect\(opt, state\)"):
+        step.inspect(opt.init(params))

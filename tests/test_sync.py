@@ -195,7 +195,7 @@ def test_debug_mode_turns_a_skipped_bucket_into_an_error_on_every_rank():
         reducer.grad(lambda p: sum(t.sum() for t in p.values()))(params)  # bucket 0 first
 
     # the fingerprints disagree before bucket 0 is waited for (a timeout would be a CollectiveError)
-    with pytest.raises(fdp.ReplicaMismatchError, match=r"rank 0: \(step=1, bucket=0.*rank 1: \(step=1, bucket=1"):
+    with pytest.raises(fdp.ReplicaMismatchError, match=r"rank 0: \(seq=1, bucket=0.*rank 1: \(seq=1, bucket=1"):
         fdp.testing.run(body, 2, backend="gloo", timeout=30)
 
 
@@ -379,8 +379,8 @@ def test_debug_fingerprint_mismatch_names_a_dtype_only_the_peer_used():
         fdp._comm.agree.check_collective(group, 3, 0, 16, dtype, "bucket 0")
 
     with pytest.raises(fdp.ReplicaMismatchError,
-                       match=r"rank 0: \(step=3, bucket=0, numel=16, dtype=float32\); "
-                             r"rank 1: \(step=3, bucket=0, numel=16, dtype=float8_e5m2\)"):
+                       match=r"rank 0: \(seq=3, bucket=0, numel=16, dtype=float32\); "
+                             r"rank 1: \(seq=3, bucket=0, numel=16, dtype=float8_e5m2\)"):
         fdp.testing.run(body, 2, backend="gloo", timeout=20)
 
 

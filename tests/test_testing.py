@@ -103,6 +103,23 @@ def test_skipped_collective_times_out_on_gloo():
         fdp.testing.run(skip_collective_on_rank_1, 2, backend="gloo", timeout=3)
 
 
+def return_on_rank_1(group):
+    if group.rank == 1:
+        return "skipped"  # ends fn while rank 0 still expects it in a collective
+    fdp._comm.collectives.all_reduce(torch.ones(1), group, "bucket 0")
+    return "done"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_that_returned_early_is_said_to_have_returned(backend):
+    """Rank 0's collective fails (gloo: the closed connection; threads: the deadlock), and the
+    error says that rank 1 had simply returned from fn."""
+    with pytest.raises(fdp.CollectiveError) as info:
+        fdp.testing.run(return_on_rank_1, 2, backend=backend, timeout=60)
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert "rank 1 had returned from fn normally" in text or "rank 1 has returned" in text, text
+
+
 def others_catch(group):
     if group.rank == 2:
         return "left"  # skips the collective and ends (on gloo its process exits)

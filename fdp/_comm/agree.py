@@ -165,12 +165,13 @@ def check_collective(group: Group, step: int, bucket: int, numel: int, dtype: to
     if bool((rows == rows[0]).all()):
         return
     shown = "; ".join(
-        f"rank {r}: (step={int(s)}, bucket={int(b)}, numel={int(n)}, dtype={_DTYPE_NAMES.get(int(c), int(c))})"
+        f"rank {r}: (seq={int(s)}, bucket={int(b)}, numel={int(n)}, dtype={_DTYPE_NAMES.get(int(c), int(c))})"
         for r, (s, b, n, c) in enumerate(rows.tolist())
     )
     raise ReplicaMismatchError(
         f"fdp debug: ranks are about to issue different collectives ({what}): {shown}. "
-        f"Without debug mode this would hang or mix data. (reported on rank {group.rank})"
+        f"Without debug mode this would hang or mix data. (seq: fdp's own count of such collectives, not your "
+        f"training step; reported on rank {group.rank})"
     )
 
 

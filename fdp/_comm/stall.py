@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,11 +45,19 @@ _POLL_S = 1.0  # how often a stalled rank looks again
 
 
 def stall_seconds() -> float:
-    """``FDP_STALL_S``: seconds a collective may wait before the ranks compare where they wait."""
+    """``FDP_STALL_S``: seconds a collective may wait before the ranks compare where they wait
+    (an invalid value: 5, said once in a warning)."""
+    raw = os.environ.get("FDP_STALL_S", "5")
     try:
-        return max(0.0, float(os.environ.get("FDP_STALL_S", "5")))
+        return max(0.0, float(raw))
     except ValueError:
+        if raw not in _WARNED:
+            _WARNED.add(raw)
+            warnings.warn(f"fdp: FDP_STALL_S={raw!r} is not a number of seconds; using 5", stacklevel=2)
         return 5.0
+
+
+_WARNED: set[str] = set()
 
 
 @dataclass

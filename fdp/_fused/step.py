@@ -387,6 +387,10 @@ class FusedStep:
             info = step.inspect(opt_state)
             log({"loss": float(loss), **info.scalars()}, step=info.step)
         """
+        if not isinstance(opt_state, FusedState):
+            raise TypeError(f"{NAME}.inspect: opt_state must be the FusedState this step returned (or step.init's), "
+                            f"got a {type(opt_state).__name__}; for the state of opt.init/opt.update use "
+                            "fdp.optim.inspect(opt, state)")
         info = inspect(self.opt, opt_state, next_update=next_update)
         last = self._last
         return info._replace(finite=None if last is None else last.finite,

@@ -165,7 +165,13 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
         raise TypeError(f"{name}: a factory with *args or **kwargs cannot be injected (name its arguments)")
 
     def make(*args: Any, **kwargs: Any) -> Optimizer:
-        bound = signature.bind(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            hint = {"learning_rate": "lr", "b1": "betas=(b1, b2)", "b2": "betas=(b1, b2)"}
+            named = [f"{k} -> {hint[k]}" for k in kwargs if k in hint and k not in signature.parameters]
+            raise TypeError(f"{name}: {e}" + (f" (fdp's optimizers take torch.optim's names: {', '.join(named)})"
+                                                if named else "")) from None
         bound.apply_defaults()
         fixed = {k: v for k, v in bound.arguments.items() if k in static or k == "donate" or not _numeric(v)}
         injected = {k: v for k, v in bound.arguments.items() if k not in fixed}
@@ -264,7 +270,10 @@ def set_hyperparams(state: Any, **values: Any) -> Any:
         new = dict(s.hyperparams)
         for k, v in values.items():
             if k not in new:
-                raise ValueError(f"{name}: {k!r} is not injected; this optimizer keeps {sorted(new)}")
+                raise ValueError(f"{name}: {k!r} is not injected; this optimizer keeps {sorted(new)}. A value "
+                                 "given to inject_hyperparams as a schedule (a callable) or a non-number is not "
+                                 "injected: it stays as given; to change it between steps, give a number "
+                                 f"({k}=1e-3) and call set_hyperparams each step")
             if not _numeric(v):
                 raise ValueError(f"{name}: {k}={v!r} is not a number (or a tuple of numbers)")
             old_len = len(new[k]) if isinstance(new[k], tuple) else None

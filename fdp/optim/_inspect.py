@@ -12,6 +12,7 @@ adds what only the step knows: the last step's finite verdict and the skipped st
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -41,7 +42,8 @@ class Inspection(NamedTuple):
         them. ``{}`` for a label whose optimizer declares none (``frozen()``, your own) and
         before the first update (unless ``next_update=True``).
       clip_norm: the global norm ``clip_by_global_norm`` measured before clipping, as
-        ``clip_grad_norm_`` returns it (inf or nan on a step ``skip_nonfinite`` skipped).
+        ``clip_grad_norm_`` returns it (inf or nan on a step ``skip_nonfinite`` skipped;
+        ``None`` before the first update).
       loss_scale: the scale the next loss is multiplied by (``GradScaler.get_scale()``).
       ema_decay: ``ema``'s decay. averages: the averages it has taken.
       micro_steps: ``multi_steps``: gradients accumulated toward the next update.
@@ -69,7 +71,8 @@ class Inspection(NamedTuple):
     def scalars(self) -> dict[str, float]:
         """A flat ``{name: number}`` for a logger (``wandb.log(info.scalars(), step=info.step)``):
         ``step``, each numeric hyper-parameter (``lr``; per label ``lr/<label>``; a tuple's
-        items as ``betas.0``, ``betas.1``), and each of the other fields that is known."""
+        items as ``betas.0``, ``betas.1``), and each of the other fields that is known (counts
+        as ints, the rest as floats; ``finite`` as 1.0 or 0.0)."""
         out: dict[str, float] = {"step": self.step}
         for label, hp in self.hyperparams.items():
             suffix = "" if label is None else f"/{label}"
@@ -82,7 +85,7 @@ class Inspection(NamedTuple):
         for key in ("clip_norm", "loss_scale", "ema_decay", "averages", "micro_steps", "finite", "skipped"):
             value = getattr(self, key)
             if value is not None:
-                out[key] = float(value)
+                out[key] = value if isinstance(value, int) and not isinstance(value, bool) else float(value)
         return out
 
 
@@ -161,7 +164,11 @@ def inspect(opt: Optimizer, state: Any, *, next_update: bool = False) -> Inspect
     if not found.steps:
         raise TypeError(f"{name}: found no step count in a {type(state).__name__}: pass the state that this "
                         "optimizer's init or update (or the fused step) made")
-    return Inspection(max(found.steps), found.hyperparams, found.clip_norm, found.loss_scale, found.ema_decay,
+    step = max(found.steps)
+    clip_norm = found.clip_norm
+    if step == 0 and clip_norm is not None and math.isfinite(clip_norm):
+        clip_norm = None  # (no clip has run: the state's 0; a first step skipped as non-finite keeps its inf/nan)
+    return Inspection(step, found.hyperparams, clip_norm, found.loss_scale, found.ema_decay,
                       found.averages, found.micro_steps)
 
 

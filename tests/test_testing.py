@@ -264,3 +264,13 @@ def test_a_gloo_run_right_after_a_threads_run_does_not_inherit_a_dying_rank_thre
         for p in burners:
             p.kill()
             p.wait()
+
+
+def test_a_threads_run_leaves_the_processs_excepthook_as_it_was():
+    """Each thread rank's init_process_group installs torch's excepthook, which would prefix
+    every later uncaught exception of the process with "[rank0]: [rank1]: "."""
+    import sys
+
+    hook = sys.excepthook
+    fdp.testing.run(lambda g: g.rank, 2)
+    assert sys.excepthook is hook

@@ -409,6 +409,7 @@ class Engine:
             updated = self._take(run.finish())
             failing = False
         finally:
+            run.release()
             store.ended(quiet=failing)
         sets = store.params
         if updated:

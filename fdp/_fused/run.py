@@ -207,6 +207,14 @@ class Run:
         if self.replicas is not None:
             self.replicas.drain(self._wire_zeros)
 
+    def release(self) -> None:
+        """The step is over: drop this run's references to its tensors (the reduced slices and
+        gradients, the owned leaves), so they go now, not when the garbage collector breaks the
+        cycle between the run and its step (the step's ``on_ready`` is this run's method)."""
+        nb = len(self.slices)
+        self.slices, self.grads = [None] * nb, [None] * nb
+        self.wholes, self.owned_params, self.stats, self.gathers = {}, None, {}, []
+
     def finish(self) -> Verdict:
         """Everything after the buckets: the finite check, the whole-tree transforms, the
         updates left, the gathers, and the step's ``Verdict``: whether it updated (False: a

@@ -301,6 +301,10 @@ class UnitStore:
         return self.units.drain()
 
     def ended(self, quiet: bool = False) -> None:
+        # The reduced slices kept for the update are not held between steps: at the next step's
+        # peak (its backward, the accumulated micro-batches still whole) they would be one more
+        # set of sharded gradients (measured: 72 MiB of 511 at 2 ranks in `bench large`).
+        self.kept = [None] * len(self.kept)
         self.units.end(quiet)
 
     def gathered_bytes(self) -> int:

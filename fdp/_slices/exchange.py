@@ -58,8 +58,9 @@ class Scatter:
     completed, and a bucket of a param set with references that fdp cannot account for is one
     the pure sharded step may not write again (it would make a new set each step). Other
     backends (the threaded test group has no point-to-point): one ``all_to_all_single`` each
-    way through a bucket-sized staging buffer. Staging buffers are pooled, each the largest
-    bucket's size, as many as are ever in flight at once.
+    way through a bucket-sized staging buffer. Staging buffers are pooled, as many as are ever
+    in flight at once, each as large as any bucket needs for its use: ``world - 1`` slices of
+    the largest bucket for a gloo reduce-scatter, the largest bucket otherwise.
     """
 
     def __init__(self, slices: Slices, group: Group) -> None:
@@ -69,15 +70,19 @@ class Scatter:
         self.staged: list[torch.Tensor | None] = [None] * len(slices.padded)  # per bucket in flight
         self.spare: list[torch.Tensor] = []
         self.into: list[torch.Tensor | None] = [None] * len(slices.padded)  # (apart) where a gather lands
+        # a reduce-scatter's staging on gloo: the others' copies of this rank's slice of the largest bucket
+        self._others = len(self.peers) * max((slices.numel(c) for c in range(len(slices.padded))), default=0)
 
-    def _stage(self, b: int, like: torch.Tensor) -> torch.Tensor:
-        """A staging buffer shaped like ``like`` for bucket ``b`` (a view of a pooled one)."""
-        n = like.numel()
+    def _stage(self, b: int, like: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """A staging buffer of ``n`` elements (default: ``like``'s) in ``like``'s dtype for
+        bucket ``b`` (a view of a pooled one)."""
+        n = like.numel() if n is None else n
         fits = [i for i, t in enumerate(self.spare) if t.numel() >= n and t.dtype == like.dtype]
         if fits:  # the smallest that fits (popped by index: tensors compare elementwise)
             buf = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
-        else:  # the largest bucket's size: any bucket can use it later
-            buf = torch.empty(max(self.slices.padded), dtype=like.dtype, device=like.device)
+        else:  # as large as any bucket needs for the same use: any bucket can use it later
+            size = self._others if n <= self._others else max(self.slices.padded)
+            buf = torch.empty(size, dtype=like.dtype, device=like.device)
         self.staged[b] = buf
         return buf[:n]
 
@@ -100,7 +105,8 @@ class Scatter:
             return comm.reduce_scatter(s.mine(b, flat), flat, group, what)
         if self.mode == "all_to_all":
             return comm.all_to_all(self._stage(b, flat), flat, group, what)
-        got = self._stage(b, flat).narrow(0, 0, len(self.peers) * s.numel(b)).view(len(self.peers), -1)
+        # (the others' copies of this rank's slice: world - 1 slices, not a whole bucket)
+        got = self._stage(b, flat, len(self.peers) * s.numel(b)).view(len(self.peers), -1)
         return comm.exchange([(self._slice(b, flat, j), j) for j in self.peers],
                               list(zip(got.unbind(0), self.peers)), group, what, tag=2 * b)
 

@@ -269,7 +269,12 @@ def _whats_of(coll: Any) -> dict[int, str] | None:
 
 def _what_here() -> str:
     """``_waiting_on`` for the calling thread."""
-    frame: Any = inspect.currentframe()
+    return _what_in(inspect.currentframe())
+
+
+def _what_in(frame: Any) -> str:
+    """The ``what`` of the innermost call of ``fdp._comm.collectives`` on the stack from
+    ``frame`` out (how fdp names the collective), or ``"a collective"``."""
     while frame is not None:
         if frame.f_code.co_filename.endswith(os.path.join("_comm", "collectives.py")):
             what = frame.f_locals.get("what")
@@ -295,16 +300,8 @@ def _mixed(whats: dict[int, str] | None) -> str:
 
 
 def _waiting_on(thread: threading.Thread) -> str:
-    """The collective a rank thread waits in, as fdp names it (the ``what`` of the innermost
-    call of ``fdp._comm.collectives``), or ``"a collective"``."""
-    frame = sys._current_frames().get(thread.ident)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(os.path.join("_comm", "collectives.py")):
-            what = frame.f_locals.get("what")
-            if isinstance(what, str):
-                return what
-        frame = frame.f_back
-    return "a collective"
+    """The collective a rank thread waits in, as fdp names it (``_what_in``)."""
+    return _what_in(sys._current_frames().get(thread.ident))
 
 
 def _thread_stack(thread: threading.Thread) -> str:

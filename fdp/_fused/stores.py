@@ -37,9 +37,12 @@ from .params import ParamSet, ParamSets, SliceSets
 
 __all__ = ["Accumulation", "ReplicatedStore", "SlicedStore", "Store", "StoreKind", "UnitStore", "store_for"]
 
-# Wire buffers a fully sharded step's buckets in flight share (each the largest bucket's size):
-# one being filled while one reduce-scatter is still on the wire.
-TRANSIENT = 2
+# Wire buffers a fully sharded step's buckets in flight share (each the largest bucket's size).
+# One: a bucket is filled once the previous one's reduce-scatter has landed, which it has by
+# then when a unit's backward takes longer than its reduce-scatter (the backward of a unit is
+# also its recompute under activation checkpointing). A second (one filled while one is on the
+# wire) cost 18 MiB of 439 at the step's peak in `bench large` at 2 ranks (docs/measurements.md).
+TRANSIENT = 1
 
 
 class StoreKind(enum.Enum):

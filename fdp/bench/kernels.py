@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from .table import Table
+
 MiB = 1 << 20
 SCALE = 1 / 3
 TARGETS = {
@@ -284,28 +286,29 @@ def run_bandwidth(device: torch.device, reps: int, warmup: int, sizes_mib: tuple
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The case table as text."""
-    lines = [f"{'case':<12} {'row':<24} {'ms':>8} {'copy ms':>8} {'x copy':>7} {'target':>7}  result"]
+    """The case table as text (``fdp.bench.table``'s shape)."""
+    table = Table("kernels: each row's median time beside a copy of the same bytes",
+                  ["case", "row", "ms", "copy ms", "x copy", "target", "result"], keys=2)
     for r in rows:
         if r["target"] is None:
-            target, result = f"{'-':>7}", "(floor, no target)"
+            target, result = "-", "(floor, no target)"
         elif r.get("na"):
-            target = f"{r['target']:7.2f}"
+            target = f"{r['target']:.2f}"
             result = f"N/A: torch's floor here is {r['floor']:.2f}x (no torch-op implementation can meet it)"
         else:
-            target, result = f"{r['target']:7.2f}", "PASS" if r["ok"] else "FAIL"
-        lines.append(f"{r['case']:<12} {r['row']:<24} {r['ms']:8.3f} {r['copy_ms']:8.3f} {r['ratio']:7.2f} "
-                     f"{target}  {result}")
-    return "\n".join(lines)
+            target, result = f"{r['target']:.2f}", "PASS" if r["ok"] else "FAIL"
+        table.row(r["case"], r["row"], f"{r['ms']:.3f}", f"{r['copy_ms']:.3f}", f"{r['ratio']:.2f}", target, result)
+    return table.render()
 
 
 def format_bandwidth(rows: list[dict[str, Any]]) -> str:
-    """The bandwidth table as text."""
-    lines = [f"{'MiB':>5} {'copy GB/s':>10} {'cat GB/s':>9} {'triton GB/s':>12} {'% of copy':>10} {'vs cat':>7}  result"]
+    """The bandwidth table as text (``fdp.bench.table``'s shape)."""
+    table = Table("Triton flatten bandwidth (read + write bytes; 100 fp32 leaves)",
+                  ["MiB", "copy GB/s", "cat GB/s", "triton GB/s", "% of copy", "x cat", "result"])
     for r in rows:
-        lines.append(f"{r['mib']:5d} {r['copy_gbs']:10.0f} {r['cat_gbs']:9.0f} {r['triton_gbs']:12.0f} "
-                     f"{100 * r['of_copy']:9.1f}% {r['vs_cat']:6.2f}x  {'PASS' if r['ok'] else 'FAIL'}")
-    return "\n".join(lines)
+        table.row(f"{r['mib']}", f"{r['copy_gbs']:.0f}", f"{r['cat_gbs']:.0f}", f"{r['triton_gbs']:.0f}",
+                  f"{100 * r['of_copy']:.1f}%", f"{r['vs_cat']:.2f}", "PASS" if r["ok"] else "FAIL")
+    return table.render()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,7 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = []
     if device.type == "cuda" and chosen == "triton":
         bandwidth = run_bandwidth(device, args.reps, args.warmup)
-        print("Triton flatten bandwidth (read + write bytes; 100 fp32 leaves):")
         print(format_bandwidth(bandwidth))
     if args.json:
         with open(args.json, "w") as f:

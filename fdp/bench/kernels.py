@@ -288,7 +288,7 @@ def run_bandwidth(device: torch.device, reps: int, warmup: int, sizes_mib: tuple
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """The case table as text (``fdp.bench.table``'s shape)."""
     table = Table("kernels: each row's median time beside a copy of the same bytes",
-                  ["case", "row", "ms", "copy ms", "x copy", "target", "result"], keys=2)
+                  ["case", "row", "ms", "copy ms", "x copy", "target", "result"], keys=2, text=["result"])
     for r in rows:
         if r["target"] is None:
             target, result = "-", "(floor, no target)"
@@ -304,7 +304,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 def format_bandwidth(rows: list[dict[str, Any]]) -> str:
     """The bandwidth table as text (``fdp.bench.table``'s shape)."""
     table = Table("Triton flatten bandwidth (read + write bytes; 100 fp32 leaves)",
-                  ["MiB", "copy GB/s", "cat GB/s", "triton GB/s", "% of copy", "x cat", "result"])
+                  ["MiB", "copy GB/s", "cat GB/s", "triton GB/s", "% of copy", "x cat", "result"], text=["result"])
     for r in rows:
         table.row(f"{r['mib']}", f"{r['copy_gbs']:.0f}", f"{r['cat_gbs']:.0f}", f"{r['triton_gbs']:.0f}",
                   f"{100 * r['of_copy']:.1f}%", f"{r['vs_cat']:.2f}", "PASS" if r["ok"] else "FAIL")

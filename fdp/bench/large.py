@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = r["ms"]
         time_table = Table(f"time: {r['params_m']:.2f} M params, {cfg.world_size} ranks, 2 x {cfg.batch}x{CONTEXT} per "
                            f"step, {cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
-                           ["kind", "ms", "x fsdp2", "max |diff| to fsdp2", "params == fsdp2's"])
+                           ["kind", "ms", "x fsdp2", "max |diff| to fsdp2", "params == fsdp2's"],
+                           text=["params == fsdp2's"])
         for kind in cfg.kinds:
             d = r["diffs"].get(kind)
             time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms.get("fsdp2")),

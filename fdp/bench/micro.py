@@ -24,6 +24,7 @@ import torch
 
 from .. import _internals, _tree, kernels
 from .._functional import functionalize
+from .table import Table
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"per-leaf costs over {args.leaves} leaves, median of {args.reps} (us per leaf)")
-    print(f"{'row':10} {'their way':22} {'us':>7}   {'fdp':18} {'us':>7}")
+    table = Table(f"per-leaf costs over {args.leaves} leaves, median of {args.reps} (us per leaf)",
+                  ["row", "their way", "us", "fdp", "fdp us"], keys=2, text=["fdp"])
     for row, theirs, t_theirs, ours, t_ours in rows(args.leaves, args.reps):
-        print(f"{row:10} {theirs:22} {t_theirs:7.3f}   {ours:18} {t_ours:7.3f}")
+        table.row(row, theirs, f"{t_theirs:.3f}", ours, f"{t_ours:.3f}")
+    print(table.render())
     return 0

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = p.parse_args(argv)
     torch.set_num_threads(cfg.threads)
     table = Table(f"optimizer update ({cfg.optim}), median of {cfg.steps} (after {cfg.warmup} warm-up)",
-                  ["tree", "kind", "ms", "x torch", "target"], keys=2)
+                  ["tree", "kind", "ms", "x torch", "target"], keys=2, text=["target"])
     missed = False
     for name in cfg.trees:
         res = _measure(*TREES[name], cfg.steps, cfg.warmup, cfg.optim)

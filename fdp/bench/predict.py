@@ -24,6 +24,7 @@ import fdp
 from fdp._plan.bucket import NO_CAP
 from fdp.cost import DDP_CAPS, AutoCaps, Link, StepProfile, choose_caps, predict
 
+from .table import Table, ratio
 from .zoo import MODELS, loss
 
 
@@ -93,14 +94,16 @@ def main(argv: list[str] | None = None) -> int:
                                  ddp_eff=alone / ddp.step, fdp_ms=ch.predicted.step * 1e3,
                                  fdp_exposed_ms=ch.predicted.exposed_comm * 1e3,
                                  fdp_eff=alone / ch.predicted.step, caps=caps_text(ch.caps)))
-    print(f"alpha {cfg.alpha * 1e6:g} us per message, {cfg.algorithm} all-reduce; "
-          "step = this machine's measured backward + predicted communication")
-    print(f"{'model':<12} {'link':<8} {'world':>5} | {'DDP 1/25 MiB ms':>15} {'exposed':>8} {'eff':>5} | "
-          f"{'fdp chosen: ms':>14} {'exposed':>8} {'eff':>5} {'caps MiB':>10}")
+    table = Table(f"predicted step: this machine's measured backward + predicted communication (alpha "
+                  f"{cfg.alpha * 1e6:g} us per message, {cfg.algorithm} all-reduce)",
+                  ["model", "link", "world", "ddp ms", "ddp exposed", "ddp eff", "fdp ms", "fdp exposed", "fdp eff",
+                   "fdp caps MiB", "x ddp"], keys=2, text=["fdp caps MiB"])
     for r in rows:
-        print(f"{r['model']:<12} {r['link']:<8} {r['world']:>5} | {r['ddp_ms']:15.1f} {r['ddp_exposed_ms']:8.1f} "
-              f"{r['ddp_eff']:5.2f} | {r['fdp_ms']:14.1f} {r['fdp_exposed_ms']:8.1f} {r['fdp_eff']:5.2f} "
-              f"{r['caps']:>10}")
+        table.row(r["model"], r["link"], f"{r['world']}", f"{r['ddp_ms']:.1f}", f"{r['ddp_exposed_ms']:.1f}",
+                  f"{r['ddp_eff']:.2f}", f"{r['fdp_ms']:.1f}", f"{r['fdp_exposed_ms']:.1f}", f"{r['fdp_eff']:.2f}",
+                  r["caps"], ratio(r["fdp_ms"], r["ddp_ms"]))
+    table.note("(ddp: DDP's caps, 1 MiB first and 25 MiB; fdp: the caps fdp.cost chose; eff: backward alone / step)")
+    print(table.render())
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump({"alpha": cfg.alpha, "algorithm": cfg.algorithm, "rows": rows}, f, indent=1)

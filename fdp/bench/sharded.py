@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         ms = r["ms"]
         time_table = Table(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
                            f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
-                           ["kind", "ms", "x ddp", "x fsdp2", "params == ddp's"])
+                           ["kind", "ms", "x ddp", "x fsdp2", "params == ddp's"], text=["params == ddp's"])
         for kind in cfg.kinds:
             same = r["same"].get(kind)
             time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms["ddp"]), ratio(ms[kind], ms.get("fsdp2")),

@@ -26,10 +26,11 @@ def ratio(value: float | None, peer: float | None) -> str:
 
 class Table:
     """Rows of cells (strings, already formatted) under ``columns``; the first ``keys`` columns
-    are left aligned, the others right aligned."""
+    and those named in ``text`` are left aligned, the others (figures) right aligned."""
 
-    def __init__(self, title: str, columns: Sequence[str], keys: int = 1) -> None:
+    def __init__(self, title: str, columns: Sequence[str], keys: int = 1, text: Sequence[str] = ()) -> None:
         self.title, self.columns, self.keys = title, list(columns), keys
+        self.left = {i for i, c in enumerate(self.columns) if i < keys or c in text}
         self.rows: list[list[str]] = []
         self.notes: list[str] = []
 
@@ -46,7 +47,7 @@ class Table:
         widths = [max(len(r[i]) for r in table) for i in range(len(self.columns))]
 
         def line(cells: list[str]) -> str:
-            parts = [c.ljust(w) if i < self.keys else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+            parts = [c.ljust(w) if i in self.left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
             return (INDENT + "  ".join(parts)).rstrip()
 
         return "\n".join([self.title, *map(line, table), *(INDENT + n for n in self.notes)])

@@ -36,6 +36,7 @@ import fdp
 from fdp.cost import DDP_CAPS, MIN_GAIN, AutoCaps, StepProfile, calibrate, measure_link, predict
 
 from .predict import caps_text, setup
+from .table import Table, ratio, render
 
 SWEEP = (0.25, 1, 4, 25, 100)
 OPTIMIZER = fdp.optim.adamw(lr=1e-4)  # the fused and sharded steps' (auto calibrates with it)
@@ -142,28 +143,27 @@ def _rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [f"{'world':>5} {'model':<12} {'cap':>5} {'caps MiB':>10} {'bkts':>4} {'measured':>9} "
-             f"{'predicted':>9} {'error':>7} {'bwd meas':>9} {'bwd pred':>9}"]
-    summary = []
+    tables = []
+    summary = Table(f"summary (auto keeps DDP's caps below a {MIN_GAIN:.0%} predicted gain)",
+                    ["world", "model", "median |error|", "auto ms", "x best of sweep", "x 25 MiB"], keys=2)
     for world, models in results.items():
         for name, r in models.items():
             upd = (f"; update {r['update_fixed_us']:.0f} us + {r['update_us_per_mib']:.0f} us/MiB"
                    if "update_us_per_mib" in r and (r["update_us_per_mib"] or r["update_fixed_us"]) else "")
-            lines.append(f"{world:>5} {name:<12} (link: alpha {r['alpha_us']:.0f} us, "
-                         f"{r['gbit_s'] or 0:.2f} Gbit/s per rank; backward {r['backward_ms']:.1f} ms, "
-                         f"{r.get('contention_ms_per_mib', 0):.2f} ms lost per MiB beside it{upd})")
+            t = Table(f"world {world}, {name} (link: alpha {r['alpha_us']:.0f} us, {r['gbit_s'] or 0:.2f} Gbit/s per "
+                      f"rank; backward {r['backward_ms']:.1f} ms, {r.get('contention_ms_per_mib', 0):.2f} ms lost per "
+                      f"MiB beside it{upd})",
+                      ["cap", "caps MiB", "bkts", "measured ms", "predicted ms", "error", "bwd meas", "bwd pred"])
             for k, row in r["rows"].items():
-                lines.append(f"{'':>5} {'':<12} {k[:5]:>5} {row['caps']:>10} {row['buckets']:>4} "
-                             f"{row['measured_ms']:9.1f} {row['predicted_ms']:9.1f} {row['error']:+7.1%} "
-                             f"{row['measured_backward_ms']:9.1f} {row['predicted_backward_ms']:9.1f}")
+                t.row(k[:5], row["caps"], f"{row['buckets']}", f"{row['measured_ms']:.1f}", f"{row['predicted_ms']:.1f}",
+                      f"{row['error']:+.1%}", f"{row['measured_backward_ms']:.1f}", f"{row['predicted_backward_ms']:.1f}")
+            tables.append(t)
             sweep = [row for k, row in r["rows"].items() if k not in ("auto", "calibration", "deferred")]
             med = statistics.median(abs(row["error"]) for row in sweep)
             best = min(row["measured_ms"] for row in sweep)
             auto, ddp = r["rows"]["auto"]["measured_ms"], r["rows"]["25"]["measured_ms"]
-            summary.append(f"{world:>5} {name:<12} median |error| {med:6.1%}   auto {auto:8.1f} ms = "
-                           f"{auto / best:.3f} x best of sweep, {auto / ddp:.3f} x 25 MiB")
-    return "\n".join(lines + ["", f"summary (auto keeps DDP's caps below a {MIN_GAIN:.0%} predicted gain):"]
-                     + summary)
+            summary.row(f"{world}", name, f"{med:.1%}", f"{auto:.1f}", ratio(auto, best), ratio(auto, ddp))
+    return render([*tables, summary])
 
 
 def plot(results: dict, path: str, title: str) -> None:

@@ -108,8 +108,10 @@ def test_without_debug_a_unit_gathered_on_some_ranks_only_is_named_within_second
         if case == "branch":  # rank 1 skipped blocks.1: it waits for blocks.0's backward gather
             assert "all-gather of unit blocks.1's params (bucket 2, for the backward of its call 1: a step)" in msg, msg
             assert "all-gather of unit blocks.0's params (bucket 3, for the backward of its call 1: a step)" in msg, msg
-        else:  # rank 1's step waits on its gradients; rank 0's step (its call 4) on a gather
-            assert "for the forward of its call 4: a step" in msg, msg
+        else:  # rank 1's step waits on its gradients' all-reduce; rank 0 on a gather of its third
+            # micro-batch (call 3) or of its step (call 4), as far as its gathers paired with rank 1's
+            assert "all-reduce of bucket 0 of" in msg, msg
+            assert "of its call 3: step.accumulate" in msg or "of its call 4: a step" in msg, msg
 
 
 @pytest.mark.slow  # (waits for the run's 8 s timeout)

@@ -33,6 +33,7 @@ SETTINGS = {
 
 def _in_use(key: str) -> str:
     """What fdp makes of ``key``'s value here, as it will use it (and whether the value is valid)."""
+    from ._comm.lifetime import MALLOC_MODES
     from ._comm.stall import stall_seconds
     from ._log import debug_mode
 
@@ -58,7 +59,7 @@ def _in_use(key: str) -> str:
         return "auto" if not raw else raw if raw in ("torch", "triton", "auto") else (
             f"INVALID: {raw!r} (torch, triton or auto)")
     if key == "FDP_MALLOC":
-        return "keep (tuned)" if not raw else raw if raw in ("keep", "os") else f"INVALID: {raw!r} (keep or os)"
+        return "keep (tuned)" if not raw else raw if raw in MALLOC_MODES else f"INVALID: {raw!r} (keep or os)"
     return raw or ""
 
 

@@ -328,8 +328,8 @@ def _collective_running(pg_class: Any) -> bool:
     return False
 
 
-def _deadlock(alive: list[int], threads: list[threading.Thread], results: list[Any],
-              errors: dict[int, BaseException], finished: list[bool]) -> str:
+def _deadlock(alive: list[int], threads: list[threading.Thread], errors: dict[int, BaseException],
+              finished: list[bool]) -> str:
     """What a deadlock of thread ranks looks like: where each rank waits, or how it ended."""
     parts = []
     for r in range(len(threads)):
@@ -433,7 +433,7 @@ def _run_threads(fn: Callable, world_size: int, timeout: float, args: tuple) -> 
                     break
                 if turns.deadlocked(alive, _DEADLOCK_S) and not _collective_running(ProcessLocalGroup):
                     # every rank left waits for the others: say so now, not at the deadline
-                    turns.stopped = _deadlock(alive, threads, results, errors, finished)
+                    turns.stopped = _deadlock(alive, threads, errors, finished)
                     ProcessLocalGroup.exception_handle(RanksStopped(turns.stopped))
                     for t in threads:
                         t.join(max(1.0, deadline - time.monotonic()))

@@ -7,7 +7,7 @@ gathers (point to point on gloo) and names them within seconds. Real gloo ranks,
 were only caught by the timeout would fail these tests on its message."""
 
 import os
-import time
+import threading
 
 import pytest
 import torch
@@ -59,9 +59,9 @@ def fully_sharded(group, case, debug=True):
     state = step.init(params)
     if case == "sleep":
         os.environ["FDP_STALL_S"] = "2"  # (the check looks well before the 6.4 s timeout)
-        if group.rank == 1:  # computes (here: sleeps) instead of joining the step
-            time.sleep(12)
-            return "slept"
+        if group.rank == 1:  # computes (here: waits for nothing; its process is killed at the end) instead
+            threading.Event().wait()  # of joining the step
+            return "never"
     try:
         if case == "uneven":  # rank 0 feeds three micro-batches, rank 1 two
             for j in range(3 if group.rank == 0 else 2):
@@ -85,11 +85,10 @@ def test_debug_names_a_unit_gathered_on_some_ranks_only_before_its_gather(case):
 
 def named_without_debug(group, case):
     os.environ["FDP_STALL_S"] = "2"
-    t0 = time.monotonic()
     try:
         return fully_sharded(group, case, debug=False)
     except fdp.CollectiveError as e:
-        return time.monotonic() - t0, str(e)
+        return str(e)
 
 
 @pytest.mark.parametrize("case", ["branch", "uneven"])
@@ -99,12 +98,10 @@ def test_without_debug_a_unit_gathered_on_some_ranks_only_is_named_within_second
     ranks raise naming the two collectives (the rank that found them first, or both), long before
     the 48 s timeout (the 60 s run's)."""
     out = fdp.testing.run(named_without_debug, 2, backend="gloo", timeout=60, args=(case,))
-    for rank, got in enumerate(out):
-        assert isinstance(got, tuple), (rank, got)
-        seconds, msg = got
+    for rank, msg in enumerate(out):
         assert "the ranks issued different collectives" in msg, (rank, msg)
+        # (only the stall check says this; the timeout's message is another)
         assert "Named after 2s of waiting (FDP_STALL_S), not at the 48s timeout" in msg, msg
-        assert seconds < 30, (rank, seconds, msg)
         if case == "branch":  # rank 1 skipped blocks.1: it waits for blocks.0's backward gather
             assert "all-gather of unit blocks.1's params (bucket 2, for the backward of its call 1: a step)" in msg, msg
             assert "all-gather of unit blocks.0's params (bucket 3, for the backward of its call 1: a step)" in msg, msg

@@ -1,7 +1,6 @@
 """fdp.testing.run: simulated ranks on threads and on gloo processes."""
 
 import threading
-import time
 
 import pytest
 import torch
@@ -74,10 +73,13 @@ def test_a_collective_skipped_by_a_thread_rank_is_named_as_a_deadlock_not_at_the
     assert "not at the timeout" in msg, msg
 
 
-def sleep_on_rank_1(group):
+COMPUTING = threading.Event()  # set by the test once the run has ended
+
+
+def busy_on_rank_1(group):
     if group.rank == 1:
-        time.sleep(4)  # computes (holding its turn: the threads take turns)
-        return "slept"
+        COMPUTING.wait()  # computes (holding its turn: the threads take turns) until the test says
+        return "done computing"
     fdp._comm.collectives.all_reduce(torch.ones(1), group, "bucket 0")
     return "done"
 
@@ -89,12 +91,19 @@ def test_a_rank_that_never_joins_ends_at_the_timeout_on_threads():
     """The ranks still running are named, with where they are (each thread's stack from its fn
     on) and what rank 0 waits for: the collective, or its turn while rank 1 computes (which of
     the two depends on which rank the threads let run first)."""
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\]") as info:
-        fdp.testing.run(sleep_on_rank_1, 2, backend="threads", timeout=1)
+    COMPUTING.clear()
+    before = set(threading.enumerate())
+    try:
+        with pytest.raises(TimeoutError, match=r"rank\(s\) \[0, 1\]") as info:
+            fdp.testing.run(busy_on_rank_1, 2, backend="threads", timeout=1)
+    finally:  # rank 1 stops computing, and its thread ends (a rank stopped at the deadline may stay blocked)
+        COMPUTING.set()
+        for t in set(threading.enumerate()) - before:
+            t.join(5)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert ("rank 0: waits in bucket 0; its thread was at:" in notes or
             "rank 0: waits for its turn (rank 1 runs: the ranks take turns)" in notes), notes
-    assert "rank 1: its thread was at:" in notes and "time.sleep(4)" in notes, notes
+    assert "rank 1: its thread was at:" in notes and "COMPUTING.wait()" in notes, notes
 
 
 @pytest.mark.slow  # (3 s, the timeout)

@@ -191,8 +191,7 @@ def _walk(opt: Any, state: Any, label: Any, found: _Found, name: str) -> None:
         found.ema_decay = dict(form.about).get("ema_decay")
         found.averages = int(state.count)
         found.steps.append(int(state.count))
-    elif _count(state) is not None:
-        count = _count(state)
+    elif (count := _count(state)) is not None:
         found.label(label, opt, count)
         if "ema" in state._fields:
             found.averages = count

@@ -26,7 +26,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 Reach = Literal["element", "leaf", "tree"]
-StepKind = Literal["grad", "all_reduce"]
+StepKind = Literal["grad", "all_reduce", "accumulate"]
 Engine = Literal["autograd", "functorch"]
 
 

@@ -128,6 +128,15 @@ class Reducer:
         gather it again for its backward (default, FSDP2's); ``False`` keeps every unit
         gathered from its forward until its gradients are reduced (one gather per unit per
         step, the memory of the whole params at the end of the forward).
+      reduce_micro_batches: with ``shard``, ``step.accumulate`` reduce-scatters each
+        micro-batch's gradients as its backward goes (as a step does) and keeps only this
+        rank's slice of their sum: 1/world of a set of gradients held between micro-batches,
+        for one reduce-scatter per micro-batch (FSDP2's default gradient sync on every
+        micro-batch, and ZeRO-2/3's). The gradient is the sum of the micro-batches' means,
+        FSDP2's numbers; the default (``False``) keeps the whole local sum until the step
+        averages it (DDP's ``no_sync``; ``set_requires_gradient_sync(False)``): the two round
+        differently. Each reduced micro-batch counts as a step of ``reducer.steps`` (kind
+        ``"accumulate"``).
 
     Attributes:
       plan: the ``fdp.BucketPlan`` built from ``params``' layout.
@@ -188,6 +197,7 @@ class Reducer:
         units: Sequence[str] | None = None,
         reshard_after_forward: bool = True,
         param_dtype: torch.dtype | None = None,
+        reduce_micro_batches: bool = False,
     ) -> None:
         mesh = resolve_mesh(group)
         self.group = mesh.full
@@ -199,6 +209,10 @@ class Reducer:
         if units is not None and self.shard != "params":
             raise ValueError("fdp.Reducer: units= is for params gathered unit by unit, which only fully sharded "
                              "params are; pass shard='params'")
+        if reduce_micro_batches and not self.shard:
+            raise ValueError("fdp.Reducer: reduce_micro_batches=True keeps this rank's slice of the micro-batches' "
+                             "sum, which needs a sharded step: pass shard=True or shard='params' (unsharded, the "
+                             "whole sum is what a rank keeps either way)")
         if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
             raise ValueError(f"fdp.Reducer: param_dtype must be a floating dtype, got {param_dtype!r}")
         if bucket_cap_mb == "auto" and (first_bucket_cap_mb != 1 or bucket_caps_mb is not None):
@@ -226,7 +240,7 @@ class Reducer:
             debug=debug_mode() if debug is None else bool(debug), hook_threshold_bytes=hook_threshold_bytes,
             engine=resolve_engine(engine), skip_nonfinite=bool(skip_nonfinite), grad_views=bool(grad_views),
             overlap=bool(overlap), steps=Steps(), units=names, reshard_after_forward=bool(reshard_after_forward),
-            param_dtype=param_dtype)
+            param_dtype=param_dtype, reduce_micro_batches=bool(reduce_micro_batches))
         self._fused = Engines(self._config)
         self._built_with_accumulate = 0  # grad_and_update(..., accumulate=) calls (the old recipe, warned once)
         with autograd_on():  # its buffers are ordinary tensors, also if made in torch.inference_mode()
@@ -250,6 +264,7 @@ class Reducer:
         units = "" if config.units is None else (
             f", units {list(config.units[1:])}, reshard_after_forward={config.reshard_after_forward}, "
             f"param_dtype={config.param_dtype}")
+        units += f", reduce_micro_batches={config.reduce_micro_batches}" if config.reduce_micro_batches else ""
         verify_layout(
             [(s.path, s.shape, str(s.dtype).replace("torch.", "")) for s in plan.slots],
             self.group, "fdp.Reducer",

@@ -12,6 +12,8 @@ written once over a store that says where params, gradients and state live.
   decided once per program; ``Verdict``, what a step tells its engine; ``refused``.
 * ``run.py``: ``Run``, one step's per-bucket progress: arrive, transform, update, gather, and
   its verdict.
+* ``micro.py``: ``MicroRun``, one micro-batch of ``step.accumulate`` reduce-scattered as it
+  goes, its sum kept sliced (``reduce_micro_batches``).
 * ``buckets.py``: ``Buckets``, what a run reads about the engine's buckets (spans, decays,
   one-call buckets, casts, owners), and ``BucketViews``.
 * ``program.py``: ``Program``, what one optimizer asks: transforms by reach, kernels, keys.

@@ -39,6 +39,7 @@ from .._step.config import StepConfig
 from .._step.machine import Step, StepMachine
 from .._step.record import StepRecord
 from .buckets import Buckets, BucketViews
+from .micro import MicroRun
 from .mode import StepMode, Verdict, refused
 from .params import ParamSet
 from .program import Program
@@ -111,6 +112,8 @@ class Engine:
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step
+        # ``reduce_micro_batches``: each micro-batch reduce-scattered, the sum kept sliced
+        self.reduces_micro_batches = config.reduce_micro_batches and store.scatter is not None
         where = "" if store.scatter is None else (f", sharded over {slices.size} ranks" + (
             f" x {self.mesh.replicate.size} replicas" if self.mesh.replicate is not None else ""))
         verify_layout(
@@ -156,11 +159,12 @@ class Engine:
     def memory(self) -> StepMemory:
         """What this engine holds now (see ``StepMemory``)."""
         sets = self.store.params.sets
-        acc = self.acc.grads if self.acc.flats is None else self.acc.flats
+        acc = self.acc.slices if self.acc.slices is not None else \
+            self.acc.grads if self.acc.flats is None else self.acc.flats
         return StepMemory(
             param_sets=len(sets), params=sum(f.untyped_storage().nbytes() for s in sets for f in s.flats),
             gradients=self.machine.buffers.nbytes(),
-            accumulation=sum(t.untyped_storage().nbytes() for t in acc or ()),
+            accumulation=sum(t.untyped_storage().nbytes() for t in acc or () if t is not None),
             gathered=self.store.gathered_bytes())
 
     def fresh_state(self) -> None:
@@ -173,7 +177,22 @@ class Engine:
         buffers (the first one copied): no communication, no gradient tree kept. The next
         step adds its own and averages the sum (DDP's ``no_sync``, then a step)."""
         self._check_callable()
+        if self.reduces_micro_batches:
+            return self._accumulate_reduced(fn, has_aux, params, rest, kwargs)
         return self.store.accumulate(self.acc, fn, has_aux, params, rest, kwargs)
+
+    def _accumulate_reduced(self, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict) -> Any:
+        """One micro-batch reduce-scattered as its backward goes, this rank's slice of its mean
+        added into the sharded sum (``reduce_micro_batches``: ``fdp/_fused/micro.py``)."""
+        with autograd_on():
+            self._settle()
+            sets = self.store.params
+            src, _ = sets.current(sets.leaves_of(params, "params"), False)
+            micro = MicroRun(self.buckets, self.acc, self.machine.scale_for(self.group.size), self.config.engine)
+            try:
+                return micro.run(fn, has_aux, src, rest, kwargs)
+            finally:
+                self.config.steps.last = StepRecord(micro.step.n, "accumulate", True, micro.step.timeline())
 
     # ------------------------------------------------------------------ one step
     def run_grad(self, program: Program, mode: StepMode, layout: StateLayout, fn: Callable, has_aux: bool,
@@ -196,20 +215,25 @@ class Engine:
                 if not active and acc.count:
                     raise ValueError(f"{self.name}: step.idle after step.accumulate: a rank with micro-batches of "
                                      "its own has data; call the step itself")
-            given, owned, taken = None, False, acc.count
+            given, owned, taken, reduced = None, False, acc.count, None
             if acc.count:
                 if accumulate is not None:
                     raise ValueError(f"{self.name}: step.accumulate(...) was called before this step, and it "
                                      "also got accumulate=: use one way of accumulating")
-                given, owned, acc.count = acc.grads, True, 0
+                owned, acc.count = True, 0
+                if acc.slices is not None:  # reduced as they went: this rank's slices of their sum
+                    reduced, acc.slices = acc.slices, None
+                else:
+                    given = acc.grads
             elif accumulate is not None:
                 given = self.plan.leaves_of(accumulate, f"{self.name} accumulate")
             lost, acc.lost = acc.lost, None
             src, dst = self._sets(params, donate)
             if owed is not None:
-                self.repair(owed, src, state, given=given is not None, inputs=params)
-            run = Run(self.buckets, mode, program, layout, state, src, dst, kind="grad", acc=given, acc_owned=owned,
-                      scale=self.machine.scale_for(n), active=active is None or bool(active))
+                self.repair(owed, src, state, given=given is not None or reduced is not None, inputs=params)
+            run = Run(self.buckets, mode, program, layout, state, src, dst, kind="grad", acc=given,
+                      acc_owned=owned and given is not None, scale=self.machine.scale_for(n), active=active is None or bool(active),
+                      reduced=reduced)
 
             def feed(step: Step) -> Any:
                 if lost is not None:  # (inside the step: the other ranks learn of it in this call)

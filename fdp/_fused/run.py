@@ -51,7 +51,7 @@ class Run:
 
     def __init__(self, buckets: Buckets, mode: StepMode, program: Program, layout: StateLayout, state: FusedState,
                  src: ParamSet, dst: ParamSet, *, kind: str, acc: list[torch.Tensor] | None, acc_owned: bool,
-                 scale: float | None, active: bool) -> None:
+                 scale: float | None, active: bool, reduced: list[torch.Tensor | None] | None = None) -> None:
         bk = self.bk = buckets
         nb = len(bk.plan.buckets)
         self.mode, self.program, self.state, self.src, self.dst = mode, program, state, src, dst
@@ -78,6 +78,10 @@ class Run:
         self.gathers: list[tuple[int, Any]] = []
         self.wholes: dict[int, torch.Tensor] = {}  # sharded: the whole leaves this rank owns, their gradients
         self.owned_params: dict[int, torch.Tensor] | None = None  # fully sharded: those leaves' params
+        # ``reduce_micro_batches``: per bucket, the sum of the micro-batches ``step.accumulate``
+        # reduced (this rank's slice, params' dtype); this step's arriving slice is added into it,
+        # which then is the bucket's gradient (one set of sharded gradients, no kept copy).
+        self.reduced = reduced
         self.step: Step = bk.machine.start(StepSpec(
             kind, what=bk.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
             status=mode.status, on_filled=bk.store.on_filled))
@@ -93,8 +97,8 @@ class Run:
         store = self.bk.store
         try:
             mine = store.scatter.finish(b, flat) if store.scatter is not None else flat
-            if store.keep is not None:
-                mine = store.keep(b, mine, not self.early or self.replicas is not None)
+            if store.keep is not None:  # (added into the micro-batches' sum at once, it needs no copy of its own)
+                mine = store.keep(b, mine, (not self.early and self.reduced is None) or self.replicas is not None)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
             mine = self._wire_zeros(b)
@@ -112,6 +116,11 @@ class Run:
         program = self.program
         try:
             g = self.grads[b] = self.bk.views.grad_of(b, mine) if self.bk.cast[b] else mine
+            if self.reduced is not None:  # the micro-batches before, added in the order FSDP2 adds them
+                g, self.reduced[b] = self.reduced[b].add_(g), None
+                self.grads[b] = g
+                if not self.bk.cast[b]:
+                    self.slices[b] = g
             for i in range(program.prefix):
                 self._apply(i, b, g)
             if self.early:
@@ -214,6 +223,7 @@ class Run:
         nb = len(self.slices)
         self.slices, self.grads = [None] * nb, [None] * nb
         self.wholes, self.owned_params, self.stats, self.gathers = {}, None, {}, []
+        self.reduced = None
 
     def finish(self) -> Verdict:
         """Everything after the buckets: the finite check, the whole-tree transforms, the
@@ -224,7 +234,8 @@ class Run:
         bk = self.bk
         finite = True
         if bk.skip_nonfinite:
-            finite = self._guarded(lambda: all_finite(self.slices), True)
+            finite = self._guarded(lambda: all_finite(self.slices if self.reduced is None else
+                                                      [self.grad(b) for b in range(len(self.slices))]), True)
             if bk.sharded:  # each rank checked its slices: the verdict is every rank's
                 finite = count_ranks(not finite, bk.mesh.shard, f"{bk.name}: finite check") == 0
             if not finite:

@@ -262,8 +262,20 @@ class FusedStep:
         number of times (the sum is kept whole, unsharded, until the step averages it; after
         the first micro-batch the new sums are written beside the old ones until the backward
         completes, so up to two sets of whole gradients at the peak).
+
+        With ``Reducer(..., shard=..., reduce_micro_batches=True)`` each micro-batch is
+        reduce-scattered as its backward goes, as in a step (a collective on every rank, a step
+        of kind ``"accumulate"`` in ``reducer.steps``), and a rank keeps only its slice of the
+        sum of the micro-batches' means (FSDP2's gradient sync on every micro-batch, and its
+        numbers): two sets of sharded gradients at most, instead of whole ones. A micro-batch
+        that fails on any rank then adds nothing on every rank, and every rank raises.
         """
         engine, _, _, _ = self._bind(params)
+        if self.uneven and engine.reduces_micro_batches:
+            raise ValueError(f"{NAME}: step.accumulate with reduce_micro_batches=True averages each micro-batch over "
+                             "every rank as it goes, but a step made with uneven=True averages over the ranks that "
+                             "still have data, known only at the step: build the Reducer without "
+                             "reduce_micro_batches for uneven inputs")
         return engine.accumulate(self.fn, self.has_aux, params, rest, kwargs)
 
     @eager_only

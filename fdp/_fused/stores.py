@@ -54,16 +54,19 @@ class StoreKind(enum.Enum):
 class Accumulation:
     """This rank's local gradients of the micro-batches since the last step (``step.accumulate``),
     summed in place: per leaf (``grads``), and where they lie in flat per-bucket buffers, those
-    (``flats``); ``count`` micro-batches so far. A micro-batch is added only once its backward
-    has completed (a failed one adds nothing). ``lost``: the step that was to close the cycle
-    failed after taking its micro-batches (they went into its buckets): why the next step
-    alone is refused (None: nothing lost)."""
+    (``flats``); or, with ``reduce_micro_batches``, their means over the ranks, reduced as they
+    went, this rank's slice of each bucket (``slices``, ``fdp/_fused/micro.py``); ``count``
+    micro-batches so far. A micro-batch is added only once its backward has completed (a
+    failed one adds nothing). ``lost``: the step that was to close the cycle failed after
+    taking its micro-batches (they went into its buckets): why the next step alone is refused
+    (None: nothing lost)."""
 
-    __slots__ = ("grads", "flats", "count", "lost")
+    __slots__ = ("grads", "flats", "slices", "count", "lost")
 
     def __init__(self) -> None:
         self.grads: list[torch.Tensor] | None = None
         self.flats: list[torch.Tensor] | None = None
+        self.slices: list[torch.Tensor | None] | None = None
         self.count = 0
         self.lost: str | None = None
 

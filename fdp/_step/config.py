@@ -40,6 +40,8 @@ class StepConfig:
         (and gather them again for its backward) rather than keep them until then.
       param_dtype: the dtype the fused step's loss runs in (fully sharded: units are gathered in it) (None: the
         params' own).
+      reduce_micro_batches: a sharded step's ``step.accumulate`` reduce-scatters each micro-batch
+        and keeps this rank's slice of the sum (``fdp/_fused/micro.py``), not the whole sum.
     """
 
     mesh: Mesh
@@ -56,6 +58,7 @@ class StepConfig:
     units: tuple[str, ...] | None = None
     reshard_after_forward: bool = True
     param_dtype: torch.dtype | None = None
+    reduce_micro_batches: bool = False
 
     @property
     def sharded(self) -> bool:

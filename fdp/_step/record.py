@@ -66,7 +66,8 @@ class Timeline:
 
     Attributes:
       step: the step's number (0 for the reducer's first).
-      kind: ``"grad"`` or ``"all_reduce"``.
+      kind: ``"grad"``, ``"all_reduce"`` or ``"accumulate"`` (a micro-batch reduced by
+        ``step.accumulate``: ``Reducer(..., reduce_micro_batches=True)``).
       backward_start, backward_end: when the backward started and returned (None for
         ``all_reduce``).
       end: when the step returned.
@@ -133,7 +134,9 @@ class StepRecord:
 
     Attributes:
       step: the step's number (0 for the reducer's first).
-      kind: ``"grad"`` (``reducer.grad``/``grad_and_value``) or ``"all_reduce"``.
+      kind: ``"grad"`` (``reducer.grad``/``grad_and_value``, a fused step), ``"all_reduce"``, or
+        ``"accumulate"`` (a micro-batch reduced by ``step.accumulate``:
+        ``Reducer(..., reduce_micro_batches=True)``).
       finite: whether every averaged gradient was finite; the same verdict on every rank.
         Always True unless the Reducer was built with ``skip_nonfinite=True``.
       timeline: when each bucket was ready, launched and done.

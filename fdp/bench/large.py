@@ -7,15 +7,20 @@ trained on gloo ranks from the same start on the same batches by:
           ``Reducer(shard="params", units=<the decoder layers>, param_dtype=torch.bfloat16)``,
           activation checkpointing at each layer's call, a ``partition`` of Muon (the layers'
           matrices) and AdamW (the rest), each under ``ema``, after ``clip_by_global_norm``;
-          two micro-batches per step (``step.accumulate``);
+          two micro-batches per step (``step.accumulate``), each reduce-scattered as it goes
+          and its sum kept sharded (``reduce_micro_batches=True``);
   fsdp2   built on meta, ``fully_shard`` on each layer and the model with
           ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, ``to_empty`` and each
           param's values written shard by shard (the same values as fdp's), the same
           checkpointing, ``torch.optim.Muon`` + ``AdamW``, ``clip_grad_norm_``, an EMA of the
-          local shards (``torch._foreach_lerp_``), ``set_requires_gradient_sync(False)`` on the
-          first micro-batch;
+          local shards (``torch._foreach_lerp_``), gradient sync on every micro-batch (its
+          default);
   ddp     the whole model in fp32 without checkpointing, ``no_sync`` on the first micro-batch,
           the same torch optimizers and clipping (the memory reference).
+
+``--whole-sums``: fdp and FSDP2 keep the micro-batches' sum whole until the step instead
+(fdp's default ``reduce_micro_batches=False``; FSDP2's ``set_requires_gradient_sync(False)``
+on the first micro-batch): one reduce-scatter per step, one whole set of gradients held.
 
 Two phases:
 
@@ -104,7 +109,7 @@ class Kind:
             return loss_of(apply(p, {}, x)[0], y)
 
         reducer = fdp.Reducer(params, self.group, shard="params", units=fdp.units(net, zoo.LlamaBlock),
-                              param_dtype=torch.bfloat16)
+                              param_dtype=torch.bfloat16, reduce_micro_batches=not self.cfg.whole_sums)
         self.step_fn = reducer.grad_and_update(loss_fn, opt, donate=True)  # (updated in place, as FSDP2's)
         self.params = self.step_fn.shard(source)
         self.state: Any = None  # (made at the first step, as torch.optim makes its state)
@@ -152,7 +157,7 @@ class Kind:
 
     def _step_fsdp2(self, t: int) -> None:
         rank, size, net = self.group.rank, self.cfg.batch, self.module
-        net.set_requires_gradient_sync(False)
+        net.set_requires_gradient_sync(not self.cfg.whole_sums)
         loss_of(net(batch(t, 0, rank, size)[0]), batch(t, 0, rank, size)[1]).backward()
         net.set_requires_gradient_sync(True)
         x, y = batch(t, 1, rank, size)
@@ -270,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--no-muon", dest="muon", action="store_false", help="AdamW for every param")
     p.add_argument("--no-clip", dest="clip", action="store_false", help="no clipping")
+    p.add_argument("--whole-sums", action="store_true",
+                   help="fdp and FSDP2 keep the micro-batches' sum whole (no sync before the last micro-batch)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--threads", type=int, default=1)

@@ -209,3 +209,36 @@ def test_without_a_sharded_step_or_with_uneven_inputs_it_is_refused_saying_why()
         assert len(out) == 2, out
         assert "needs a sharded step: pass shard=True or shard='params'" in out[0]
         assert "uneven=True averages over the ranks that still have data" in out[1]
+
+
+def on_a_2x2_mesh(group):
+    """HSDP (``("replicate", "shard")``): each micro-batch reduce-scattered over the shard group
+    and all-reduced over the replicas as it goes; beside the unsharded step's whole sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = []
+    for reduced in (False, True):
+        net = block_net(seed=9)
+        apply, params, buffers = fdp.functionalize(net)
+        if reduced:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            reducer = fdp.Reducer(params, mesh, shard="params", units=fdp.units(net, Block), reduce_micro_batches=True)
+        else:
+            reducer = fdp.Reducer(params, group)
+        step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.adamw(lr=1e-2))
+        p = step.shard(params) if reduced else params
+        state = step.init(p)
+        for i in range(3):
+            step.accumulate(p, *tokens(group.rank, 10 * i))
+            p, state, _ = step(p, state, *tokens(group.rank, 10 * i + 1))
+        out.append(p.full() if reduced else dict(p))
+    return out
+
+
+@pytest.mark.slow  # (4 gloo ranks on 2 cores)
+def test_on_a_2x2_mesh_the_replicas_agree_and_equal_the_unsharded_step_within_rounding():
+    res = fdp.testing.run(on_a_2x2_mesh, 4, backend="gloo", timeout=300)
+    for rank, (whole, reduced) in enumerate(res):
+        for k in whole:  # (four ranks' means summed in another order: rounding)
+            torch.testing.assert_close(reduced[k], whole[k], rtol=1e-5, atol=1e-6)
+        assert_trees_equal(reduced, res[0][1], f"rank {rank}: the replicas")

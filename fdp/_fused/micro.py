@@ -92,7 +92,10 @@ class MicroRun:
                 if machine.in_flight is step:  # drained: the status tells every rank
                     if self.replicas is not None:
                         self.replicas.drain(self._wire_zeros)
-                    machine.close(step, failed=True)
+                    try:
+                        machine.close(step, failed=True)
+                    except CollectiveError:
+                        pass  # (the group is broken: this rank's own error is the one to raise)
                 raise
             failed = machine.close(step, failed=self.error is not None)
             if self.error is not None:

@@ -396,12 +396,14 @@ class Run:
         if straddles is None:
             return [own[i] for i in range(len(bk.plan.slots))] if self.error is None else []
         grads = [self.grad(b) if self.error is None else self._zeros(b) for b in range(len(self.slices))]
-        leaves, wholes = straddles.exchange(grads, bk.mesh.shard)
-        if self.error is None and leaves:
-            try:
-                own.update(zip(leaves, t.stats(wholes)))
-            except Exception as e:  # noqa: BLE001 - reported through the step's status
-                self.fail(e)
+        for b in straddles.buckets:  # (one bucket's straddling leaves whole at a time)
+            leaves, wholes = straddles.exchange(grads, bk.mesh.shard, b)
+            if self.error is None and leaves:
+                try:
+                    own.update(zip(leaves, t.stats(wholes)))
+                except Exception as e:  # noqa: BLE001 - reported through the step's status
+                    self.fail(e)
+            del wholes
         return straddles.gather(own if self.error is None else {}, bk.mesh.shard)
 
     def _wire_zeros(self, b: int) -> torch.Tensor:

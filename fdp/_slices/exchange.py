@@ -219,10 +219,12 @@ class Straddles:
     A leaf belongs to the rank whose slice holds its first element. Leaves inside their
     owner's slice are measured there as their bucket lands. A leaf that crosses a slice
     boundary is sent whole to its owner first: each other rank holding part of it sends that
-    part (one ``all_to_all_single`` of bytes, every straddling leaf of every bucket at once).
-    Then each leaf's statistic is computed by exactly one rank, on the whole leaf, as the
-    unsharded step computes it, and ``gather`` puts every rank's statistics together with one
-    all-reduce in which each leaf has one non-zero contribution (exact: ``x + 0 = x``).
+    part (one ``all_to_all_single`` of bytes per bucket that has such leaves, ``buckets``:
+    a rank holds one bucket's straddling leaves whole at a time, not every bucket's; at 4
+    ranks those were 50 MiB at the peak of `bench large`). Then each leaf's statistic is
+    computed by exactly one rank, on the whole leaf, as the unsharded step computes it, and
+    ``gather`` puts every rank's statistics together with one all-reduce in which each leaf
+    has one non-zero contribution (exact: ``x + 0 = x``).
     """
 
     def __init__(self, plan: BucketPlan, slices: Slices) -> None:
@@ -252,10 +254,11 @@ class Straddles:
                     if owner == me:
                         self.recvs[k].append((b.index, i, lo, hi))
             self.inside.append(inside)
-        # Every rank knows every rank's plan: is there any straddling leaf at all?
-        self.any = any(
-            (off // (slices.padded[b.index] // n)) != ((off + numel - 1) // (slices.padded[b.index] // n))
-            for b in plan.buckets for off, numel in zip(b.offsets, b.numels) if numel)
+        # Every rank knows every rank's plan: the buckets with any straddling leaf, in order.
+        self.buckets = [
+            b.index for b in plan.buckets
+            if any((off // (slices.padded[b.index] // n)) != ((off + numel - 1) // (slices.padded[b.index] // n))
+                   for off, numel in zip(b.offsets, b.numels) if numel)]
 
     def inside_views(self, b: int, mine: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """Bucket ``b``'s leaves inside this rank's slice ``mine``, as views shaped like them."""
@@ -264,32 +267,38 @@ class Straddles:
         views = [mine[o:o + slots[i].numel].view(slots[i].shape) for i, o in self.inside[b]]
         return leaves, views
 
-    def exchange(self, grads: list[torch.Tensor], group: Group) -> tuple[list[int], list[torch.Tensor]]:
-        """The straddling leaves this rank owns, whole (``grads``: every bucket's reduced
-        slice, in the params' dtype). A collective over the shard group."""
-        if not self.any or group.process_group is None:
+    def exchange(self, grads: list[torch.Tensor], group: Group, bucket: int) -> tuple[list[int], list[torch.Tensor]]:
+        """The straddling leaves of ``bucket`` (one of ``buckets``) this rank owns, whole
+        (``grads``: every bucket's reduced slice, in the params' dtype). A collective over the
+        shard group."""
+        if group.process_group is None:
             return [], []
         s, slots = self.slices, self.plan.slots
+        sends = [[e for e in self.sends[j] if e[0] == bucket] for j in range(s.size)]
+        recvs = [[e for e in self.recvs[k] if e[0] == bucket] for k in range(s.size)]
 
         def part(b: int, lo: int, hi: int) -> torch.Tensor:
             return grads[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8)
 
-        out_parts = [part(b, lo, hi) for j in range(s.size) for b, i, lo, hi in self.sends[j]]
+        out_parts = [part(b, lo, hi) for j in range(s.size) for b, i, lo, hi in sends[j]]
         send = torch.cat(out_parts) if out_parts else torch.empty(0, dtype=torch.uint8, device=group.device)
-        in_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in self.sends[j]) for j in range(s.size)]
-        out_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in self.recvs[k]) for k in range(s.size)]
+        in_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in sends[j]) for j in range(s.size)]
+        out_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in recvs[k]) for k in range(s.size)]
         recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=send.device)
-        what = "exchange of the leaves that cross a slice boundary (per-leaf statistics)"
+        what = f"exchange of bucket {bucket}'s leaves that cross a slice boundary (per-leaf statistics)"
         comm.wait(comm.all_to_all(recv, send, group, what, out_splits=out_sizes, in_splits=in_sizes), group, what)
+        del send, out_parts
         got: dict[int, list[torch.Tensor]] = {}
         pos = 0
         for k in range(s.size):
-            for _, i, lo, hi in self.recvs[k]:
+            for _, i, lo, hi in recvs[k]:
                 nbytes = (hi - lo) * slots[i].dtype.itemsize
                 got.setdefault(i, []).append(recv[pos:pos + nbytes].view(slots[i].dtype))
                 pos += nbytes
         leaves, wholes = [], []
         for b, i in self.mine:
+            if b != bucket:
+                continue
             off = self.plan.buckets[b].offsets[self.plan.buckets[b].leaves.index(i)]
             own = grads[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
             leaves.append(i)

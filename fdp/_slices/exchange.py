@@ -220,8 +220,8 @@ class Straddles:
     owner's slice are measured there as their bucket lands. A leaf that crosses a slice
     boundary is sent whole to its owner first: each other rank holding part of it sends that
     part (one ``all_to_all_single`` of bytes per bucket that has such leaves, ``buckets``:
-    a rank holds one bucket's straddling leaves whole at a time, not every bucket's; at 4
-    ranks those were 50 MiB at the peak of `bench large`). Then each leaf's statistic is
+    a rank holds one bucket's straddling leaves whole at a time, not every bucket's: 57 MiB
+    less at the peak of ``bench large`` at 4 ranks). Then each leaf's statistic is
     computed by exactly one rank, on the whole leaf, as the unsharded step computes it, and
     ``gather`` puts every rank's statistics together with one all-reduce in which each leaf
     has one non-zero contribution (exact: ``x + 0 = x``).

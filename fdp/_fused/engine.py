@@ -189,10 +189,9 @@ class Engine:
             sets = self.store.params
             src, _ = sets.current(sets.leaves_of(params, "params"), False)
             micro = MicroRun(self.buckets, self.acc, self.machine.scale_for(self.group.size), self.config.engine)
-            try:
-                return micro.run(fn, has_aux, src, rest, kwargs)
-            finally:
-                self.config.steps.last = StepRecord(micro.step.n, "accumulate", True, micro.step.timeline())
+            value = micro.run(fn, has_aux, src, rest, kwargs)
+            self.config.steps.last = StepRecord(micro.step.n, "accumulate", True, micro.step.timeline())
+            return value
 
     # ------------------------------------------------------------------ one step
     def run_grad(self, program: Program, mode: StepMode, layout: StateLayout, fn: Callable, has_aux: bool,

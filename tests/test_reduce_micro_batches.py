@@ -242,3 +242,36 @@ def test_on_a_2x2_mesh_the_replicas_agree_and_equal_the_unsharded_step_within_ro
         for k in whole:  # (four ranks' means summed in another order: rounding)
             torch.testing.assert_close(reduced[k], whole[k], rtol=1e-5, atol=1e-6)
         assert_trees_equal(reduced, res[0][1], f"rank {rank}: the replicas")
+
+
+def muon_both_kinds(group):
+    """Muon (the blocks' matrices, each on its owner) and AdamW, clipped, with micro-batches
+    reduced, in ``shard=True`` and ``shard="params"``."""
+    out = []
+    for shard in (True, "params"):
+        net = block_net(seed=11)
+        apply, params, buffers = fdp.functionalize(net)
+        kw = dict(units=fdp.units(net, Block)) if shard == "params" else {}
+        reducer = fdp.Reducer(params, group, shard=shard, reduce_micro_batches=True, **kw)
+        hidden = lambda key, p: "muon" if p.dim() == 2 and key.startswith("blocks") else "adamw"  # noqa: E731
+        opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.partition(
+            hidden, {"muon": fdp.optim.muon(lr=0.02), "adamw": fdp.optim.adamw(lr=1e-2)}))
+        step = reducer.grad_and_update(loss_of(apply, buffers), opt)
+        p = step.shard(params) if shard == "params" else params
+        state = step.init(p)
+        for i in range(3):
+            for j in range(2):
+                step.accumulate(p, *tokens(group.rank, 10 * i + j))
+            p, state, _ = step(p, state, *tokens(group.rank, 10 * i + 2))
+        out.append(p.full() if shard == "params" else dict(p))
+    moved = [k for k, v in dict(fdp.functionalize(block_net(seed=11))[1]).items() if not torch.equal(v, out[0][k])]
+    return out, moved
+
+
+def test_muon_owners_with_reduced_micro_batches_are_the_same_in_both_sharded_kinds():
+    """Each Muon matrix's reduced sum brought whole to its owner, orthogonalised, sent back:
+    ``shard=True`` and ``shard="params"`` cut the buckets differently, and on two ranks give
+    the same bits."""
+    for rank, ((sliced, units), moved) in enumerate(fdp.testing.run(muon_both_kinds, 2, backend="gloo", timeout=180)):
+        assert len(moved) == len(sliced), moved  # (every leaf trained)
+        assert_trees_equal(units, sliced, f"rank {rank}: shard='params' against shard=True")

@@ -275,3 +275,42 @@ def test_muon_owners_with_reduced_micro_batches_are_the_same_in_both_sharded_kin
     for rank, ((sliced, units), moved) in enumerate(fdp.testing.run(muon_both_kinds, 2, backend="gloo", timeout=180)):
         assert len(moved) == len(sliced), moved  # (every leaf trained)
         assert_trees_equal(units, sliced, f"rank {rank}: shard='params' against shard=True")
+
+
+def bf16_wire(group):
+    """A bf16 wire (``comm_hook=fdp.hooks.bf16_compress``): each micro-batch reduce-scattered
+    in bf16, its slice cast to fp32 and summed in fp32, in both sharded kinds; and by hand."""
+    out = []
+    for shard in (True, "params"):
+        net = block_net(seed=12)
+        apply, params, buffers = fdp.functionalize(net)
+        kw = dict(units=fdp.units(net, Block)) if shard == "params" else {}
+        reducer = fdp.Reducer(params, group, shard=shard, reduce_micro_batches=True,
+                              comm_hook=fdp.hooks.bf16_compress, **kw)
+        step = reducer.grad_and_update(loss_of(apply, buffers), fdp.optim.sgd(lr=0.1))
+        p = step.shard(params) if shard == "params" else params
+        state = step.init(p)
+        for j in range(2):
+            step.accumulate(p, *tokens(group.rank, j))
+        p, state, _ = step(p, state, *tokens(group.rank, 2))
+        out.append(p.full() if shard == "params" else dict(p))
+    # by hand: each micro-batch's mean in bf16 (halved, then summed over the two ranks), cast
+    # to fp32 and added in fp32; sgd's update
+    net = block_net(seed=12)
+    apply, params, buffers = fdp.functionalize(net)
+    total = None
+    for j in range(3):
+        g = torch.func.grad(loss_of(apply, buffers))(params, *tokens(group.rank, j))
+        mean = {k: (v.to(torch.bfloat16) * 0.5) for k, v in g.items()}
+        for v in mean.values():
+            torch.distributed.all_reduce(v, group=group.process_group)
+        mean = {k: v.float() for k, v in mean.items()}
+        total = mean if total is None else {k: total[k] + mean[k] for k in total}
+    out.append({k: params[k].add(total[k], alpha=-0.1) for k in params})  # (torch.optim.SGD's add)
+    return out
+
+
+def test_a_bf16_wire_reduces_each_micro_batch_in_bf16_and_sums_in_fp32():
+    for rank, (sliced, units, by_hand) in enumerate(fdp.testing.run(bf16_wire, 2, backend="gloo", timeout=180)):
+        assert_trees_equal(units, sliced, f"rank {rank}: shard='params' against shard=True")
+        assert_trees_equal(sliced, by_hand, f"rank {rank}: against the sum by hand")

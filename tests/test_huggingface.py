@@ -85,3 +85,46 @@ def test_hf_checkpointed_steps_equal_ddp_checkpointed(model_name):
                                                       timeout=180)):
         for kind, params in got.items():
             assert_trees_equal(params, want, f"{model_name}, {kind} vs DDP, rank {rank}")
+
+
+def reduced_against_fsdp2(group, model_name):
+    """Two micro-batches per step, HF's checkpointing on: FSDP2 (each block and the root
+    ``fully_shard``-ed, gradient sync on every micro-batch) + torch.optim.AdamW, beside fdp's
+    fully sharded step with ``reduce_micro_batches=True`` and the model moved to meta."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, block = MODELS[model_name]()
+    model.activation_checkpointing_enable()
+    for m in model.modules():
+        if isinstance(m, block):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for i in range(3):
+        for j in range(2):
+            x, y = batch(group.rank, 10 * i + j)
+            F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    want = {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
+    m, block = MODELS[model_name]()
+    m.activation_checkpointing_enable()
+    apply, params, buffers = fdp.functionalize(m)
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(m, block),
+                       reduce_micro_batches=True).grad_and_update(
+        lm_loss(apply, buffers), fdp.optim.adamw(lr=1e-2, weight_decay=0.1))
+    params = step.shard(params)
+    m.to("meta")
+    state = step.init(params)
+    for i in range(3):
+        step.accumulate(params, *batch(group.rank, 10 * i))
+        params, state, _ = step(params, state, *batch(group.rank, 10 * i + 1))
+    return want, params.full()
+
+
+@pytest.mark.slow  # (FSDP2 beside, on gloo)
+@pytest.mark.parametrize("model_name", ["gpt2", "llama-tied"])
+def test_hf_reduced_micro_batches_with_checkpointing_equal_fsdp2_syncing_every_micro_batch(model_name):
+    for rank, (want, got) in enumerate(fdp.testing.run(reduced_against_fsdp2, 2, backend="gloo", args=(model_name,),
+                                                      timeout=180)):
+        assert_trees_equal(got, want, f"{model_name}, reduced micro-batches vs FSDP2, rank {rank}")

@@ -89,3 +89,9 @@ class Buckets:
     sharded: bool  # the buckets are cut into slices over the shard group (reduce-scattered)
     sliced_sets: bool  # the param sets hold whole buckets, of which this rank updates its slice
     group: Group  # every rank (``mesh.full``)
+
+    def wire_zeros(self, b: int) -> torch.Tensor:
+        """Zeros for bucket ``b``'s (slice of the) reduced gradient, in its wire dtype (what a
+        rank without a gradient of its own contributes to a collective)."""
+        return torch.zeros(self.store.slices.numel(b), dtype=self.machine.buffers.wire_dtypes[b],
+                           device=self.plan.buckets[b].device)

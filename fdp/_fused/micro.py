@@ -91,7 +91,7 @@ class MicroRun:
                     machine.abort(step, e)
                 if machine.in_flight is step:  # drained: the status tells every rank
                     if self.replicas is not None:
-                        self.replicas.drain(self._wire_zeros)
+                        self.replicas.drain(self.bk.wire_zeros)
                     try:
                         machine.close(step, failed=True)
                     except CollectiveError:
@@ -112,8 +112,3 @@ class MicroRun:
         self.acc.count += 1
         self.acc.lost = None
         return value
-
-    def _wire_zeros(self, b: int) -> torch.Tensor:
-        bk = self.bk
-        return torch.zeros(bk.store.slices.numel(b), dtype=bk.machine.buffers.wire_dtypes[b],
-                           device=bk.plan.buckets[b].device)

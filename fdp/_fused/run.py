@@ -101,7 +101,7 @@ class Run:
                 mine = store.keep(b, mine, (not self.early and self.reduced is None) or self.replicas is not None)
         except Exception as e:  # noqa: BLE001 - reported through the step's status
             self.fail(e)
-            mine = self._wire_zeros(b)
+            mine = self.bk.wire_zeros(b)
         if self.replicas is not None:
             for landed in self.replicas.arrive(b, mine):
                 self._arrived(landed, self.replicas.slices[landed])
@@ -115,12 +115,12 @@ class Run:
             return
         program = self.program
         try:
-            g = self.grads[b] = self.bk.views.grad_of(b, mine) if self.bk.cast[b] else mine
+            g = self.bk.views.grad_of(b, mine) if self.bk.cast[b] else mine
             if self.reduced is not None:  # the micro-batches before, added in the order FSDP2 adds them
                 g, self.reduced[b] = self.reduced[b].add_(g), None
-                self.grads[b] = g
                 if not self.bk.cast[b]:
                     self.slices[b] = g
+            self.grads[b] = g
             for i in range(program.prefix):
                 self._apply(i, b, g)
             if self.early:
@@ -214,7 +214,7 @@ class Run:
         """This rank's step failed before the machine finished (the machine has drained the
         buckets): issue the rest of the step's collectives, with nothing of its own."""
         if self.replicas is not None:
-            self.replicas.drain(self._wire_zeros)
+            self.replicas.drain(self.bk.wire_zeros)
 
     def release(self) -> None:
         """The step is over: drop this run's references to its tensors (the reduced slices and
@@ -405,12 +405,6 @@ class Run:
                     self.fail(e)
             del wholes
         return straddles.gather(own if self.error is None else {}, bk.mesh.shard)
-
-    def _wire_zeros(self, b: int) -> torch.Tensor:
-        """Zeros for bucket ``b``'s (slice of the) reduced gradient, in its wire dtype."""
-        bk = self.bk
-        return torch.zeros(bk.store.slices.numel(b), dtype=bk.machine.buffers.wire_dtypes[b],
-                           device=bk.plan.buckets[b].device)
 
     def _zeros(self, b: int) -> torch.Tensor:
         bucket = self.bk.plan.buckets[b]

@@ -231,9 +231,14 @@ class Straddles:
         self.plan, self.slices = plan, slices
         n, me = slices.size, slices.rank
         self.inside: list[list[tuple[int, int]]] = []  # per bucket: (leaf, its offset in my slice)
-        self.mine: list[tuple[int, int]] = []     # straddling leaves I own: (bucket, leaf)
-        self.sends: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # to rank j: (b, leaf, lo, hi)
-        self.recvs: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n)]  # from rank k
+        # Per bucket: the straddling leaves I own; the parts I send to rank j and receive from
+        # rank k, ``(leaf, lo, hi)``; and the buckets with any straddling leaf (every rank's
+        # plan is known, so every rank finds the same ones), in order.
+        nb = len(plan.buckets)
+        self.mine: list[list[int]] = [[] for _ in range(nb)]
+        self.sends: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(n)] for _ in range(nb)]
+        self.recvs: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(n)] for _ in range(nb)]
+        self.buckets: list[int] = []
         for b in plan.buckets:
             per = slices.padded[b.index] // n
             inside = []
@@ -245,20 +250,17 @@ class Straddles:
                     if owner == me:
                         inside.append((i, off - me * per))
                     continue
+                if not self.buckets or self.buckets[-1] != b.index:
+                    self.buckets.append(b.index)
                 if owner == me:
-                    self.mine.append((b.index, i))
+                    self.mine[b.index].append(i)
                 for k in range(owner + 1, last + 1):
                     lo, hi = max(off, k * per), min(off + numel, (k + 1) * per)
                     if k == me:
-                        self.sends[owner].append((b.index, i, lo, hi))
+                        self.sends[b.index][owner].append((i, lo, hi))
                     if owner == me:
-                        self.recvs[k].append((b.index, i, lo, hi))
+                        self.recvs[b.index][k].append((i, lo, hi))
             self.inside.append(inside)
-        # Every rank knows every rank's plan: the buckets with any straddling leaf, in order.
-        self.buckets = [
-            b.index for b in plan.buckets
-            if any((off // (slices.padded[b.index] // n)) != ((off + numel - 1) // (slices.padded[b.index] // n))
-                   for off, numel in zip(b.offsets, b.numels) if numel)]
 
     def inside_views(self, b: int, mine: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
         """Bucket ``b``'s leaves inside this rank's slice ``mine``, as views shaped like them."""
@@ -273,32 +275,29 @@ class Straddles:
         shard group."""
         if group.process_group is None:
             return [], []
-        s, slots = self.slices, self.plan.slots
-        sends = [[e for e in self.sends[j] if e[0] == bucket] for j in range(s.size)]
-        recvs = [[e for e in self.recvs[k] if e[0] == bucket] for k in range(s.size)]
+        s, slots, b = self.slices, self.plan.slots, bucket
+        sends, recvs = self.sends[b], self.recvs[b]
 
-        def part(b: int, lo: int, hi: int) -> torch.Tensor:
+        def part(lo: int, hi: int) -> torch.Tensor:
             return grads[b][lo - s.lo[b]:hi - s.lo[b]].reshape(-1).view(torch.uint8)
 
-        out_parts = [part(b, lo, hi) for j in range(s.size) for b, i, lo, hi in sends[j]]
+        out_parts = [part(lo, hi) for j in range(s.size) for i, lo, hi in sends[j]]
         send = torch.cat(out_parts) if out_parts else torch.empty(0, dtype=torch.uint8, device=group.device)
-        in_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in sends[j]) for j in range(s.size)]
-        out_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for b, i, lo, hi in recvs[k]) for k in range(s.size)]
+        in_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for i, lo, hi in sends[j]) for j in range(s.size)]
+        out_sizes = [sum((hi - lo) * slots[i].dtype.itemsize for i, lo, hi in recvs[k]) for k in range(s.size)]
         recv = torch.empty(sum(out_sizes), dtype=torch.uint8, device=send.device)
-        what = f"exchange of bucket {bucket}'s leaves that cross a slice boundary (per-leaf statistics)"
+        what = f"exchange of bucket {b}'s leaves that cross a slice boundary (per-leaf statistics)"
         comm.wait(comm.all_to_all(recv, send, group, what, out_splits=out_sizes, in_splits=in_sizes), group, what)
         del send, out_parts
         got: dict[int, list[torch.Tensor]] = {}
         pos = 0
         for k in range(s.size):
-            for _, i, lo, hi in recvs[k]:
+            for i, lo, hi in recvs[k]:
                 nbytes = (hi - lo) * slots[i].dtype.itemsize
                 got.setdefault(i, []).append(recv[pos:pos + nbytes].view(slots[i].dtype))
                 pos += nbytes
         leaves, wholes = [], []
-        for b, i in self.mine:
-            if b != bucket:
-                continue
+        for i in self.mine[b]:
             off = self.plan.buckets[b].offsets[self.plan.buckets[b].leaves.index(i)]
             own = grads[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
             leaves.append(i)

@@ -387,3 +387,41 @@ def test_steady_state_reuses_the_staging_buffers_of_the_all_to_alls():
         assert mode == "all_to_all" and nb >= 3
         assert seen[1:] == seen[:1] * 4, "staging buffers were made anew after the first step"
         assert len(seen[0]) <= 2, f"{len(seen[0])} staging buffers for {nb} buckets"
+
+
+def test_a_gloo_reduce_scatter_stages_one_slice_and_adds_the_peers_in_rank_order():
+    # On gloo each rank receives the others' copies of its slice one peer at a time into one
+    # slice of staging (``fdp._slices.exchange.InTurn``), not ``world - 1`` slices at once,
+    # adding each as it lands: its own part first, then the peers' in rank order. Two buckets
+    # in flight at once, waited in order, as the step machine does.
+    from fdp._comm.collectives import wait
+    from fdp._slices.exchange import Scatter
+    from fdp._slices.geometry import Slices
+
+    def reduce(group):
+        _, params, _ = fdp.functionalize(mlp(seed=1, width=64))
+        plan = fdp.Reducer(params, group, **CAPS).plan
+        slices = Slices(plan, group.size, group.rank)
+        scatter = Scatter(slices, group)
+        every = [[torch.randn(slices.padded[b], generator=torch.Generator().manual_seed(100 * r + b))
+                  for b in range(len(plan.buckets))] for r in range(group.size)]
+        flats = [t.clone() for t in every[group.rank]]
+        works = [scatter.launch(b, flat) for b, flat in enumerate(flats[:2])]
+        for b, work in enumerate(works):
+            wait(work, group, "test")
+        mine = [scatter.finish(b, flat).clone() for b, flat in enumerate(flats[:2])]
+        n, r = slices.numel, group.rank
+        by_hand = []
+        for b in range(2):
+            want = every[r][b][r * n(b):(r + 1) * n(b)].clone()
+            for j in range(group.size):
+                if j != r:
+                    want.add_(every[j][b][r * n(b):(r + 1) * n(b)])
+            by_hand.append(want)
+        return (scatter.mode, [torch.equal(m, w) for m, w in zip(mine, by_hand)],
+                [t.numel() for t in scatter.spare], max(n(b) for b in range(len(plan.buckets))))
+
+    for mode, equal, spare, largest in fdp.testing.run(reduce, 4, backend="gloo"):
+        assert mode == "p2p"
+        assert equal == [True, True]
+        assert spare and max(spare) == largest, f"staging {spare} for slices of at most {largest} elements"

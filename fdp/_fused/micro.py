@@ -46,7 +46,7 @@ class MicroRun:
         self.replicas = Replicas(mesh.replicate, nb) if mesh.replicate is not None else None
         self.step: Step = buckets.machine.start(StepSpec(
             "accumulate", what=f"{buckets.name}.accumulate", scale=scale, on_ready=self.arrive,
-            status=StatusMode.AFTER, on_filled=buckets.store.on_filled))
+            status=StatusMode.AFTER, on_complete=buckets.store.on_complete, on_filled=buckets.store.on_filled))
 
     def arrive(self, b: int, flat: torch.Tensor) -> None:
         """``StepSpec.on_ready``: bucket ``b``'s reduce-scatter has landed (inside the backward's

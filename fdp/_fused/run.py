@@ -84,7 +84,8 @@ class Run:
         self.reduced = reduced
         self.step: Step = bk.machine.start(StepSpec(
             kind, what=bk.name, acc=acc, acc_owned=acc_owned, scale=scale, active=active, on_ready=self.arrive,
-            status=mode.status, on_filled=bk.store.on_filled))
+            status=mode.status, on_complete=bk.store.on_complete,
+            on_filled=bk.store.on_filled))
 
     # ------------------------------------------------------------------ arrival
     def fail(self, e: BaseException) -> None:

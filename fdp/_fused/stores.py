@@ -111,7 +111,9 @@ class Store(Protocol):
     # not only while it lands); None: ``mine`` itself, a view of the bucket's buffer, which is
     # reused only next step.
     keep: Callable[[int, torch.Tensor, bool], torch.Tensor] | None
-    # ``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer (None: nothing to do).
+    # ``StepSpec.on_complete``: bucket ``b``'s gradients are all in, not yet in its flat buffer,
+    # and ``StepSpec.on_filled``: they are in it (None: nothing to do).
+    on_complete: Callable[[int], None] | None
     on_filled: Callable[[int], None] | None
 
     def differentiated(self, src: ParamSet, step: Step) -> tuple[list[torch.Tensor], Callable | None]:
@@ -163,6 +165,7 @@ class ReplicatedStore:
     straddles: Straddles | None = None
     gathers_params = False
     keep = None
+    on_complete = None
     on_filled = None
 
     def __init__(self, config: StepConfig, plan: BucketPlan, name: str) -> None:
@@ -284,12 +287,16 @@ class UnitStore:
             buf = self.kept[b] = torch.empty(self.slices.numel(b), dtype=mine.dtype, device=mine.device)
         return buf.copy_(mine)
 
+    def on_complete(self, b: int) -> None:
+        """``StepSpec.on_complete``: bucket ``b``'s gradients are all in, so its unit's params can
+        go (before a flat buffer is found and filled: not held beside it)."""
+        self.units.on_complete(b)
+
     def on_filled(self, b: int) -> None:
-        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer, so its unit's
-        params can go, and so can the accumulated micro-batches of its leaves when this step
-        took them (made again by the next ``step.accumulate``): the memory of one set of whole
-        gradients is not held into the update."""
-        self.units.on_filled(b)
+        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer, so the
+        accumulated micro-batches of its leaves can go when this step took them (made again by
+        the next ``step.accumulate``): the memory of one set of whole gradients is not held
+        into the update."""
         acc = self._acc
         if acc is not None and acc.count == 0 and acc.grads is not None:
             for i in self.plan.buckets[b].leaves:
@@ -353,7 +360,7 @@ class UnitStore:
                             sums[i] = torch.add(grads[i], grad, out=torch.empty_like(grads[i]))
                         pending[b] -= 1
                         if pending[b] == 0:
-                            units.on_filled(b)
+                            units.on_complete(b)
                     return grad.new_zeros(()).expand(grad.shape)
                 return hook
 

@@ -25,6 +25,8 @@ behind the choice: docs/measurements.md, "The sharded step (ZeRO-1/2)").
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from .._comm.group import Group
 from .._plan.bucket import BucketPlan
 from .geometry import Slices
 
-__all__ = ["Owners", "Replicas", "Scatter", "Straddles"]
+__all__ = ["InTurn", "Owners", "Replicas", "Scatter", "Straddles"]
 
 
 class Scatter:
@@ -51,7 +53,8 @@ class Scatter:
     ``all_gather_into_tensor`` makes a bucket-sized temporary on every call (8,195 page
     faults per 32 MiB gather, measured), so fdp exchanges the slices point to point: each
     rank sends slice ``j`` of its bucket to rank ``j`` and receives the others' copies of its
-    own slice (a staging buffer of ``world - 1`` slices), then adds them; for the gather it
+    own slice one peer at a time into a staging buffer of one slice, adding each as it lands
+    (``InTurn``); for the gather it
     sends its updated slice to every rank and receives theirs straight into the bucket, or,
     ``apart=True``, through a staging buffer copied into the bucket when the gather is done:
     gloo keeps references to the tensors of its last point-to-point exchanges long after they
@@ -59,8 +62,8 @@ class Scatter:
     the pure sharded step may not write again (it would make a new set each step). Other
     backends (the threaded test group has no point-to-point): one ``all_to_all_single`` each
     way through a bucket-sized staging buffer. Staging buffers are pooled, as many as are ever
-    in flight at once, each as large as any bucket needs for its use: ``world - 1`` slices of
-    the largest bucket for a gloo reduce-scatter, the largest bucket otherwise.
+    in flight at once, each as large as any bucket needs for its use: one slice of the largest
+    bucket for a gloo reduce-scatter, the largest bucket otherwise.
     """
 
     def __init__(self, slices: Slices, group: Group) -> None:
@@ -70,8 +73,8 @@ class Scatter:
         self.staged: list[torch.Tensor | None] = [None] * len(slices.padded)  # per bucket in flight
         self.spare: list[torch.Tensor] = []
         self.into: list[torch.Tensor | None] = [None] * len(slices.padded)  # (apart) where a gather lands
-        # a reduce-scatter's staging on gloo: the others' copies of this rank's slice of the largest bucket
-        self._others = len(self.peers) * max((slices.numel(c) for c in range(len(slices.padded))), default=0)
+        # a reduce-scatter's staging on gloo: one peer's copy of this rank's slice of the largest bucket
+        self._one = max((slices.numel(c) for c in range(len(slices.padded))), default=0)
 
     def _stage(self, b: int, like: torch.Tensor, n: int | None = None) -> torch.Tensor:
         """A staging buffer of ``n`` elements (default: ``like``'s) in ``like``'s dtype for
@@ -81,7 +84,7 @@ class Scatter:
         if fits:  # the smallest that fits (popped by index: tensors compare elementwise)
             buf = self.spare.pop(min(fits, key=lambda i: self.spare[i].numel()))
         else:  # as large as any bucket needs for the same use: any bucket can use it later
-            size = self._others if n <= self._others else max(self.slices.padded)
+            size = self._one if n <= self._one else max(self.slices.padded)
             buf = torch.empty(size, dtype=like.dtype, device=like.device)
         self.staged[b] = buf
         return buf[:n]
@@ -105,10 +108,8 @@ class Scatter:
             return comm.reduce_scatter(s.mine(b, flat), flat, group, what)
         if self.mode == "all_to_all":
             return comm.all_to_all(self._stage(b, flat), flat, group, what)
-        # (the others' copies of this rank's slice: world - 1 slices, not a whole bucket)
-        got = self._stage(b, flat, len(self.peers) * s.numel(b)).view(len(self.peers), -1)
-        return comm.exchange([(self._slice(b, flat, j), j) for j in self.peers],
-                              list(zip(got.unbind(0), self.peers)), group, what, tag=2 * b)
+        sends = comm.exchange([(self._slice(b, flat, j), j) for j in self.peers], [], group, what, tag=2 * b)
+        return InTurn(sends.works, s.mine(b, flat), self._stage(b, flat, s.numel(b)), self.peers, group, what, 2 * b)
 
     def finish(self, b: int, flat: torch.Tensor) -> torch.Tensor:
         """This rank's reduced slice (in ``flat``), once ``launch``'s work has completed."""
@@ -119,10 +120,7 @@ class Scatter:
         if self.mode == "all_to_all":  # slice r of every rank, in rank order
             torch.sum(self._unstage(b, s.padded[b]).view(s.size, -1), dim=0, out=mine)
             return mine
-        # this rank's own part, then the others' in rank order (for two ranks: a + b, the
-        # all-reduce's one addition, so the unsharded step's bits)
-        for part in self._unstage(b, len(self.peers) * s.numel(b)).view(len(self.peers), -1):
-            mine.add_(part)
+        self._unstage(b, 0)  # (``InTurn`` has added the peers' parts in)
         return mine
 
     def gather(self, b: int, flat: torch.Tensor, apart: bool = False) -> Any:
@@ -153,6 +151,52 @@ class Scatter:
             into.copy_(self.staged[b][:into.numel()])
         if self.staged[b] is not None:
             self._unstage(b, 0)
+
+
+class InTurn(comm.Batch):
+    """A gloo reduce-scatter's work (``Scatter.launch``): the sends of the other ranks' slices,
+    all posted at once, and the receives of this rank's slice from each peer, one at a time
+    into one slice of staging, each added into ``mine`` as it lands: this rank's own part
+    first, then the peers' in rank order (for two ranks: a + b, the all-reduce's one addition,
+    so the unsharded step's bits). The first receive is posted at launch, each next one once
+    the one before has been waited for and added, so the staging is one slice, not
+    ``world - 1``.
+
+    It advances only in ``wait`` (gloo's point-to-point works read as complete only once
+    waited for, and waiting for one twice waits for a second message). Ranks wait for a
+    bucket's reduce-scatter at the same point of the step (the step machine needs the buffer,
+    or the step ends), and every rank posts all its sends at launch: a rank waiting here for
+    its own sends needs only that each peer reaches the same wait, never anything a peer
+    issues after it."""
+
+    __slots__ = ("sends", "mine", "got", "peers", "group", "what", "tag", "k", "recv")
+
+    def __init__(self, sends: list[Any], mine: torch.Tensor, got: torch.Tensor, peers: list[int], group: Group,
+                 what: str, tag: int) -> None:
+        self.sends, self.mine, self.got, self.peers = sends, mine, got, peers
+        self.group, self.what, self.tag = group, what, tag
+        self.k = 0
+        self.recv: comm.Batch | None = self._post()
+        super().__init__([*self.recv.works, *sends])
+
+    def _post(self) -> comm.Batch:
+        return comm.exchange([], [(self.got, self.peers[self.k])], self.group, self.what, self.tag)
+
+    def is_completed(self) -> bool:
+        return self.recv is None and all(w.is_completed() for w in self.sends)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+
+        def left() -> timedelta | None:
+            return None if deadline is None else timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        while self.recv is not None:
+            self.recv.wait(left())
+            self.mine.add_(self.got)
+            self.k += 1
+            self.recv = self._post() if self.k < len(self.peers) else None
+            self.works = [*(self.recv.works if self.recv is not None else ()), *self.sends]
+        return super().wait(left())
 
 
 class Replicas:

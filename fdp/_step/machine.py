@@ -143,9 +143,12 @@ class StepSpec:
         known (the fused step's per-bucket update); for ``in_place`` hooks as soon as fdp
         sees the collective complete, during the backward.
       status: when the step's status is exchanged (``StatusMode``).
+      on_complete: called as ``on_complete(b)`` once bucket ``b``'s gradients are all in,
+        before a flat buffer is found for them and they are copied in: nothing needs the
+        bucket's params for this backward any more (fully sharded params free their gathered
+        copy then, so it is not held beside the flat buffer).
       on_filled: called as ``on_filled(b)`` once bucket ``b``'s gradients are in its flat
-        buffer (just before its collective is launched): nothing needs the bucket's params
-        for this backward any more (fully sharded params free their gathered copy then).
+        buffer (just before its collective is launched).
     """
 
     kind: StepKind
@@ -157,6 +160,7 @@ class StepSpec:
     defer: bool = False
     on_ready: Callable[[int, torch.Tensor], None] | None = None
     status: StatusMode = StatusMode.WITH_BUCKETS
+    on_complete: Callable[[int], None] | None = None
     on_filled: Callable[[int], None] | None = None
 
 
@@ -515,6 +519,8 @@ class Step:
 
     def _launch(self, b: int) -> None:
         bucket = self.plan.buckets[b]
+        if self.spec.on_complete is not None:
+            self.spec.on_complete(b)
         flat = self.buffers.wire(b)
         while flat is None:  # transient buffers, all lent: the oldest collective lands first
             self._land_oldest()

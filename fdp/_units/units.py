@@ -23,9 +23,8 @@ all-gather), ``wait_for_unshard``, ``reshard`` (free). Through a step:
 * **backward**: the first gradient reaching a unit's outputs gathers the unit again (the
   autograd graph saved its leaves, whose storage is filled again) and prefetches the unit
   that ran before it; a recomputation inside the backward (activation checkpointing) finds
-  its unit gathered or gathers it (``recomputing``); once the step machine has copied a
-  bucket's gradients into its flat buffer (``StepSpec.on_filled``), nothing needs the
-  bucket's params: they are freed.
+  its unit gathered or gathers it (``recomputing``); once every gradient of a bucket is in
+  (``StepSpec.on_complete``), nothing needs the bucket's params: they are freed.
 * **end**: every gather in flight is waited for, everything is freed, and this step's
   forward order becomes the next step's prefetch order.
 
@@ -373,8 +372,8 @@ class Units:
                     self.prefetch(v)
                     break
 
-    def on_filled(self, b: int) -> None:
-        """``StepSpec.on_filled``: bucket ``b``'s gradients are in its flat buffer."""
+    def on_complete(self, b: int) -> None:
+        """``StepSpec.on_complete``: every gradient of bucket ``b`` is in."""
         self.filled[b] = 1
         self.reshard(b)
 

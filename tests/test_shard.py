@@ -407,7 +407,7 @@ def test_a_gloo_reduce_scatter_stages_one_slice_and_adds_the_peers_in_rank_order
                   for b in range(len(plan.buckets))] for r in range(group.size)]
         flats = [t.clone() for t in every[group.rank]]
         works = [scatter.launch(b, flat) for b, flat in enumerate(flats[:2])]
-        for b, work in enumerate(works):
+        for work in works:
             wait(work, group, "test")
         mine = [scatter.finish(b, flat).clone() for b, flat in enumerate(flats[:2])]
         n, r = slices.numel, group.rank

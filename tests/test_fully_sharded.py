@@ -619,3 +619,30 @@ def test_a_hook_that_is_not_a_sum_is_refused_naming_shard_params():
     _, params, _ = fdp.functionalize(net)
     with pytest.raises(TypeError, match=r"shard='params' reduce-scatters buckets .* noop is not one"):
         fdp.Reducer(params, None, shard="params", units=fdp.units(net, Block), comm_hook=fdp.hooks.noop)
+
+
+def test_a_units_gathered_params_are_freed_before_its_gradients_take_a_flat_buffer(monkeypatch):
+    # Once every gradient of a unit is in, nothing needs its params: they are freed before the
+    # step machine takes a (transient) flat buffer for the gradients and copies them in, so the
+    # gathered unit and the buffer are never held together (``StepSpec.on_complete``).
+    import threading
+
+    from fdp._plan.buffers import BucketBuffers
+    from fdp._units.units import Units, UnitState
+
+    made, seen = {}, []  # (the ranks are threads: each rank's units by its thread)
+    init, wire = Units.__init__, BucketBuffers.wire
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made[threading.get_ident()] = self
+
+    def recording_wire(self, b):
+        seen.append(made[threading.get_ident()].state[b])
+        return wire(self, b)
+
+    monkeypatch.setattr(Units, "__init__", recording_init)
+    monkeypatch.setattr(BucketBuffers, "wire", recording_wire)
+    records = fdp.testing.run(lambda g: train(g, "params", OPTIMIZERS["sgd-nesterov"], steps=2)[2], 2)
+    assert len(seen) >= 2 * 2 * len(records[0].timeline.buckets)
+    assert all(s is UnitState.FREE for s in seen), seen

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--trees", nargs="+", default=list(TREES), choices=list(TREES))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--width", type=int, default=None,
+                   help="the matrices' width in every tree (default: each tree's own); the number of leaves stays")
     p.add_argument("--optim", default="adamw", choices=["adamw", "muon"],
                    help="AdamW (decay mask), or Muon on the matrices with AdamW on the vectors (a partition)")
     p.add_argument("--no-targets", action="store_true",
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                   ["tree", "kind", "ms", "x torch", "target"], keys=2, text=["target"])
     missed = False
     for name in cfg.trees:
-        res = _measure(*TREES[name], cfg.steps, cfg.warmup, cfg.optim)
+        pairs, width = TREES[name]
+        res = _measure(pairs, cfg.width or width, cfg.steps, cfg.warmup, cfg.optim)
         for kind in (*SHOWN, "fused-kernels"):
             r = res[kind] / res["torch.optim"]
             target = "" if cfg.optim != "adamw" else {

@@ -275,11 +275,11 @@ class Straddles:
         self.plan, self.slices = plan, slices
         n, me = slices.size, slices.rank
         self.inside: list[list[tuple[int, int]]] = []  # per bucket: (leaf, its offset in my slice)
-        # Per bucket: the straddling leaves I own; the parts I send to rank j and receive from
+        # Per bucket: the straddling leaves I own, ``(leaf, its offset in the bucket)``; the parts I send to rank j and receive from
         # rank k, ``(leaf, lo, hi)``; and the buckets with any straddling leaf (every rank's
         # plan is known, so every rank finds the same ones), in order.
         nb = len(plan.buckets)
-        self.mine: list[list[int]] = [[] for _ in range(nb)]
+        self.mine: list[list[tuple[int, int]]] = [[] for _ in range(nb)]
         self.sends: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(n)] for _ in range(nb)]
         self.recvs: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(n)] for _ in range(nb)]
         self.buckets: list[int] = []
@@ -297,7 +297,7 @@ class Straddles:
                 if not self.buckets or self.buckets[-1] != b.index:
                     self.buckets.append(b.index)
                 if owner == me:
-                    self.mine[b.index].append(i)
+                    self.mine[b.index].append((i, off))
                 for k in range(owner + 1, last + 1):
                     lo, hi = max(off, k * per), min(off + numel, (k + 1) * per)
                     if k == me:
@@ -341,8 +341,7 @@ class Straddles:
                 got.setdefault(i, []).append(recv[pos:pos + nbytes].view(slots[i].dtype))
                 pos += nbytes
         leaves, wholes = [], []
-        for i in self.mine[b]:
-            off = self.plan.buckets[b].offsets[self.plan.buckets[b].leaves.index(i)]
+        for i, off in self.mine[b]:
             own = grads[b][off - s.lo[b]:s.hi[b] - s.lo[b]]
             leaves.append(i)
             wholes.append(torch.cat([own, *got[i]]).view(slots[i].shape))

@@ -211,7 +211,7 @@ class Units:
         self.src: list[torch.Tensor] | None = None
         self.entered: list[int] = []
         self.kept: set[int] = set()
-        self.filled = bytearray(len(plan.buckets))
+        self.complete = bytearray(len(plan.buckets))  # per bucket: its gradients are all in, this step (``on_complete``)
         self.backward = False
         self.training = False
 
@@ -229,7 +229,7 @@ class Units:
         self.calls, self.phase = self.calls + 1, phase
         self.entered, self.kept, self.backward = [], set(), False
         self.count = [0] * len(self.fulls)
-        self.filled = bytearray(len(self.plan.buckets))
+        self.complete = bytearray(len(self.plan.buckets))
         return UnitsView(self, self.leaves if tensors is None else tensors, finish)
 
     def inference(self, src: list[torch.Tensor]) -> UnitsView:
@@ -363,18 +363,18 @@ class Units:
         """A gradient has reached unit ``u``'s outputs: gather it (again), and prefetch the unit
         that ran before it in the forward."""
         self.backward = True
-        if all(self.filled[b] for b in self.buckets_of[u]):
+        if all(self.complete[b] for b in self.buckets_of[u]):
             return
         self.unshard_unit(u)
         if u in self.entered:
             for v in reversed(self.entered[:self.entered.index(u)]):
-                if any(not self.filled[b] for b in self.buckets_of[v]):
+                if any(not self.complete[b] for b in self.buckets_of[v]):
                     self.prefetch(v)
                     break
 
     def on_complete(self, b: int) -> None:
         """``StepSpec.on_complete``: every gradient of bucket ``b`` is in."""
-        self.filled[b] = 1
+        self.complete[b] = 1
         self.reshard(b)
 
     # ------------------------------------------------------------------ per unit
@@ -393,7 +393,7 @@ class Units:
     def prefetch(self, u: int) -> None:
         """Issue unit ``u``'s all-gathers (a unit whose gradients are in is not gathered again)."""
         for b in self.buckets_of[u]:
-            if self.state[b] is UnitState.FREE and not self.filled[b]:
+            if self.state[b] is UnitState.FREE and not self.complete[b]:
                 self.unshard(b)
 
     # ------------------------------------------------------------------ per bucket

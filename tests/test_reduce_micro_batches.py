@@ -314,3 +314,21 @@ def test_a_bf16_wire_reduces_each_micro_batch_in_bf16_and_sums_in_fp32():
     for rank, (sliced, units, by_hand) in enumerate(fdp.testing.run(bf16_wire, 2, backend="gloo", timeout=180)):
         assert_trees_equal(units, sliced, f"rank {rank}: shard='params' against shard=True")
         assert_trees_equal(sliced, by_hand, f"rank {rank}: against the sum by hand")
+
+
+@pytest.mark.slow  # (3 gloo ranks, FSDP2 beside)
+@pytest.mark.parametrize("kind", ["shard=True", "shard=params"])
+def test_on_three_ranks_with_clipping_and_a_failing_micro_batch_it_equals_fsdp2_within_rounding(kind):
+    # Three ranks: each reduce-scatter receives from two peers in turn (``InTurn``), in rank
+    # order, where gloo's reduce-scatter (FSDP2's) sums in its own order: rounding apart.
+    for rank, ((mine, *_), theirs) in enumerate(
+            fdp.testing.run(against_fsdp2, 3, backend="gloo", timeout=300, args=(kind, True))):
+        for k in mine:
+            torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6, msg=f"{kind}, rank {rank}, {k!r}")
+    results = fdp.testing.run(failing_micro_batch, 3, backend="gloo", timeout=300, args=(kind,))
+    for rank, ((mine, raised, *_), theirs) in enumerate(results):
+        assert len(raised) == 1 and ("RuntimeError" if rank == 1 else "CollectiveError") in raised[0], raised
+        for k in mine:
+            torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-6, msg=f"{kind}, rank {rank}, {k!r}")
+        same = [torch.equal(mine[k], results[0][0][0][k]) for k in mine]
+        assert all(same), f"{kind}: rank {rank}'s params differ from rank 0's"

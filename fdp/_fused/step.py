@@ -26,7 +26,7 @@ from .._step.record import StepRecord
 from .._units.params import ShardedParams, average_slices, shards_of
 from ..optim import Inspection, Optimizer, ema_params, inspect
 from ..optim._flat import split_chain
-from . import eager
+from . import eager, traced
 from .engine import Engine, StepMemory
 from .mode import StepMode
 from .program import Program
@@ -197,9 +197,27 @@ class FusedStep:
             raise TypeError(f"{NAME}: step.param_shards() is for fully sharded params (Reducer(shard='params'))")
         return shards_of(engine.store.params.units, None)
 
-    @eager_only
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+        if torch.compiler.is_compiling():
+            return self._traced(params, opt_state, rest, kwargs)
+        return self._eager(params, opt_state, rest, kwargs)
+
+    @eager_only
+    def _eager(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
         return self._grad_step(params, opt_state, rest, kwargs, True)
+
+    def _traced(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
+        """The step inside ``torch.compile`` (``fdp/_fused/traced.py``): bound eagerly before."""
+        engine, program = self._engine, self._program
+        if engine is None:
+            raise RuntimeError(f"{NAME}: call step.init(params) (or one step) eagerly before compiling a function "
+                               "that calls the step: binding it checks the plan across ranks on the host")
+        why = traced.refusal(engine, program, self._acc_tree, self.uneven)
+        if why is not None:
+            raise RuntimeError(f"{NAME}: this step cannot be traced by torch.compile: {why}; call it outside the "
+                               "compiled function (docs/compile.md)")
+        return traced.traced_grad_step(engine, program, self._layout, self.fn, self.has_aux, params, opt_state,
+                                       rest, kwargs)
 
     @eager_only
     def idle(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:

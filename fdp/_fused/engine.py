@@ -109,6 +109,8 @@ class Engine:
             cast=[w != b.dtype for w, b in zip(wires, plan.buckets)], owners=owners, views=BucketViews(plan),
             skip_nonfinite=config.skip_nonfinite, sharded=store.scatter is not None,
             sliced_sets=store.kind is StoreKind.SLICED, group=self.group)
+        # the params tree with each leaf's index for a leaf: its structure, for a traced step
+        self.skeleton = _tree.unflatten(plan.treedef, list(range(len(plan.slots))))
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step

@@ -30,6 +30,7 @@ import torch
 from .. import _internals, _tree
 from .._plan.bucket import BucketPlan
 from .._slices.geometry import Slices, pieces
+from .._units.params import ShardedParams
 from ..optim import GradientTransform
 from .engine import Engine
 from .program import Program
@@ -41,11 +42,7 @@ __all__ = ["refusal", "traced_grad_step"]
 
 def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> str | None:
     """Why this step cannot be traced (None: it can)."""
-    config, store = engine.config, engine.store
-    if store.kind is StoreKind.UNITS:
-        return "fully sharded params (shard='params') gather their units from hooks inside autograd"
-    if engine.owners is not None:
-        return "whole leaves owned by one rank each (Muon with shard=True) are exchanged point to point"
+    config = engine.config
     if engine.mesh.replicate is not None:
         return "a 2-D mesh sums each slice over the replicas after its reduce-scatter, point to point"
     if config.skip_nonfinite:
@@ -75,22 +72,40 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     plan, store, bk = engine.plan, engine.store, engine.buckets
     name = engine.name
     _check_state(layout, state, name)
-    leaves = plan.leaves_of(params, f"{name} params")
-    treedef = _tree.structure(params)  # (dynamo replaces optree's specs: one made inside the trace)
-    compute = store.compute
-    inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
+    machine, slices = engine.machine, store.slices
+    group = engine.mesh.shard if store.scatter is not None else engine.group
+    units = store.kind is StoreKind.UNITS
+    if units:
+        # Fully sharded: each bucket's slice all-gathered in the units' dtype (param_dtype),
+        # the loss differentiated in the whole leaves, their gradients reduce-scattered below.
+        if not isinstance(params, ShardedParams):
+            raise TypeError(f"{name}: with shard='params' the step takes the fdp.ShardedParams of "
+                            f"step.shard(params) (or of the step), got {type(params).__name__}")
+        own = list(params.flats)
+        fulls = []
+        for b in range(len(plan.buckets)):
+            mine = own[b].detach().to(store.units.fulls[b].dtype)
+            fulls.append(_all_gather(mine, group) if store.scatter is not None else mine)
+        # (dynamo replaces optree's specs: the params' structure is flattened inside the trace,
+        # from the plan's tree of leaf indices, made eagerly with the engine)
+        treedef = _tree.structure(engine.skeleton)
+        inputs = _tree.leaves(plan.views(fulls, treedef))
+        leaves = None
+    else:
+        leaves = plan.leaves_of(params, f"{name} params")
+        treedef = _tree.structure(params)  # (dynamo replaces optree's specs: one made inside the trace)
+        compute = store.compute
+        inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
 
     def loss_of(xs: list[torch.Tensor]) -> Any:
         return fn(_tree.unflatten(treedef, xs), *rest, **kwargs)
 
-    grads, value = torch.func.grad_and_value(loss_of, has_aux=has_aux)(inputs)
+    grads, value = _grad_and_value(loss_of, has_aux, inputs, name)
     acc = engine.acc
     if acc.count:  # step.accumulate's micro-batches (eager calls before this one): added before the mean
         grads = [g + a for g, a in zip(grads, acc.grads)]
         acc.count = 0
 
-    machine, slices = engine.machine, store.slices
-    group = engine.mesh.shard if store.scatter is not None else engine.group
     scale = machine.scale_for(engine.group.size)
     hook = engine.config.hook
     reduced = []
@@ -113,6 +128,10 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     # The chain's transforms, in the eager step's order: the prefix per bucket, the whole-tree
     # ones (a global scale's factor from every leaf's statistic, in leaf order), the suffix.
     tstates = list(state.transforms)
+    # What every all-to-all received (``_exchange_parts``): a rank may receive nothing it uses
+    # (no leaf of its own crosses a slice boundary, it owns no Muon matrix), and a graph pass
+    # would then drop the collective on that rank alone, leaving the others waiting for it.
+    received: list[torch.Tensor] = []
     for i in range(program.prefix):
         for b in range(len(reduced)):
             tstates[i] = _apply(program.transforms[i], plan, slices, b, reduced[b], tstates[i])
@@ -122,7 +141,7 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
             for b in range(len(reduced)):
                 tstates[i] = _apply(t, plan, slices, b, reduced[b], tstates[i])
             continue
-        stats = _leaf_stats(t, plan, store, group, reduced)
+        stats = _leaf_stats(t, plan, store, group, reduced, received)
         factor, tstates[i] = t.scale(stats, tstates[i])
         if factor is None:
             raise RuntimeError(f"{name}: the global scale at part {i} of the chain skipped the step under "
@@ -139,10 +158,23 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
               for part in program.parts]
     buffers, keys = state.buffers, layout.keys
+    owners = engine.owners
+    wholes: dict[int, torch.Tensor] = {}
+    owned: dict[int, torch.Tensor] = {}
+    if owners is not None:
+        # Whole leaves (Muon's matrices), each updated whole by its owner: their reduced
+        # gradients sent there (one all-to-all), and, fully sharded, their params too (whole
+        # params on every rank otherwise: the owner takes its own from the input leaves).
+        wholes = _to_owners(owners, reduced, group, received)
+        owned = _to_owners(owners, own, group, received) if units else {
+            i: leaves[i].detach().clone() for i in owners.mine}
     out = []
     for b, bucket in enumerate(plan.buckets):
-        p = torch.cat([leaves[i].detach().reshape(-1) for i in bucket.leaves])
-        if store.scatter is not None:
+        if units:
+            p = own[b].detach().clone()
+        else:
+            p = torch.cat([leaves[i].detach().reshape(-1) for i in bucket.leaves])
+        if store.scatter is not None and not units:
             pad = slices.padded[b] - bucket.numel
             if pad:
                 p = torch.cat([p, p.new_zeros(pad)])
@@ -156,14 +188,42 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
         else:
             for (part, grp), spans in bk.spans.by_key[b]:
                 states = [buffers[k][b] for k in keys[part]]
-                kernels[part].step(grp, pieces(p, spans, False), pieces(g, spans, False),
-                                   [pieces(s, spans, True) for s in states], counts[part])
-        if store.scatter is not None:
-            p = _all_gather(p, group)
+                if spans and spans[0].owned:  # whole leaves this rank owns
+                    ps, gs = [owned[sp.leaf] for sp in spans], [wholes[sp.leaf] for sp in spans]
+                else:
+                    ps, gs = pieces(p, spans, False), pieces(g, spans, False)
+                kernels[part].step(grp, ps, gs, [pieces(t, spans, True) for t in states], counts[part])
         out.append(p)
+    if owners is not None:  # the owners' updated leaves into the slices that hold them
+        _to_holders(owners, out, owned, group, received)
+    if received and out:  # every exchange's first byte (a zero) into the params: never dropped
+        out[0] = out[0] - torch.stack([r[:1] for r in received]).to(out[0].dtype).sum()  # (x - +0.0 is x)
+    if store.gathers_params:
+        out = [_all_gather(p, group) for p in out]
     state.step.add_(1)
-    new = plan.views(out, treedef)
+    new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
+
+
+def _grad_and_value(loss_of: Callable, has_aux: bool, inputs: list[torch.Tensor], name: str) -> tuple[list, Any]:
+    """The gradients of ``loss_of`` in ``inputs`` and its value, traced: by ``torch.func`` (as the
+    eager step with ``engine="functorch"``), or, where dynamo traces ``torch.autograd.grad``
+    (``torch._dynamo.config.trace_autograd_ops = True``), by autograd, which also runs
+    ``torch.utils.checkpoint`` inside the loss (torch.func's transforms refuse its saved-tensor
+    hooks)."""
+    import torch._dynamo.config as dynamo_config
+
+    if not dynamo_config.trace_autograd_ops:
+        return torch.func.grad_and_value(loss_of, has_aux=has_aux)(inputs)
+    xs = [t.requires_grad_(True) for t in inputs]
+    with torch.enable_grad():
+        out = loss_of(xs)
+    loss, aux = out if has_aux else (out, None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise RuntimeError(f"{name}: the loss must be a scalar tensor (the step differentiates it)")
+    got = torch.autograd.grad(loss, xs, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(xs, got)]
+    return grads, ((loss.detach(), aux) if has_aux else loss.detach())
 
 
 def _views(flat: torch.Tensor, bucket: Any) -> list[torch.Tensor]:
@@ -177,7 +237,7 @@ def _apply(t: GradientTransform, plan: BucketPlan, slices: Slices, b: int, g: to
 
 
 def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
-                reduced: list[torch.Tensor]) -> list[torch.Tensor]:
+                reduced: list[torch.Tensor], received: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every leaf's statistic for the global scale ``t``, in leaf order. Sharded, each leaf is
     measured whole on one rank (those that cross a slice boundary sent there first, one
     all-to-all per bucket that has any), and the statistics put together with one all-reduce
@@ -195,7 +255,7 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
         leaves, views = straddles.inside_views(b, reduced[b])
         own.update(zip(leaves, t.stats(views)))
     for b in straddles.buckets:
-        leaves, wholes = _exchange(straddles, reduced, group, b)
+        leaves, wholes = _exchange(straddles, reduced, group, b, received)
         if leaves:
             own.update(zip(leaves, t.stats(wholes)))
     slots = plan.slots
@@ -205,30 +265,99 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
     return [vec[i].to(own[i].dtype if i in own else slots[i].dtype) for i in range(len(slots))]
 
 
-def _exchange(straddles: Any, grads: list[torch.Tensor], group: Any, b: int) -> tuple[list[int], list[torch.Tensor]]:
+def _exchange(straddles: Any, grads: list[torch.Tensor], group: Any, b: int,
+              received: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     """``Straddles.exchange`` as graph nodes: the straddling leaves of bucket ``b`` this rank
-    owns, whole (one ``all_to_all_single`` in the params' dtype)."""
+    owns, whole (one ``all_to_all_single``)."""
     s, slots = straddles.slices, straddles.plan.slots
-    sends, recvs = straddles.sends[b], straddles.recvs[b]
     g = grads[b]
-    out_parts = [g[lo - s.lo[b]:hi - s.lo[b]] for j in range(s.size) for _, lo, hi in sends[j]]
-    send = torch.cat(out_parts) if out_parts else g.new_zeros(0)
-    in_sizes = [sum(hi - lo for _, lo, hi in sends[j]) for j in range(s.size)]
-    out_sizes = [sum(hi - lo for _, lo, hi in recvs[k]) for k in range(s.size)]
-    funcol = _internals.functional_collectives()
-    recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_sizes, in_sizes, group.process_group))
+    sends = [[g[lo - s.lo[b]:hi - s.lo[b]] for _, lo, hi in per] for per in straddles.sends[b]]
     got: dict[int, list[torch.Tensor]] = {}
-    pos = 0
-    for k in range(s.size):
-        for i, lo, hi in recvs[k]:
-            got.setdefault(i, []).append(recv[pos:pos + hi - lo])
-            pos += hi - lo
+    for (i, _, _), part in _exchange_parts(sends, straddles.recvs[b], g, slots, group, received):
+        got.setdefault(i, []).append(part)
     leaves, wholes = [], []
     for i, off in straddles.mine[b]:
         own = g[off - s.lo[b]:s.hi[b] - s.lo[b]]
         leaves.append(i)
         wholes.append(torch.cat([own, *got[i]]).view(slots[i].shape))
     return leaves, wholes
+
+
+def _to_owners(owners: Any, flats: list[torch.Tensor], group: Any, received: list[torch.Tensor]
+               ) -> dict[int, torch.Tensor]:
+    """``Owners.to_owners`` as graph nodes: every leaf this rank owns, whole, in its shape,
+    from the ranks' slices ``flats`` (one ``all_to_all_single`` in the leaves' dtype)."""
+    s, me, slots = owners.slices, owners.slices.rank, owners.plan.slots
+    sends: list[list[torch.Tensor]] = [[] for _ in range(s.size)]
+    recvs: list[list[tuple[int, int, int]]] = [[] for _ in range(s.size)]
+    pieces_of: dict[int, list[tuple[int, torch.Tensor]]] = {i: [] for i in owners.mine}
+    for i, parts in sorted(owners.parts.items()):
+        o = owners.owner[i]
+        for c, lo, hi, r in parts:
+            part = flats[c][lo - s.lo[c]:hi - s.lo[c]]
+            if r == me and o != me:
+                sends[o].append(part)
+            if o == me and r != me:
+                recvs[r].append((i, lo, hi))
+            if o == me and r == me:
+                pieces_of[i].append((lo, part))
+    for (i, lo, _), part in _exchange_parts(sends, recvs, flats[0], slots, group, received):
+        pieces_of[i].append((lo, part))
+    return {i: torch.cat([t for _, t in sorted(pieces_of[i], key=lambda x: x[0])]).view(slots[i].shape)
+            for i in owners.mine}
+
+
+def _to_holders(owners: Any, mine: list[torch.Tensor], owned: dict[int, torch.Tensor], group: Any,
+                received: list[torch.Tensor]) -> None:
+    """``Owners.to_holders`` as graph nodes: the owners' updated leaves ``owned`` written into
+    the slices ``mine`` of the ranks that hold their parts (one ``all_to_all_single``)."""
+    s, me, slots = owners.slices, owners.slices.rank, owners.plan.slots
+    sends: list[list[torch.Tensor]] = [[] for _ in range(s.size)]
+    recvs: list[list[tuple[int, int, int]]] = [[] for _ in range(s.size)]
+    for i, parts in sorted(owners.parts.items()):
+        o, off = owners.owner[i], slots[i].offset
+        for c, lo, hi, r in parts:
+            if o == me:
+                new = owned[i].reshape(-1)[lo - off:hi - off]
+                if r == me:
+                    mine[c][lo - s.lo[c]:hi - s.lo[c]].copy_(new)
+                else:
+                    sends[r].append(new)
+            elif r == me:
+                recvs[o].append((i, lo, hi))
+    for (i, lo, hi), part in _exchange_parts(sends, recvs, mine[0], slots, group, received):
+        c = slots[i].bucket
+        mine[c][lo - s.lo[c]:hi - s.lo[c]].copy_(part)
+
+
+def _exchange_parts(sends: list[list[torch.Tensor]], recvs: list[list[tuple[int, int, int]]],
+                    like: torch.Tensor, slots: Any, group: Any,
+                    received: list[torch.Tensor]) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
+    """One ``all_to_all_single`` of the parts ``sends`` (per destination rank), and the parts
+    received, named by ``recvs`` (per source rank: ``(leaf, lo, hi)``), in their leaves'
+    dtypes (sent as bytes, as the eager exchange: leaves of several dtypes in one call).
+
+    Every rank sends every rank a zero byte before its parts, and the step subtracts the
+    first one it received from its params (``x - (+0.0)`` is ``x``): the collective is then
+    used on every rank. (A graph pass drops an all-to-all whose output this rank does not
+    use, from this rank's graph alone, and the ranks that send to it wait for it until the
+    timeout: seen with activation checkpointing.)"""
+    head = like.new_zeros(1, dtype=torch.uint8)
+    parts = [t for per in sends for t in (head, *(x.reshape(-1).view(torch.uint8) for x in per))]
+    send = torch.cat(parts)
+    in_sizes = [1 + sum(t.numel() * t.element_size() for t in per) for per in sends]
+    out_sizes = [1 + sum((hi - lo) * slots[i].dtype.itemsize for i, lo, hi in per) for per in recvs]
+    funcol = _internals.functional_collectives()
+    recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_sizes, in_sizes, group.process_group))
+    received.append(recv)
+    out, pos = [], 0
+    for per in recvs:
+        pos += 1  # (the peer's byte)
+        for i, lo, hi in per:
+            nbytes = (hi - lo) * slots[i].dtype.itemsize
+            out.append(((i, lo, hi), recv[pos:pos + nbytes].clone().view(slots[i].dtype)))  # (aligned)
+            pos += nbytes
+    return out
 
 
 def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:

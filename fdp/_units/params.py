@@ -90,7 +90,8 @@ class ShardedParams:
         self.units, self.flats = units, flats  # (the set's own list: the step knows it by identity)
         # views, so that the set counts as held (a pure step then writes the other set)
         self._views = [f[:] for f in flats]
-        self._versions = [version(f) for f in flats]
+        # (None under torch.compile: a compiled step's slices are graph outputs, taken in by copy)
+        self._versions = None if _tree.compiling() else [version(f) for f in flats]
 
     # ------------------------------------------------------------------ a mapping's read-only face
     def keys(self) -> list[Any]:
@@ -134,7 +135,7 @@ class ShardedParams:
 
     def unchanged(self) -> bool:
         """Whether the slices are as the step returned them (nobody wrote into them since)."""
-        return [version(f) for f in self.flats] == self._versions
+        return self._versions is not None and [version(f) for f in self.flats] == self._versions
 
     # ------------------------------------------------------------------ gathers
     def units_view(self) -> UnitsView:

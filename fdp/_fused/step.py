@@ -35,15 +35,28 @@ from .stores import StoreKind
 
 NAME = "fdp.Reducer.grad_and_update"
 
-# The fused step runs its updates from hooks inside autograd: torch.compile cannot trace it. Its
-# calls are left out of any compiled graph (a graph break: the step runs eagerly inside a
-# compiled function; with fullgraph=True, dynamo's error gives this reason first).
-EAGER_ONLY = (f"{NAME}'s step cannot be traced by torch.compile (its per-bucket updates run from hooks "
-              "inside autograd); compile a step of torch.func.grad, reducer.all_reduce and opt.update "
-              "instead (docs/compile.md), or leave the fused step out of the compiled function")
+# ``step.accumulate``, ``step.update`` and ``step.idle`` run from hooks inside autograd and keep
+# buffers between calls: they are left out of any compiled graph (a graph break: they run
+# eagerly inside a compiled function; with fullgraph=True, dynamo's error gives this reason
+# first). The step itself is traced (``fdp/_fused/traced.py``).
+EAGER_ONLY = (f"{NAME}'s step.accumulate, step.update and step.idle cannot be traced by torch.compile (they run "
+              "from hooks inside autograd); call them outside the compiled function: the compiled step "
+              "itself (step(params, opt_state, ...)) traces, and adds the micro-batches step.accumulate summed")
 
 
 eager_only = eager.eager_only(EAGER_ONLY)
+
+
+def _traced_autograd() -> Any:
+    """Dynamo traces ``torch.autograd.grad`` while this is entered (torch >= 2.9's
+    ``trace_autograd_ops``; elsewhere nothing changes and the step traces ``torch.func``)."""
+    import contextlib
+
+    import torch._dynamo.config as config
+
+    if not hasattr(config, "trace_autograd_ops"):  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return config.patch(trace_autograd_ops=True)
 
 
 class Engines:
@@ -202,6 +215,41 @@ class FusedStep:
             return self._traced(params, opt_state, rest, kwargs)
         return self._eager(params, opt_state, rest, kwargs)
 
+    def compile(self, **options: Any) -> Callable[..., tuple[Any, FusedState, Any]]:
+        """This step compiled as one graph: ``torch.compile(step, fullgraph=True, **options)``
+        (``options``: ``torch.compile``'s, e.g. ``backend="aot_eager"`` or ``mode=``), called
+        like the step. It binds the step eagerly on its first call (a collective: the plan is
+        checked across ranks) and traces with ``torch.autograd.grad``
+        (``torch._dynamo.config.trace_autograd_ops``), so activation checkpointing inside the
+        loss compiles too. A user's own compiled function that calls ``step(...)`` traces the
+        same step (docs/compile.md)::
+
+            compiled = step.compile()
+            for x, y in loader:
+                params, opt_state, loss = compiled(params, opt_state, x, y)
+
+        Raises (on the first call): what ``torch.compile`` raises, with fdp's reason first
+        where an option of the step cannot be traced (``skip_nonfinite``, ``uneven``, ...).
+        """
+        options = {"fullgraph": True, **options}
+        compiled: list[Callable] = []
+
+        def call(params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+            self._bind(params)  # (eager: binding checks the plan across ranks; then a lookup)
+            if not compiled:
+                self._check_traceable()  # (here, eagerly: the reason is the error's first line)
+                compiled.append(torch.compile(self.__call__, **options))
+            with _traced_autograd():
+                return compiled[0](params, opt_state, *rest, **kwargs)
+
+        return call
+
+    def _check_traceable(self) -> None:
+        why = traced.refusal(self._engine, self._program, self._acc_tree, self.uneven)
+        if why is not None:
+            raise RuntimeError(f"{NAME}: this step cannot be traced by torch.compile: {why}; call it outside the "
+                               "compiled function (docs/compile.md)")
+
     @eager_only
     def _eager(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
         return self._grad_step(params, opt_state, rest, kwargs, True)
@@ -212,10 +260,7 @@ class FusedStep:
         if engine is None:
             raise RuntimeError(f"{NAME}: call step.init(params) (or one step) eagerly before compiling a function "
                                "that calls the step: binding it checks the plan across ranks on the host")
-        why = traced.refusal(engine, program, self._acc_tree, self.uneven)
-        if why is not None:
-            raise RuntimeError(f"{NAME}: this step cannot be traced by torch.compile: {why}; call it outside the "
-                               "compiled function (docs/compile.md)")
+        self._check_traceable()
         return traced.traced_grad_step(engine, program, self._layout, self.fn, self.has_aux, params, opt_state,
                                        rest, kwargs)
 

@@ -1,0 +1,306 @@
+"""The fused step under torch.compile, in every step kind: one graph with the collectives
+inside (fdp/_fused/traced.py), against the same step run eagerly.
+
+Every case runs on 2 (or 3) gloo ranks, each a forked process (tests/compiling.py), and
+compiles with ``aot_eager``: dynamo's trace and AOTAutograd's graph, run with eager kernels,
+so the numbers are those of the ops the graph holds. Where the math is the same as the eager
+step's (SGD, Muon, clipping, bf16 params, accumulation) they are equal bit for bit; AdamW's
+kernel takes torch's tensor-step path under compile (bias corrections as tensors), a few ulps
+apart per step, and so does a scheduled lr (a tensor in the graph), so those are compared
+within ``RTOL``; with 3 ranks a reduce-scatter sums in
+gloo's order, not the eager step's rank order, and the params agree within rounding.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
+from compiling import import_compilers, skip_unless_dynamo_traces_fdp
+from models import Block, BlockNet, init_, tokens
+
+import fdp
+import fdp.testing
+
+pytestmark = [pytest.mark.compile, pytest.mark.slow]  # (dynamo traces: seconds each)
+
+# fp32 AdamW under compile against eager, after a few steps of lr 1e-2 on these models.
+RTOL, ATOL = 1e-5, 1e-6
+KINDS = {"replicated": {}, "sliced": {"shard": True}, "units": {"shard": "params"}}
+
+
+class CheckpointedNet(BlockNet):
+    """``BlockNet`` with each block run under ``torch.utils.checkpoint`` (non-reentrant), at the
+    call site, as HF and FSDP2 users write it."""
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.head(self.ln(x))
+
+
+def _token_loss(apply, buffers):
+    def loss(p, x, y):
+        return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten())
+    return loss
+
+
+def _opt(name):
+    return {
+        "clip_sgd": lambda: fdp.optim.chain(fdp.optim.clip_by_global_norm(0.05), fdp.optim.sgd(lr=0.1, momentum=0.9)),
+        "adamw": lambda: fdp.optim.adamw(lr=1e-2),
+        "muon_sgd": lambda: fdp.optim.partition(lambda k, v: "m" if v.dim() == 2 else "o", {
+            "m": fdp.optim.muon(lr=0.02), "o": fdp.optim.sgd(lr=0.1, momentum=0.9)}),
+        "masked_sgd_schedule": lambda: fdp.optim.sgd(lr=fdp.optim.schedules.cosine(0.1, 20), momentum=0.9,
+                                                     weight_decay=0.01, mask=lambda k, v: v.dim() > 1),
+    }[name]()
+
+
+def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None):
+    """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net, eagerly and
+    compiled (``compile_how``: "function" compiles a train step that calls the step,
+    "method" uses ``step.compile``), from the same params; ``accumulate``: the steps before
+    which micro-batches go through ``step.accumulate`` (eagerly, as they must), how many.
+    Returns both runs' (params as whole tensors, optimizer state as a tree, losses) and the
+    number of graphs dynamo made."""
+    torch._dynamo.reset()
+    model = init_(net(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    loss = _token_loss(apply, buffers)
+    kw = {**KINDS[kind], **(reducer_kw or {}), "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+    out, graphs = [], [0]
+
+    def count(gm, example_inputs):
+        graphs[0] += 1
+        from torch._dynamo.backends.common import aot_autograd
+        return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
+
+    for compiled in (False, True):
+        step = fdp.Reducer(params, group, **kw).grad_and_update(loss, _opt(opt))
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        run = step
+        if compiled and compile_how == "method":
+            run = step.compile(backend=count)
+        elif compiled:
+            run = torch.compile(lambda p, s, x, y, step=step: step(p, s, x, y), fullgraph=True, backend=count)
+        losses = []
+        for i in range(steps):
+            for j in range(dict(accumulate).get(i, 0)):
+                step.accumulate(p, *tokens(group.rank, 100 * i + j))
+            p, state, value = run(p, state, *tokens(group.rank, i))
+            losses.append(float(value))
+        whole = p.full() if kind == "units" else dict(p)
+        out.append((whole, step.state_to_tree(state, p), losses))
+    return out, graphs[0]
+
+
+def _assert_same(eager, compiled, exact):
+    (pe, se, le), (pc, sc, lc) = eager, compiled
+    for k in pe:
+        if exact:
+            assert torch.equal(pe[k], pc[k]), (k, (pe[k] - pc[k]).abs().max())
+        else:
+            torch.testing.assert_close(pc[k], pe[k], rtol=RTOL, atol=ATOL)
+    for a, b in zip(fdp._tree.leaves(se), fdp._tree.leaves(sc)):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+    if exact:
+        assert le == lc
+
+
+def _kind_case(group, kind, opt):
+    (eager, compiled), graphs = _run(group, kind, opt, "function")
+    _assert_same(eager, compiled, exact=opt not in ("adamw", "masked_sgd_schedule"))
+    return graphs, compiled[0]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("opt", ["clip_sgd", "adamw", "muon_sgd", "masked_sgd_schedule"])
+def test_a_compiled_train_step_calling_the_fused_step_is_one_graph_with_its_eager_numbers(kind, opt):
+    """Clipping (the sharded norm measured whole per leaf, as eager) and a Muon + SGD partition
+    (Muon's matrices exchanged with their owners when sharded): bit for bit. AdamW, and a
+    masked SGD with an lr schedule (the lr a tensor computed in the graph from the count, which
+    torch's kernel applies by another path than a float's): within RTOL. One graph per run
+    (no recompile across steps as the schedule moves); replicas identical."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    got = fdp.testing.run(_kind_case, 2, backend="gloo", timeout=300, args=(kind, opt))
+    assert [g for g, _ in got] == [1, 1]
+    for k in got[0][1]:
+        assert torch.equal(got[0][1][k], got[1][1][k]), k
+
+
+def _accumulate_case(group, kind):
+    # accumulation of 0, 2, 1 and 3 micro-batches before the steps: two graphs (with and
+    # without micro-batches), not one per count
+    (eager, compiled), graphs = _run(group, kind, "clip_sgd", "function", steps=6,
+                                     accumulate=((1, 2), (2, 1), (4, 3)))
+    _assert_same(eager, compiled, exact=True)
+    return graphs
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_step_accumulate_then_a_compiled_step_equals_eager_and_counts_do_not_recompile(kind):
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    assert fdp.testing.run(_accumulate_case, 2, backend="gloo", timeout=300, args=(kind,)) == [2, 2]
+
+
+def _bf16_checkpointed_case(group, kind):
+    (eager, compiled), graphs = _run(group, kind, "muon_sgd", "method", net=CheckpointedNet,
+                                     reducer_kw={"param_dtype": torch.bfloat16})
+    _assert_same(eager, compiled, exact=True)
+    return graphs
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_step_compile_runs_activation_checkpointing_and_bf16_params_exactly(kind):
+    """``step.compile()`` traces the loss with ``torch.autograd.grad``, so
+    ``torch.utils.checkpoint`` inside it compiles (torch.func's transforms refuse its hooks);
+    bf16 compute from fp32 masters; the same bits as the eager step with checkpointing."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    assert fdp.testing.run(_bf16_checkpointed_case, 2, backend="gloo", timeout=300, args=(kind,)) == [1, 1]
+
+
+def _three_ranks_case(group, kind):
+    (eager, compiled), _ = _run(group, kind, "clip_sgd", "function")
+    _assert_same(eager, compiled, exact=False)
+    return compiled[0]
+
+
+@pytest.mark.parametrize("kind", ["sliced", "units"])
+def test_on_three_ranks_the_compiled_sharded_steps_agree_with_eager_and_replicas_are_identical(kind):
+    """Three ranks: leaves straddle slices on every rank, and a rank may own none of them (its
+    exchange receives nothing it uses: the graph must keep it, or the others hang)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    got = fdp.testing.run(_three_ranks_case, 3, backend="gloo", timeout=300, args=(kind,))
+    for k in got[0]:
+        assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
+
+
+def _resume_case(group, tmp, kind):
+    """Two compiled steps, a sharded checkpoint, two eager steps from it; and the other way;
+    against four eager steps."""
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    kw = {**KINDS[kind], "bucket_cap_mb": 0.004}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+
+    def make():
+        return fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("clip_sgd"))
+
+    def start(step):
+        return (step.shard(params) if kind == "units" else params), step.init(params)
+
+    results = []
+    for first, second in (("eager", "eager"), ("compiled", "eager"), ("eager", "compiled")):
+        step = make()
+        p, s = start(step)
+        for i in range(2):
+            p, s, _ = (step.compile(backend="aot_eager") if first == "compiled" else step)(p, s, *tokens(group.rank, i))
+        d = os.path.join(tmp, f"{first}-{second}")
+        saved = p.shards() if kind == "units" else p
+        fdp.save_sharded(d, {"params": saved, "opt": step.state_to_shards(s, p)}, group=group)
+        step = make()
+        p0, s0 = start(step)
+        got = fdp.load_sharded(d, {"params": p0.shards() if kind == "units" else p0,
+                                   "opt": step.state_to_shards(s0, p0)}, group=group)
+        p = step.shard(got["params"]) if kind == "units" else got["params"]
+        s = step.state_from_shards(got["opt"], p)
+        run = step.compile(backend="aot_eager") if second == "compiled" else step
+        for i in range(2, 4):
+            p, s, _ = run(p, s, *tokens(group.rank, i))
+        results.append(p.full() if kind == "units" else dict(p))
+    return results
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_checkpoint_of_a_compiled_run_resumes_eagerly_and_back(kind, tmp_path):
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    got = fdp.testing.run(_resume_case, 2, backend="gloo", timeout=300, args=(str(tmp_path), kind))
+    for straight, compiled_first, compiled_second in got:
+        for k in straight:
+            assert torch.equal(straight[k], compiled_first[k]) and torch.equal(straight[k], compiled_second[k]), k
+
+
+def _refusal(group, option, how):
+    torch._dynamo.reset()
+    params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}
+
+    def loss(p, x):
+        return (x @ p["w"].T + p["b"]).square().sum()
+
+    kw = {"skip_nonfinite": True} if option == "skip_nonfinite" else {}
+    opt = (fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1) if option == "inject_hyperparams"
+           else fdp.optim.sgd(lr=0.1))
+    step = fdp.Reducer(params, group, **kw).grad_and_update(loss, opt, uneven=option == "uneven")
+    state = step.init(params)
+    run = step.compile(backend="eager") if how == "method" else torch.compile(
+        lambda p, s, x: step(p, s, x), fullgraph=True, backend="eager")
+    try:
+        run(params, state, torch.ones(2, 3))
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e).splitlines()[0] if how == "method" else str(e)
+    return None
+
+
+@pytest.mark.parametrize("option,named", [("skip_nonfinite", "skip_nonfinite=True"),
+                                          ("uneven", "uneven=True"),
+                                          ("inject_hyperparams", "inject_hyperparams")])
+@pytest.mark.parametrize("how", ["method", "function"])
+def test_options_that_cannot_be_traced_are_refused_by_name(option, named, how):
+    """``step.compile`` refuses before compiling (fdp's message is the error's first line); a
+    user's compiled function gets it inside dynamo's error."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for error in fdp.testing.run(_refusal, 2, backend="gloo", timeout=300, args=(option, how)):
+        assert error is not None and "cannot be traced by torch.compile" in error and named in error, error
+
+
+def _unbound(group):
+    torch._dynamo.reset()
+    params = {"w": torch.ones(3)}
+    step = fdp.Reducer(params, group).grad_and_update(lambda p: p["w"].square().sum(), fdp.optim.sgd(lr=0.1))
+    state = fdp.optim.sgd(lr=0.1).init(params)
+    try:
+        torch.compile(lambda p, s: step(p, s), fullgraph=True, backend="eager")(params, state)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return None
+
+
+def test_a_step_compiled_before_it_was_bound_says_to_call_init_first():
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for error in fdp.testing.run(_unbound, 2, backend="gloo", timeout=300):
+        assert error is not None and "step.init(params)" in error, error
+
+
+def _accumulate_in_graph(group):
+    torch._dynamo.reset()
+    params = {"w": torch.ones(3)}
+    step = fdp.Reducer(params, group).grad_and_update(lambda p, x: (p["w"] * x).square().sum(),
+                                                      fdp.optim.sgd(lr=0.1))
+    step.init(params)
+    try:
+        torch.compile(lambda p, x: step.accumulate(p, x), fullgraph=True, backend="eager")(params, torch.ones(3))
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return "\n".join(str(e).splitlines()[:3])
+    return None
+
+
+def test_step_accumulate_inside_a_compiled_function_gives_fdps_reason():
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for error in fdp.testing.run(_accumulate_in_graph, 2, backend="gloo", timeout=300):
+        assert error is not None and "step.accumulate" in error and "outside the compiled function" in error, error

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import re
 import socket
+import sys
 import traceback
 import types
 from multiprocessing.connection import wait
@@ -78,19 +79,27 @@ RUN_ON = {"python": (1, 2), "python ranks=2": (2,)}  # info string -> the world 
 def run_blocks(path: Path, world_size: int = 1) -> int:
     """Run the file's ```python blocks for this world size in order, in one namespace;
     return how many ran."""
-    namespace: dict = {"__name__": f"doc:{path.name}"}
+    # A module of its own, in sys.modules while the blocks run, as a user's script is: dynamo
+    # imports a function's module by name when it inlines it into a frame of another module
+    # (a loss defined in the doc, called from fdp's compiled step).
+    module = types.ModuleType(f"doc:{path.name}")
+    namespace: dict = module.__dict__
+    sys.modules[module.__name__] = module
     ran = 0
-    for info, line, code in code_blocks(path.read_text()):
-        if world_size not in RUN_ON.get(info, ()):
-            continue
-        # Pad with newlines so tracebacks show the Markdown file's own line numbers.
-        compiled = compile("\n" * (line - 1) + code, str(path), "exec")
-        try:
-            exec(compiled, namespace)
-        except Exception as e:
-            raise AssertionError(f"{path.relative_to(ROOT)}: the python block starting on line {line} "
-                                 f"raised {type(e).__name__}: {e}") from e
-        ran += 1
+    try:
+        for info, line, code in code_blocks(path.read_text()):
+            if world_size not in RUN_ON.get(info, ()):
+                continue
+            # Pad with newlines so tracebacks show the Markdown file's own line numbers.
+            compiled = compile("\n" * (line - 1) + code, str(path), "exec")
+            try:
+                exec(compiled, namespace)
+            except Exception as e:
+                raise AssertionError(f"{path.relative_to(ROOT)}: the python block starting on line {line} "
+                                     f"raised {type(e).__name__}: {e}") from e
+            ran += 1
+    finally:
+        sys.modules.pop(module.__name__, None)
     return ran
 
 

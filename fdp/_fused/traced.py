@@ -335,29 +335,47 @@ def _exchange_parts(sends: list[list[torch.Tensor]], recvs: list[list[tuple[int,
                     received: list[torch.Tensor]) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
     """One ``all_to_all_single`` of the parts ``sends`` (per destination rank), and the parts
     received, named by ``recvs`` (per source rank: ``(leaf, lo, hi)``), in their leaves'
-    dtypes (sent as bytes, as the eager exchange: leaves of several dtypes in one call).
+    dtypes (sent as bytes, as the eager exchange: leaves of several dtypes in one call; each
+    part padded to ``ALIGN`` bytes, so that every part received is a view of its own dtype).
 
-    Every rank sends every rank a zero byte before its parts, and the step subtracts the
-    first one it received from its params (``x - (+0.0)`` is ``x``): the collective is then
-    used on every rank. (A graph pass drops an all-to-all whose output this rank does not
-    use, from this rank's graph alone, and the ranks that send to it wait for it until the
-    timeout: seen with activation checkpointing.)"""
-    head = like.new_zeros(1, dtype=torch.uint8)
-    parts = [t for per in sends for t in (head, *(x.reshape(-1).view(torch.uint8) for x in per))]
-    send = torch.cat(parts)
-    in_sizes = [1 + sum(t.numel() * t.element_size() for t in per) for per in sends]
-    out_sizes = [1 + sum((hi - lo) * slots[i].dtype.itemsize for i, lo, hi in per) for per in recvs]
+    Every rank sends every rank ``ALIGN`` zero bytes before its parts, and the step subtracts
+    the first one it received from its params (``x - (+0.0)`` is ``x``): the collective is
+    then used on every rank. (A graph pass drops an all-to-all whose output this rank does
+    not use, from this rank's graph alone, and the ranks that send to it wait for it until
+    the timeout: seen with activation checkpointing.)"""
+    head = like.new_zeros(ALIGN, dtype=torch.uint8)
+    parts: list[torch.Tensor] = []
+    in_sizes = []
+    for per in sends:
+        parts.append(head)
+        size = ALIGN
+        for x in per:
+            raw = x.reshape(-1).view(torch.uint8)
+            pad = _aligned(raw.numel()) - raw.numel()
+            parts.extend((raw, head[:pad]) if pad else (raw,))
+            size += raw.numel() + pad
+        in_sizes.append(size)
+    out_sizes = [ALIGN + sum(_aligned((hi - lo) * slots[i].dtype.itemsize) for i, lo, hi in per) for per in recvs]
     funcol = _internals.functional_collectives()
-    recv = funcol.wait_tensor(funcol.all_to_all_single(send, out_sizes, in_sizes, group.process_group))
+    recv = funcol.wait_tensor(funcol.all_to_all_single(torch.cat(parts), out_sizes, in_sizes, group.process_group))
     received.append(recv)
     out, pos = [], 0
     for per in recvs:
-        pos += 1  # (the peer's byte)
+        pos += ALIGN  # (the peer's zeros)
         for i, lo, hi in per:
             nbytes = (hi - lo) * slots[i].dtype.itemsize
-            out.append(((i, lo, hi), recv[pos:pos + nbytes].clone().view(slots[i].dtype)))  # (aligned)
-            pos += nbytes
+            out.append(((i, lo, hi), recv[pos:pos + nbytes].view(slots[i].dtype)))
+            pos += _aligned(nbytes)
     return out
+
+
+# Bytes each part of an exchange is padded to: a part received then starts where a view of
+# any dtype may (torch refuses a view of bytes as float32 at an offset not a multiple of 4).
+ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:

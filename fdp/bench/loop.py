@@ -17,7 +17,9 @@ rotates), and after the run every kind's params are compared with DDP's:
   plain     ``fdp.local_grad`` for the first micro-batches (their gradients summed), then
             ``reducer.grad(..., accumulate=sum)`` + ``opt.update``;
   compiled  (``--compiled``) the plain loop with its two steps (a local micro-batch, the last
-            micro-batch with the all-reduce and the update) each ``torch.compile``-d.
+            micro-batch with the all-reduce and the update) each ``torch.compile``-d;
+  compiled-fused, compiled-sharded  (``--compiled``) the fused and the sharded kinds with
+            their step compiled as one graph (``step.compile()``; ``step.accumulate`` eager).
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -45,6 +47,8 @@ from . import zoo
 from .table import Table, ratio
 
 KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
+COMPILED = ("compiled-fused", "compiled-sharded")  # (with "compiled": --compiled)
+FUSED = ("fused", "fused-pure", "sharded", *COMPILED)
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
 
 
@@ -116,10 +120,11 @@ class Loop:
                 continue
             _, params, _ = fdp.functionalize(template)
             params = fdp.broadcast({n: t.detach().clone() for n, t in params.items()}, group=group)
-            reducer = fdp.Reducer(params, group, shard=kind == "sharded")
-            if kind in ("fused", "fused-pure", "sharded"):
+            reducer = fdp.Reducer(params, group, shard=kind in ("sharded", "compiled-sharded"))
+            if kind in FUSED:
                 step = reducer.grad_and_update(loss_fn, self.opt, donate=kind != "fused-pure")
-                self.state[kind] = [params, step.init(params), step, reducer]
+                run = step.compile() if kind in COMPILED else step
+                self.state[kind] = [params, step.init(params), run, reducer, step]
             else:
                 self.state[kind] = [params, self.opt.init(params), None, reducer]
         if "compiled" in kinds:
@@ -156,10 +161,10 @@ class Loop:
             self.ddp_opt.zero_grad(set_to_none=True)
             return
         st = self.state[kind]
-        params, opt_state, step, reducer = st
-        if kind in ("fused", "fused-pure", "sharded"):
+        params, opt_state, step, reducer = st[:4]
+        if kind in FUSED:
             for x, y in batches[:-1]:
-                step.accumulate(params, x, y)
+                st[4].accumulate(params, x, y)  # (the step's own: eager in every kind)
             st[0], st[1], _ = step(params, opt_state, *batches[-1])
             return
         if kind == "plain":
@@ -218,7 +223,7 @@ def run(group: fdp.Group, cfg: dict) -> dict:
 
 def report(results: list[dict], kinds: tuple[str, ...], title: str = "nanoGPT-style loop") -> tuple[str, bool]:
     """The table (rank 0's numbers; the step time is the slowest rank's) and whether every
-    eager kind was bit-identical with DDP on every rank."""
+    eager kind was bit-identical with DDP on every rank (compiled kinds are shown, not required)."""
     times = {k: [max(r["times"][k][i] for r in results) for i in range(len(results[0]["times"][k]))] for k in kinds}
     ddp_total = sum(times["ddp"]) if "ddp" in times else None
     table = Table(title, ["kind", "total s", "median ms", "x ddp", "identical to ddp"])
@@ -226,7 +231,7 @@ def report(results: list[dict], kinds: tuple[str, ...], title: str = "nanoGPT-st
     for k in kinds:
         total, med = sum(times[k]), statistics.median(times[k]) * 1e3
         same = "" if k == "ddp" else f"{min(r['identical'][k] for r in results)}/{results[0]['leaves']}"
-        if k not in ("ddp", "compiled") and results[0]["leaves"] and any(
+        if k not in ("ddp", "compiled", *COMPILED) and results[0]["leaves"] and any(
                 r["identical"][k] != r["leaves"] for r in results):
             ok = False
         table.row(k, f"{total:.3f}", f"{med:.2f}", ratio(total, ddp_total), same)
@@ -241,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--kinds", default=",".join(KINDS))
-    p.add_argument("--compiled", action="store_true", help="add the compiled plain loop")
+    p.add_argument("--compiled", action="store_true", help="add the compiled kinds (plain loop, fused, sharded)")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)
-    kinds = tuple(a.kinds.split(",")) + (("compiled",) if a.compiled else ())
+    kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED) if a.compiled else ())
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
            "autocast": a.autocast}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)

@@ -10,7 +10,12 @@ on the same batches:
   zero2   fdp's fused step with ``Reducer(shard=True)`` (ZeRO-1/2: 1/world of AdamW's state);
   zero3   fdp's fused step with ``Reducer(shard="params", units=<the blocks>)`` (ZeRO-3:
           1/world of the params, gradients and state at rest; a block gathered while it runs);
-  fsdp2   torch's ``fully_shard`` on each block and on the model + ``torch.optim.AdamW``.
+  fsdp2   torch's ``fully_shard`` on each block and on the model + ``torch.optim.AdamW``;
+  with ``--compiled``, each compiled with Inductor:
+  zero2-compiled, zero3-compiled  the same fused steps as one graph (``step.compile()``);
+  fsdp2-compiled  FSDP2 with each block's forward compiled (``block.compile()`` before
+          ``fully_shard``, torchtitan's recipe: FSDP2's hooks stay eager around the graphs).
+  A compiled kind's first step (its compilation) runs before the memory phase resets the peak.
 
 Two phases:
 
@@ -55,6 +60,7 @@ from .rss import reset_peak_rss, rss
 from .table import Table, ratio, render
 
 KINDS = ("ddp", "zero2", "zero3", "fsdp2")
+COMPILED = ("zero2-compiled", "zero3-compiled", "fsdp2-compiled")
 VOCAB, CONTEXT = 256, 32
 
 
@@ -74,6 +80,8 @@ class Kind:
 
     def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool) -> None:
         self.kind, self.group, self.clip = kind, group, clip
+        compiled = kind in COMPILED
+        kind = self.base = kind.removesuffix("-compiled")
         net = model(width, layers)
         self.timeline: Any = None
         if kind in ("ddp", "fsdp2"):
@@ -83,6 +91,8 @@ class Kind:
                 from torch.distributed.fsdp import fully_shard
 
                 for b in net.blocks:
+                    if compiled:
+                        b.compile()
                     fully_shard(b)
                 self.module = fully_shard(net)
             self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.1)
@@ -99,6 +109,7 @@ class Kind:
             return F.cross_entropy(apply(p, {}, x)[0].view(-1, VOCAB), y.reshape(-1))
 
         self.step_fn = reducer.grad_and_update(loss_fn, opt, donate=True)
+        self.run = self.step_fn.compile() if compiled else self.step_fn
         self.state = self.step_fn.init(params)
         self.params = params
         if kind == "zero3":  # the whole copy goes: this rank keeps its slices only
@@ -110,20 +121,21 @@ class Kind:
 
     def step(self, t: int, size: int) -> None:
         x, y = batch(t, self.group.rank, size)
-        if self.kind in ("ddp", "fsdp2"):
+        if self.base in ("ddp", "fsdp2"):
             F.cross_entropy(self.module(x).view(-1, VOCAB), y.reshape(-1)).backward()
             if self.clip:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             return
-        self.params, self.state, _ = self.step_fn(self.params, self.state, x, y)
-        self.timeline = self.step_fn.last_step.timeline
+        self.params, self.state, _ = self.run(self.params, self.state, x, y)
+        if self.run is self.step_fn:  # (a compiled step keeps no timeline: the profiler's trace has it)
+            self.timeline = self.step_fn.last_step.timeline
 
     def named(self) -> dict[str, torch.Tensor]:
-        if self.kind == "ddp":
+        if self.base == "ddp":
             return {k: v.detach().clone() for k, v in self.module.module.named_parameters()}
-        if self.kind == "fsdp2":
+        if self.base == "fsdp2":
             return {k: v.full_tensor().detach().clone() for k, v in self.module.named_parameters()}
         p = self.params.full() if isinstance(self.params, fdp.ShardedParams) else self.params
         return {k: v.detach().clone() for k, v in p.items()}
@@ -164,10 +176,14 @@ def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     _trim()
     base = rss()[0]
     k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
+    first = 0
+    if kind in COMPILED:  # its compilation is not the step's memory
+        k.step(0, cfg.batch)
+        first = 1
     _trim()
     if not reset_peak_rss():
         return {"peak_mib": None}
-    for t in range(cfg.mem_steps):
+    for t in range(first, first + cfg.mem_steps):
         k.step(t, cfg.batch)
     out: dict[str, Any] = {"peak_mib": (rss()[1] - base) / 2**20}
     if kind == "zero3":
@@ -197,6 +213,8 @@ def time_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
                 times[kind].append(time.perf_counter() - t0)
                 if kind == "zero3":
                     exposed.append(kinds[kind].timeline.exposed_gather)
+            if t == 0:  # (a compiled kind compiles in its first step: out of the timed ones)
+                fdp.pmean({"x": torch.zeros(1)}, group)
         order = order[1:] + order[:1]
     ref = kinds["ddp"].named() if "ddp" in kinds else None
     same = {}
@@ -224,15 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--clip", action="store_true", help="clip at global norm 1.0 in every kind")
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--compiled", action="store_true", help="add the compiled kinds (Inductor; minutes to compile)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
     cfg = p.parse_args(argv)
-    cfg.kinds = tuple(k for k in cfg.kinds.split(",") if k)
-    if not set(cfg.kinds) <= set(KINDS) or "ddp" not in cfg.kinds:
-        p.error(f"--kinds must include ddp and come from {list(KINDS)}")
+    cfg.kinds = tuple(k for k in cfg.kinds.split(",") if k) + (COMPILED if cfg.compiled else ())
+    if not set(cfg.kinds) <= set(KINDS + COMPILED) or "ddp" not in cfg.kinds:
+        p.error(f"--kinds must include ddp and come from {list(KINDS + COMPILED)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, Any] = {"config": vars(cfg)}
     tables: list[Table] = []
@@ -266,13 +285,17 @@ def main(argv: list[str] | None = None) -> int:
         r = fdp.testing.run(time_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
         results["time"] = r
         ms = r["ms"]
+        compiled = any(k in COMPILED for k in cfg.kinds)
         time_table = Table(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
                            f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
-                           ["kind", "ms", "x ddp", "x fsdp2", "params == ddp's"], text=["params == ddp's"])
+                           ["kind", "ms", "x ddp", "x fsdp2", *(["x eager", "x fsdp2-compiled"] if compiled else []),
+                            "params == ddp's"], text=["params == ddp's"])
         for kind in cfg.kinds:
             same = r["same"].get(kind)
+            against = [ratio(ms[kind], ms.get(kind.removesuffix("-compiled")) if kind in COMPILED else None),
+                       ratio(ms[kind], ms.get("fsdp2-compiled"))] if compiled else []
             time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms["ddp"]), ratio(ms[kind], ms.get("fsdp2")),
-                           "" if same is None else f"{same[0]}/{same[1]}")
+                           *against, "" if same is None else f"{same[0]}/{same[1]}")
         if r["exposed_gather_ms"] is not None:
             time_table.note(f"(zero3: median all-gather wait not hidden by compute {r['exposed_gather_ms']:.2f} ms/step)")
         tables.append(time_table)

@@ -79,7 +79,7 @@ the world, threads, kernels) and each of these with its value or default.
 SECTIONS: list[tuple[str, str, list[str]]] = [
     ("Setup", "fdp", ["init", "Group"]),
     ("Models as pure functions", "fdp", ["functionalize", "Apply", "units", "deferred_init", "DeferredInit"]),
-    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "FusedState", "ShardedParams", "StepMemory",
+    ("Gradients", "fdp", ["Reducer", "Pending", "FusedStep", "CompiledStep", "FusedState", "ShardedParams", "StepMemory",
                           "local_grad", "local_grad_and_value",
                           "StepRecord", "Timeline", "BucketTimes",
                           "BucketPlan", "Bucket"]),
@@ -106,6 +106,7 @@ NOT_CONSTRUCTED: dict[str, str | None] = {
     "fdp.BucketPlan": None,  # built with BucketPlan.build
     "fdp.ShardedParams": None,  # returned by a fully sharded step (and FusedStep.shard)
     "fdp.StepMemory": None,  # returned by FusedStep.memory
+    "fdp.CompiledStep": None,  # returned by FusedStep.compile
     "fdp.optim.Inspection": None,  # returned by fdp.optim.inspect and FusedStep.inspect
     "fdp.DeferredInit": None,  # returned by fdp.deferred_init
     "fdp.SafetensorsParams": None,  # returned by fdp.safetensors_params

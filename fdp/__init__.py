@@ -24,6 +24,7 @@ from ._functional import functionalize as functionalize
 from ._functional import units as units
 from ._fused.engine import StepMemory as StepMemory
 from ._fused.state import FusedState as FusedState
+from ._fused.step import CompiledStep as CompiledStep
 from ._fused.step import FusedStep as FusedStep
 from ._plan.bucket import Bucket as Bucket
 from ._plan.bucket import BucketPlan as BucketPlan
@@ -63,6 +64,7 @@ __all__ = [
     "CollectiveError",
     "DeferredInit",
     "FusedState",
+    "CompiledStep",
     "FusedStep",
     "Group",
     "Pending",

@@ -91,7 +91,8 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
         losses = []
         for i in range(steps):
             for j in range(dict(accumulate).get(i, 0)):
-                step.accumulate(p, *tokens(group.rank, 100 * i + j))
+                (run if run is not step and compile_how == "method" else step).accumulate(
+                    p, *tokens(group.rank, 100 * i + j))
             p, state, value = run(p, state, *tokens(group.rank, i))
             losses.append(float(value))
         whole = p.full() if kind == "units" else dict(p)
@@ -135,20 +136,24 @@ def test_a_compiled_train_step_calling_the_fused_step_is_one_graph_with_its_eage
         assert torch.equal(got[0][1][k], got[1][1][k]), k
 
 
-def _accumulate_case(group, kind):
-    # accumulation of 0, 2, 1 and 3 micro-batches before the steps: two graphs (with and
-    # without micro-batches), not one per count
-    (eager, compiled), graphs = _run(group, kind, "clip_sgd", "function", steps=6,
-                                     accumulate=((1, 2), (2, 1), (4, 3)))
+def _accumulate_case(group, kind, how):
+    # accumulation of 0, 2, 1 and 3 micro-batches before the steps: two graphs of the step (with
+    # and without micro-batches), not one per count; compiled.accumulate adds two (the first
+    # micro-batch of a cycle, and the others)
+    (eager, compiled), graphs = _run(group, kind, "clip_sgd", how, steps=6, accumulate=((1, 2), (2, 1), (4, 3)))
     _assert_same(eager, compiled, exact=True)
     return graphs
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_step_accumulate_then_a_compiled_step_equals_eager_and_counts_do_not_recompile(kind):
+@pytest.mark.parametrize("how", ["function", "method"])
+def test_accumulation_then_a_compiled_step_equals_eager_and_counts_do_not_recompile(kind, how):
+    """``step.accumulate`` (eager) or ``compiled.accumulate`` (``step.compile()``'s: in a graph
+    unsharded and with shard=True; eager for fully sharded params) before the compiled step."""
     skip_unless_dynamo_traces_fdp()
     import_compilers()
-    assert fdp.testing.run(_accumulate_case, 2, backend="gloo", timeout=300, args=(kind,)) == [2, 2]
+    graphs = 4 if how == "method" and kind != "units" else 2
+    assert fdp.testing.run(_accumulate_case, 2, backend="gloo", timeout=300, args=(kind, how)) == [graphs] * 2
 
 
 def _bf16_checkpointed_case(group, kind):
@@ -304,3 +309,38 @@ def test_step_accumulate_inside_a_compiled_function_gives_fdps_reason():
     import_compilers()
     for error in fdp.testing.run(_accumulate_in_graph, 2, backend="gloo", timeout=300):
         assert error is not None and "step.accumulate" in error and "outside the compiled function" in error, error
+
+
+def _thousand_steps(group):
+    """1,000 compiled steps of a sharded fused step with an lr schedule and a clip, micro-batches
+    accumulated before every third step and none before the others, the loss scaled up now and
+    then (a different clip factor): how many graphs dynamo made, and how many cache entries
+    (guard sets) the compiled step's code holds."""
+    torch._dynamo.reset()
+    params = {"w": torch.linspace(-1, 1, 12).reshape(4, 3), "b": torch.zeros(4)}
+
+    def loss(p, x, k):
+        return ((x @ p["w"].T + p["b"]).square().mean() * k)
+
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), fdp.optim.sgd(
+        lr=fdp.optim.schedules.warmup_cosine(0.1, 10, 1000), momentum=0.9))
+    step = fdp.Reducer(params, group, shard=True).grad_and_update(loss, opt)
+    state = step.init(params)
+    graphs = []
+    compiled = step.compile(backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    p = params
+    g = torch.Generator().manual_seed(group.rank)
+    for i in range(1000):
+        x, k = torch.randn(2, 3, generator=g), torch.tensor(10.0 if i % 7 == 0 else 1.0)
+        for _ in range(i % 3):
+            step.accumulate(p, x, k)
+        p, state, _ = compiled(p, state, x, k)
+    entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(type(step).__call__.__code__))
+    return len(graphs), entries, int(state.step)
+
+
+def test_a_thousand_compiled_steps_with_a_schedule_and_accumulation_do_not_recompile():
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for graphs, entries, count in fdp.testing.run(_thousand_steps, 2, backend="gloo", timeout=300):
+        assert (graphs, entries, count) == (2, 2, 1000)

@@ -2,8 +2,8 @@
 in the plan's flat buckets, each bucket updated as soon as its collective lands; one engine,
 written once over a store that says where params, gradients and state live.
 
-* ``step.py``: ``FusedStep``, the public object, and ``Engines``, the Reducer's bounded
-  cache of engines (one per layout).
+* ``step.py``: ``FusedStep``, the public object, ``CompiledStep`` (``step.compile()``), and
+  ``Engines``, the Reducer's bounded cache of engines (one per layout).
 * ``engine.py``: ``Engine``, what a step keeps across calls for one layout (step machine,
   store, accumulation, refusal after a failure), and one step's flow: settle, repair, run.
 * ``stores.py``: ``Store``, where params, gradients and state live: ``ReplicatedStore``,
@@ -21,5 +21,7 @@ written once over a store that says where params, gradients and state live.
   sharded step's: this rank's slices only, returned as ``fdp.ShardedParams``).
 * ``state.py``: ``FusedState`` and ``StateLayout``: the flat state and its per-leaf forms
   (gathered ``to_tree``, this rank's ``Shard``s ``to_shards``).
+* ``traced.py``: the step (and ``accumulate``) as graph nodes under torch.compile: the same
+  buckets, spans, kernels and state, its collectives functional (``refusal``: what cannot be).
 * ``eager.py``: ``eager_only``, the step's entry points kept out of torch.compile.
 """

@@ -47,6 +47,63 @@ EAGER_ONLY = (f"{NAME}'s step.accumulate, step.update and step.idle cannot be tr
 eager_only = eager.eager_only(EAGER_ONLY)
 
 
+class CompiledStep:
+    """A fused step compiled as one graph (``step.compile()``): call it as the step, and
+    ``accumulate`` as ``step.accumulate``, each compiled (see ``FusedStep.compile``).
+
+    ``accumulate`` compiles for the unsharded step and ``shard=True``: this rank's gradients
+    added into the step's own flat buffers inside the graph (the first micro-batch of a cycle
+    and the others are two graphs; the count is kept eagerly). With fully sharded params or
+    ``reduce_micro_batches`` it runs the eager ``step.accumulate`` (the units' gathers and the
+    micro-batches' reduce-scatters run from hooks).
+    """
+
+    def __init__(self, step: FusedStep, options: dict) -> None:
+        self.step, self.options = step, options
+        self._call: Callable | None = None
+        self._acc: Callable | None = None
+
+    def _ready(self, params: Any) -> Engine:
+        step = self.step
+        step._bind(params)  # (eager: binding checks the plan across ranks; then a lookup)
+        # The verdict an eager step of this Reducer left in flight, read now (collective)
+        owed = step._engine._settle()
+        if owed is not None:
+            raise RuntimeError(f"{NAME}: step {owed[0]}'s update failed on rank(s) {owed[1]} after the others "
+                               "had made theirs; call the eager step once (it restores those ranks from a healthy "
+                               "one), then the compiled one")
+        if self._call is None:
+            step._check_traceable()  # (here, eagerly: the reason is the error's first line)
+            self._call = torch.compile(step.__call__, **self.options)
+        return step._engine
+
+    def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
+        self._ready(params)
+        with _traced_autograd():
+            return self._call(params, opt_state, *rest, **kwargs)
+
+    def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
+        engine = self._ready(params)
+        step = self.step
+        if engine.store.kind is StoreKind.UNITS or engine.reduces_micro_batches:
+            return step.accumulate(params, *rest, **kwargs)
+        engine._check_callable()
+        acc, plan = engine.acc, engine.plan
+        if acc.flats is None:  # (the buffers step.accumulate makes on its first call)
+            with autograd_on():
+                acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
+                acc.grads = _tree.leaves(plan.views(acc.flats))
+        if self._acc is None:
+            def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
+                return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)
+            self._acc = torch.compile(accumulate, **self.options)
+        with _traced_autograd():
+            value = self._acc(params, rest, kwargs, not acc.count)
+        acc.count += 1
+        acc.lost = None
+        return value
+
+
 def _traced_autograd() -> Any:
     """Dynamo traces ``torch.autograd.grad`` while this is entered (torch >= 2.9's
     ``trace_autograd_ops``; elsewhere nothing changes and the step traces ``torch.func``)."""
@@ -215,34 +272,25 @@ class FusedStep:
             return self._traced(params, opt_state, rest, kwargs)
         return self._eager(params, opt_state, rest, kwargs)
 
-    def compile(self, **options: Any) -> Callable[..., tuple[Any, FusedState, Any]]:
+    def compile(self, **options: Any) -> CompiledStep:
         """This step compiled as one graph: ``torch.compile(step, fullgraph=True, **options)``
         (``options``: ``torch.compile``'s, e.g. ``backend="aot_eager"`` or ``mode=``), called
-        like the step. It binds the step eagerly on its first call (a collective: the plan is
-        checked across ranks) and traces with ``torch.autograd.grad``
-        (``torch._dynamo.config.trace_autograd_ops``), so activation checkpointing inside the
-        loss compiles too. A user's own compiled function that calls ``step(...)`` traces the
-        same step (docs/compile.md)::
+        like the step, with ``accumulate`` compiled too (``fdp.CompiledStep``). It binds the
+        step eagerly on its first call (a collective: the plan is checked across ranks) and
+        traces with ``torch.autograd.grad`` (``torch._dynamo.config.trace_autograd_ops``), so
+        activation checkpointing inside the loss compiles too. A user's own compiled function
+        that calls ``step(...)`` traces the same step (docs/compile.md)::
 
             compiled = step.compile()
-            for x, y in loader:
-                params, opt_state, loss = compiled(params, opt_state, x, y)
+            for micro_batches in loader:
+                for x, y in micro_batches[:-1]:
+                    compiled.accumulate(params, x, y)
+                params, opt_state, loss = compiled(params, opt_state, *micro_batches[-1])
 
-        Raises (on the first call): what ``torch.compile`` raises, with fdp's reason first
-        where an option of the step cannot be traced (``skip_nonfinite``, ``uneven``, ...).
+        Raises (on the first call): ``RuntimeError`` naming an option of the step that cannot
+        be traced (``skip_nonfinite``, ``uneven``, ...), before anything is compiled.
         """
-        options = {"fullgraph": True, **options}
-        compiled: list[Callable] = []
-
-        def call(params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
-            self._bind(params)  # (eager: binding checks the plan across ranks; then a lookup)
-            if not compiled:
-                self._check_traceable()  # (here, eagerly: the reason is the error's first line)
-                compiled.append(torch.compile(self.__call__, **options))
-            with _traced_autograd():
-                return compiled[0](params, opt_state, *rest, **kwargs)
-
-        return call
+        return CompiledStep(self, {"fullgraph": True, **options})
 
     def _check_traceable(self) -> None:
         why = traced.refusal(self._engine, self._program, self._acc_tree, self.uneven)
@@ -261,6 +309,12 @@ class FusedStep:
             raise RuntimeError(f"{NAME}: call step.init(params) (or one step) eagerly before compiling a function "
                                "that calls the step: binding it checks the plan across ranks on the host")
         self._check_traceable()
+        if engine.refusal is not None:
+            raise RuntimeError(f"{NAME}: {engine.refusal}")
+        if self._engines.config.steps.pending is not None:
+            raise RuntimeError(f"{NAME}: an eager step of this Reducer left its status in flight (read at the "
+                               "start of the next call, on the host): call the compiled step through "
+                               "step.compile(), which reads it first, or call the eager step once more")
         return traced.traced_grad_step(engine, program, self._layout, self.fn, self.has_aux, params, opt_state,
                                        rest, kwargs)
 

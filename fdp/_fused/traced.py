@@ -37,7 +37,7 @@ from .program import Program
 from .state import FusedState, StateLayout
 from .stores import StoreKind
 
-__all__ = ["refusal", "traced_grad_step"]
+__all__ = ["refusal", "traced_accumulate", "traced_grad_step"]
 
 
 def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> str | None:
@@ -203,6 +203,31 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     state.step.add_(1)
     new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
+
+
+def traced_accumulate(engine: Engine, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict,
+                      first: bool) -> Any:
+    """``step.accumulate`` as graph nodes (unsharded and ``shard=True``): this rank's gradients
+    of one micro-batch written (``first``) or added into the engine's flat accumulation
+    buffers, as the eager ``step.accumulate`` adds them (``fdp/_fused/stores.py``). The caller
+    keeps the count, eagerly. Returns the value, detached."""
+    plan, store, acc = engine.plan, engine.store, engine.acc
+    leaves = plan.leaves_of(params, f"{engine.name}.accumulate params")
+    treedef = _tree.structure(params)
+    compute = store.compute
+    inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
+
+    def loss_of(xs: list[torch.Tensor]) -> Any:
+        return fn(_tree.unflatten(treedef, xs), *rest, **kwargs)
+
+    grads, value = _grad_and_value(loss_of, has_aux, inputs, engine.name)
+    for b, bucket in enumerate(plan.buckets):
+        flat = torch.cat([grads[i].reshape(-1) for i in bucket.leaves]).to(bucket.dtype)
+        if first:
+            acc.flats[b].copy_(flat)
+        else:
+            acc.flats[b].add_(flat)
+    return _detached(value)
 
 
 def _grad_and_value(loss_of: Callable, has_aux: bool, inputs: list[torch.Tensor], name: str) -> tuple[list, Any]:

@@ -201,6 +201,7 @@ def run(group: fdp.Group, cfg: dict) -> dict:
     kinds = tuple(cfg["kinds"])
     loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False))
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    first: dict[str, float] = {}  # each kind's first step (a compiled kind's compilation)
     for t in range(cfg["warmup"] + cfg["steps"]):
         order = kinds[t % len(kinds):] + kinds[:t % len(kinds)]  # rotate: no kind always runs first
         for kind in order:
@@ -208,8 +209,10 @@ def run(group: fdp.Group, cfg: dict) -> dict:
             loop.step(kind, t)
             if t >= cfg["warmup"]:
                 times[kind].append(time.perf_counter() - t0)
+            elif t == 0:
+                first[kind] = time.perf_counter() - t0
     ref = loop.params("ddp") if "ddp" in kinds else None
-    out: dict[str, Any] = {"times": times, "identical": {}, "leaves": 0}
+    out: dict[str, Any] = {"times": times, "identical": {}, "leaves": 0, "first": first}
     if ref is not None:
         out["leaves"] = len(ref)
         for kind in kinds:
@@ -235,6 +238,9 @@ def report(results: list[dict], kinds: tuple[str, ...], title: str = "nanoGPT-st
                 r["identical"][k] != r["leaves"] for r in results):
             ok = False
         table.row(k, f"{total:.3f}", f"{med:.2f}", ratio(total, ddp_total), same)
+    firsts = [f"{k} {max(r['first'].get(k, 0.0) for r in results):.1f} s" for k in kinds if "compiled" in k]
+    if firsts:
+        table.note("(first step, the compilation, slowest rank: " + ", ".join(firsts) + ")")
     return table.render(), ok
 
 

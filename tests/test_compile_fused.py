@@ -344,3 +344,24 @@ def test_a_thousand_compiled_steps_with_a_schedule_and_accumulation_do_not_recom
     import_compilers()
     for graphs, entries, count in fdp.testing.run(_thousand_steps, 2, backend="gloo", timeout=300):
         assert (graphs, entries, count) == (2, 2, 1000)
+
+
+def _inductor_case(group):
+    import_compilers(inductor=True)
+    (eager, compiled), graphs = _run(group, "units", "muon_sgd", "method", steps=3,
+                                     reducer_kw={"param_dtype": torch.bfloat16})
+    (pe, _, _), (pc, _, _) = eager, compiled
+    for k in pe:  # (Inductor's fused kernels round differently; bf16 compute, Muon's bf16 iterations)
+        torch.testing.assert_close(pc[k], pe[k], rtol=1e-2, atol=1e-3)
+    return graphs, pc
+
+
+@pytest.mark.timeout(900)
+def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
+    """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
+    sharded step whose graph holds every collective kind fdp issues (all-gather,
+    reduce-scatter, the all-to-alls of Muon's owners) and bf16 casts, lowered and run."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    got = fdp.testing.run(_inductor_case, 2, backend="gloo", timeout=900)
+    assert [g for g, _ in got] == [1, 1]

@@ -19,7 +19,7 @@ rotates), and after the run every kind's params are compared with DDP's:
   compiled  (``--compiled``) the plain loop with its two steps (a local micro-batch, the last
             micro-batch with the all-reduce and the update) each ``torch.compile``-d;
   compiled-fused, compiled-sharded  (``--compiled``) the fused and the sharded kinds with
-            their step compiled as one graph (``step.compile()``; ``step.accumulate`` eager).
+            their step and accumulate each compiled as one graph (``step.compile()``).
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -124,7 +124,7 @@ class Loop:
             if kind in FUSED:
                 step = reducer.grad_and_update(loss_fn, self.opt, donate=kind != "fused-pure")
                 run = step.compile() if kind in COMPILED else step
-                self.state[kind] = [params, step.init(params), run, reducer, step]
+                self.state[kind] = [params, step.init(params), run, reducer]
             else:
                 self.state[kind] = [params, self.opt.init(params), None, reducer]
         if "compiled" in kinds:
@@ -161,10 +161,10 @@ class Loop:
             self.ddp_opt.zero_grad(set_to_none=True)
             return
         st = self.state[kind]
-        params, opt_state, step, reducer = st[:4]
+        params, opt_state, step, reducer = st
         if kind in FUSED:
             for x, y in batches[:-1]:
-                st[4].accumulate(params, x, y)  # (the step's own: eager in every kind)
+                step.accumulate(params, x, y)  # (compiled kinds: compiled.accumulate, in a graph)
             st[0], st[1], _ = step(params, opt_state, *batches[-1])
             return
         if kind == "plain":

@@ -246,8 +246,9 @@ def _refusal(group, option, how):
         return (x @ p["w"].T + p["b"]).square().sum()
 
     kw = {"skip_nonfinite": True} if option == "skip_nonfinite" else {}
-    opt = (fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1) if option == "inject_hyperparams"
-           else fdp.optim.sgd(lr=0.1))
+    opt = {"inject_hyperparams": lambda: fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1),
+           "loss_scale": lambda: fdp.optim.chain(fdp.optim.loss_scale(), fdp.optim.sgd(lr=0.1)),
+           }.get(option, lambda: fdp.optim.sgd(lr=0.1))()
     step = fdp.Reducer(params, group, **kw).grad_and_update(loss, opt, uneven=option == "uneven")
     state = step.init(params)
     run = step.compile(backend="eager") if how == "method" else torch.compile(
@@ -261,7 +262,8 @@ def _refusal(group, option, how):
 
 @pytest.mark.parametrize("option,named", [("skip_nonfinite", "skip_nonfinite=True"),
                                           ("uneven", "uneven=True"),
-                                          ("inject_hyperparams", "inject_hyperparams")])
+                                          ("inject_hyperparams", "inject_hyperparams"),
+                                          ("loss_scale", "skips a step with an inf or a NaN")])
 @pytest.mark.parametrize("how", ["method", "function"])
 def test_options_that_cannot_be_traced_are_refused_by_name(option, named, how):
     """``step.compile`` refuses before compiling (fdp's message is the error's first line); a

@@ -4,21 +4,25 @@ params' all-gather.
 
 The eager fused step runs its updates from hooks inside autograd, which a compiled backward
 (one opaque node) cannot call. Traced, the step is written as the pure function it computes:
-``torch.func.grad_and_value`` of the loss; per bucket of the Reducer's plan, the fill (the
-gradients concatenated, padded to the slices, multiplied by ``1/world`` in the wide dtype and
-rounded once to the wire dtype, as ``kernels.flatten``), the collective through
-``torch.distributed._functional_collectives`` (an all-reduce, or a reduce-scatter into this
-rank's slice), the chain's transforms on the reduced bucket, and the optimizer's kernel per
-key over the same spans as the eager step, writing the ``FusedState``'s buffers in place; then,
-sharded, one all-gather per bucket of the updated slices. The compiler sees every collective
-as a graph node and may schedule it against the compute (docs/compile.md).
+the gradients of the loss (``torch.func.grad_and_value``, or ``torch.autograd.grad`` where
+dynamo traces it, which also runs activation checkpointing); per bucket of the Reducer's
+plan, the fill (the gradients concatenated, padded to the slices, multiplied by ``1/world``
+in the wide dtype and rounded once to the wire dtype, as ``kernels.flatten``), the collective
+through ``torch.distributed._functional_collectives`` (an all-reduce, or a reduce-scatter
+into this rank's slice), the chain's transforms on the reduced bucket (a sharded clip's
+per-leaf norms measured whole, as the eager ``Straddles``), and the optimizer's kernel per key
+over the same spans as the eager step, writing the ``FusedState``'s buffers in place (Muon's
+matrices exchanged with their owners, as the eager ``Owners``); then, with ``shard=True``, one
+all-gather per bucket of the updated slices. With ``shard="params"`` every bucket's slice is
+all-gathered (in ``param_dtype``) at the start, and the updated slices are the result. The
+compiler sees every collective as a graph node and may schedule it against the compute
+(docs/compile.md).
 
 So the compiled step takes and returns what the eager one does: the same ``FusedState`` (a
 state from a compiled step resumes in an eager one and back), params in the plan's structure
 (views of one flat tensor per bucket, graph outputs: an eager step packs them into its own
-sets, one copy). What it reads on the host in eager mode is decided at trace time or refused
-by name (``refusal``).
-"""
+sets, one copy), ``ShardedParams`` when fully sharded. What the eager step reads on the host
+is decided at trace time or refused by name (``refusal``)."""
 
 from __future__ import annotations
 
@@ -60,9 +64,10 @@ def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> 
                 "(lr=fdp.optim.schedules...), evaluated in the graph from the step count")
     if not config.hook.traceable:
         return f"comm hook {config.hook.name} declares no traced form (CommHook(traced=...))"
-    for t in program.transforms:
-        if t.reach == "tree" and getattr(t, "may_skip", False):
-            return "a global scale that may skip the step decides on the host"
+    for t in program.transforms:  # (a global scale that decides on the host declares it on its scale)
+        why = getattr(t.scale, "host_decision", None)
+        if why is not None:
+            return why
     return None
 
 

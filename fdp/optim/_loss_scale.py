@@ -144,6 +144,8 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
         new = LossScaleState(new_scale, tracker)
         return (None if bool(found_inf) else inv_scale), new
 
+    # (what a traced fused step refuses by name: fdp/_fused/traced.py)
+    scale.host_decision = f"{name} skips a step with an inf or a NaN, decided on the host"
     return global_scale(init, stats, scale)
 
 

@@ -177,6 +177,8 @@ def clip_by_global_norm(max_norm: float, norm_type: float = 2.0, *,
             global_norm([total.reshape(1)], norm_type, error_if_nonfinite=True)  # torch's own message
         return torch.clamp(max_norm / (total + 1e-6), max=1.0), ClipState(total.detach())
 
+    if error_if_nonfinite:  # (what a traced fused step refuses by name: fdp/_fused/traced.py)
+        scale.host_decision = "clip_by_global_norm(error_if_nonfinite=True) reads the norm on the host"
     return global_scale(init, stats, scale)
 
 

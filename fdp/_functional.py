@@ -185,8 +185,12 @@ class Apply:
         if self._forward.training != self.training or self.module.training != self.training:
             self._forward.train(self.training)
         if torch.compiler.is_compiling():  # dynamo knows functional_call; keep to it there
+            # Every other name of a tied tensor given too: functional_call ties only what the
+            # module still ties, and ``model.to("meta")`` unties (the head would be its meta copy).
+            ties = {name: params[f] if f in params else new_buffers[f]
+                    for name, f in self._home.first.items() if name != f and (f in params or f in new_buffers)}
             out = functional_call(
-                self._forward, (params, new_buffers, self._constants), args, kwargs,
+                self._forward, (params, ties, new_buffers, self._constants), args, kwargs,
                 tie_weights=True, strict=False,
             )
             return out, new_buffers

@@ -59,7 +59,8 @@ def _opt(name):
 
 
 def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None):
-    """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net, eagerly and
+    """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net (its module
+    moved to the meta device), eagerly and
     compiled (``compile_how``: "function" compiles a train step that calls the step,
     "method" uses ``step.compile``), from the same params; ``accumulate``: the steps before
     which micro-batches go through ``step.accumulate`` (eagerly, as they must), how many.
@@ -72,6 +73,7 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
     kw = {**KINDS[kind], **(reducer_kw or {}), "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
     if kind == "units":
         kw["units"] = fdp.units(model, Block)
+    model.to("meta")  # (as a user drops the module's copy: the tied head must stay tied in the graph)
     out, graphs = [], [0]
 
     def count(gm, example_inputs):

@@ -46,6 +46,16 @@ EAGER_ONLY = (f"{NAME}'s step.accumulate, step.update and step.idle cannot be tr
 
 eager_only = eager.eager_only(EAGER_ONLY)
 
+# A call of the step that cannot be traced runs eagerly instead (a graph break; with
+# fullgraph=True dynamo's error gives this reason first). ``step.compile()`` names the cause.
+EAGER_INSTEAD = (
+    f"{NAME}: this call of the step cannot be traced by torch.compile: the step is not bound yet (call "
+    "step.init(params) eagerly first), an eager step's status is still in flight or its state is refused, or "
+    "the step has an option decided on the host (skip_nonfinite, uneven, accumulate=, reduce_micro_batches, a "
+    "2-D mesh, inject_hyperparams, loss_scale, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook "
+    "without a traced form); step.compile() raises naming which. Without fullgraph=True it runs eagerly here")
+eager_instead = eager.eager_only(EAGER_INSTEAD)
+
 
 class CompiledStep:
     """A fused step compiled as one graph (``step.compile()``): call it as the step, and
@@ -292,8 +302,11 @@ class FusedStep:
         """
         return CompiledStep(self, {"fullgraph": True, **options})
 
+    def _untraceable(self) -> str | None:
+        return traced.refusal(self._engine, self._program, self._acc_tree, self.uneven)
+
     def _check_traceable(self) -> None:
-        why = traced.refusal(self._engine, self._program, self._acc_tree, self.uneven)
+        why = self._untraceable()
         if why is not None:
             raise RuntimeError(f"{NAME}: this step cannot be traced by torch.compile: {why}; call it outside the "
                                "compiled function (docs/compile.md)")
@@ -303,20 +316,19 @@ class FusedStep:
         return self._grad_step(params, opt_state, rest, kwargs, True)
 
     def _traced(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
-        """The step inside ``torch.compile`` (``fdp/_fused/traced.py``): bound eagerly before."""
-        engine, program = self._engine, self._program
-        if engine is None:
-            raise RuntimeError(f"{NAME}: call step.init(params) (or one step) eagerly before compiling a function "
-                               "that calls the step: binding it checks the plan across ranks on the host")
-        self._check_traceable()
-        if engine.refusal is not None:
-            raise RuntimeError(f"{NAME}: {engine.refusal}")
-        if self._engines.config.steps.pending is not None:
-            raise RuntimeError(f"{NAME}: an eager step of this Reducer left its status in flight (read at the "
-                               "start of the next call, on the host): call the compiled step through "
-                               "step.compile(), which reads it first, or call the eager step once more")
-        return traced.traced_grad_step(engine, program, self._layout, self.fn, self.has_aux, params, opt_state,
-                                       rest, kwargs)
+        """The step inside ``torch.compile`` (``fdp/_fused/traced.py``), or, where this call
+        cannot be traced, the eager step (a graph break: ``EAGER_INSTEAD``)."""
+        engine = self._engine
+        if (engine is None or engine.refusal is not None or self._engines.config.steps.pending is not None
+                or self._untraceable() is not None):
+            return self._eager_instead(params, opt_state, rest, kwargs)
+        return traced.traced_grad_step(engine, self._program, self._layout, self.fn, self.has_aux, params,
+                                       opt_state, rest, kwargs)
+
+    @eager_instead
+    def _eager_instead(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict
+                       ) -> tuple[Any, FusedState, Any]:
+        return self._grad_step(params, opt_state, rest, kwargs, True)
 
     @eager_only
     def idle(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:

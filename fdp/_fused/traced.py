@@ -33,7 +33,7 @@ import torch
 
 from .. import _internals, _tree
 from .._plan.bucket import BucketPlan
-from .._slices.geometry import Slices, pieces
+from .._slices.geometry import Slices
 from .._units.params import ShardedParams
 from ..optim import GradientTransform
 from .engine import Engine
@@ -176,29 +176,16 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     out = []
     for b, bucket in enumerate(plan.buckets):
         if units:
-            p = own[b].detach().clone()
+            p = own[b].detach()
         else:
             p = torch.cat([leaves[i].detach().reshape(-1) for i in bucket.leaves])
         if store.scatter is not None and not units:
             pad = slices.padded[b] - bucket.numel
             if pad:
                 p = torch.cat([p, p.new_zeros(pad)])
-            p = p[slices.lo[b]:slices.hi[b]].clone()
-        g = reduced[b]
-        for part, spans in bk.decays[b]:
-            kernels[part].decay(pieces(p, spans, False), counts[part])
-        if bk.whole[b]:
-            (part, grp), _ = bk.spans.by_key[b][0]
-            kernels[part].step(grp, [p], [g], [[buffers[k][b]] for k in keys[part]], counts[part])
-        else:
-            for (part, grp), spans in bk.spans.by_key[b]:
-                states = [buffers[k][b] for k in keys[part]]
-                if spans and spans[0].owned:  # whole leaves this rank owns
-                    ps, gs = [owned[sp.leaf] for sp in spans], [wholes[sp.leaf] for sp in spans]
-                else:
-                    ps, gs = pieces(p, spans, False), pieces(g, spans, False)
-                kernels[part].step(grp, ps, gs, [pieces(t, spans, True) for t in states], counts[part])
-        out.append(p)
+            p = p[slices.lo[b]:slices.hi[b]]
+        out.append(_update_bucket(bk, b, p, reduced[b], kernels, counts, [[buffers[k][b] for k in ks] for ks in keys],
+                                  owned, wholes))
     if owners is not None:  # the owners' updated leaves into the slices that hold them
         _to_holders(owners, out, owned, group, received)
     if received and out:  # every exchange's first byte (a zero) into the params: never dropped
@@ -233,6 +220,85 @@ def traced_accumulate(engine: Engine, fn: Callable, has_aux: bool, params: Any, 
         else:
             acc.flats[b].add_(flat)
     return _detached(value)
+
+
+def _update_bucket(bk: Any, b: int, p: torch.Tensor, g: torch.Tensor, kernels: list, counts: list,
+                   states: list[list[torch.Tensor]], owned: dict[int, torch.Tensor],
+                   wholes: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Bucket ``b``'s (slice of the) params after the update, the state's buffers ``states``
+    (per part, per field) written in place: the eager ``Run.update``'s kernel calls, per key
+    over its spans, written for a graph. No kernel writes into a view: each run of a key is a
+    copy of its own (a write into a view of a larger tensor becomes, in the graph, a new copy
+    of the whole of it), and the results are put together with one ``cat`` per tensor; a run
+    is not cut into the eager step's cache-sized chunks (the compiler makes its own loops)."""
+    by_key = [(key, _merged(spans)) for key, spans in bk.spans.by_key[b]]
+    if len(by_key) == 1 and not bk.decays[b] and len(by_key[0][1]) == 1:
+        (part, grp), (span,) = by_key[0]
+        if span.shape is None and not span.owned and span.lo == 0 and span.hi == p.numel() \
+                and all(t.numel() == p.numel() for t in states[part]):
+            p = p.clone()  # (one run over the whole bucket: the tensors themselves)
+            kernels[part].step(grp, [p], [g], [[t] for t in states[part]], counts[part])
+            return p
+    if bk.decays[b]:  # a part decayed apart: its group-0 runs decayed first, in copies
+        done = []
+        for part, spans in bk.decays[b]:
+            runs = [p[sp.lo:sp.hi].clone() for sp in _merged(spans)]
+            kernels[part].decay(runs, counts[part])
+            done += [(sp.lo, t) for sp, t in zip(_merged(spans), runs)]
+        p = _assembled(p, done)
+    new_p: list[tuple[int, torch.Tensor]] = []
+    new_states: list[list[list[tuple[int, torch.Tensor]]]] = [[[] for _ in fields] for fields in states]
+    for (part, grp), spans in by_key:
+        if not spans:
+            continue
+        if spans[0].owned:  # whole leaves this rank owns (sharded Muon): updated apart, in their shapes
+            ps, gs = [owned[sp.leaf] for sp in spans], [wholes[sp.leaf] for sp in spans]
+        else:
+            ps = [_shaped(p[sp.lo:sp.hi].clone(), sp) for sp in spans]
+            gs = [_shaped(g[sp.lo:sp.hi], sp) for sp in spans]
+            new_p += [(sp.lo, t) for sp, t in zip(spans, ps)]
+        runs = [[_shaped(t[sp.at:sp.at + sp.hi - sp.lo].clone(), sp) for sp in spans] for t in states[part]]
+        kernels[part].step(grp, ps, gs, runs, counts[part])
+        for field, got in zip(new_states[part], runs):
+            field += [(sp.at, t) for sp, t in zip(spans, got)]
+    for fields, news in zip(states, new_states):
+        for t, got in zip(fields, news):
+            if got:
+                t.copy_(_assembled(t, got))
+    return _assembled(p, new_p)
+
+
+def _merged(spans: list[Any]) -> list[Any]:
+    """``spans`` with the chunks of each run put back together (whole-leaf spans as they are)."""
+    out: list[Any] = []
+    for sp in spans:
+        last = out[-1] if out else None
+        if (last is not None and sp.shape is None and last.shape is None and not sp.owned and not last.owned
+                and sp.lo == last.hi and sp.at == last.at + (last.hi - last.lo)):
+            out[-1] = last._replace(hi=sp.hi)
+        else:
+            out.append(sp)
+    return out
+
+
+def _shaped(t: torch.Tensor, span: Any) -> torch.Tensor:
+    return t if span.shape is None else t.view(span.shape)
+
+
+def _assembled(base: torch.Tensor, pieces_at: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """``base`` with each ``(offset, tensor)`` written over its elements at ``offset``, as one
+    new tensor (one ``cat``)."""
+    if len(pieces_at) == 1 and pieces_at[0][0] == 0 and pieces_at[0][1].numel() == base.numel():
+        return pieces_at[0][1].reshape(-1)  # (one piece over all of it)
+    parts, pos = [], 0
+    for at, t in sorted(pieces_at, key=lambda x: x[0]):
+        if at > pos:
+            parts.append(base[pos:at])
+        parts.append(t.reshape(-1))
+        pos = at + t.numel()
+    if pos < base.numel():
+        parts.append(base[pos:])
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
 def _grad_and_value(loss_of: Callable, has_aux: bool, inputs: list[torch.Tensor], name: str) -> tuple[list, Any]:

@@ -58,7 +58,7 @@ def _opt(name):
     }[name]()
 
 
-def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None):
+def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None, inductor=False):
     """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net (its module
     moved to the meta device), eagerly and
     compiled (``compile_how``: "function" compiles a train step that calls the step,
@@ -78,6 +78,9 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
 
     def count(gm, example_inputs):
         graphs[0] += 1
+        if inductor:
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
         from torch._dynamo.backends.common import aot_autograd
         return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
 
@@ -364,10 +367,12 @@ def test_a_thousand_compiled_steps_with_a_schedule_and_accumulation_do_not_recom
 def _inductor_case(group):
     import_compilers(inductor=True)
     (eager, compiled), graphs = _run(group, "units", "muon_sgd", "method", steps=3,
-                                     reducer_kw={"param_dtype": torch.bfloat16})
+                                     reducer_kw={"param_dtype": torch.bfloat16}, inductor=True)
     (pe, _, _), (pc, _, _) = eager, compiled
-    for k in pe:  # (Inductor's fused kernels round differently; bf16 compute, Muon's bf16 iterations)
-        torch.testing.assert_close(pc[k], pe[k], rtol=1e-2, atol=1e-3)
+    # bf16 compute: Inductor keeps a fused kernel's intermediates in fp32 where eager rounds
+    # every op to bf16 (one bf16 ulp is 2**-8 relative), and Muon iterates in bf16
+    for k in pe:
+        torch.testing.assert_close(pc[k], pe[k], rtol=2e-2, atol=1e-2)
     return graphs, pc
 
 

@@ -267,3 +267,18 @@ def test_kernel_targets_below_torchs_own_floor_are_not_applicable_and_do_not_fai
     assert "N/A: torch's floor here is 1.24x" in kernels_bench.format_rows([row])
     (row, *_) = kernel_rows(ratio=1.30, floors=(0.88, 0.05))  # reachable and missed: a failure
     assert not row["na"] and not row["ok"] and "FAIL" in kernels_bench.format_rows([row])
+
+
+def test_the_overlap_bench_counts_the_kernels_between_a_collective_and_its_wait():
+    from fdp.bench.overlap import schedule
+
+    code = """
+    buf0 = torch.ops._c10d_functional.reduce_scatter_tensor.default(x, 'sum', 2, '0')
+    cpp_fused_add_0(a, b)
+    extern_kernels.mm(a, b, out=c)
+    buf1 = torch.ops._c10d_functional.wait_tensor.default(buf0)
+    buf2 = torch.ops._c10d_functional.all_gather_into_tensor.default(y, 2, '0')
+    buf3 = torch.ops._c10d_functional.wait_tensor.default(buf2)
+    cpp_fused_mul_1(c)
+    """
+    assert schedule(code) == ([("reduce_scatter_tensor", 2), ("all_gather_into_tensor", 0)], 3)

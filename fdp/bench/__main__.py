@@ -1,4 +1,4 @@
-"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop|sharded|large] ...``: benchmarks that run fdp
+"""``python -m fdp.bench [kernels|replicas|soak|micro|compile|optim|gpu|predict|validate|loop|sharded|large|overlap] ...``: benchmarks that run fdp
 beside its peer in one run.
 
 Without a subcommand: the model benchmark against torch DDP (``fdp.bench.models``).
@@ -10,7 +10,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("kernels", "replicas", "soak", "micro", "compile", "optim", "gpu", "predict", "validate", "loop",
-               "sharded", "large")
+               "sharded", "large", "overlap")
 
 
 def main(argv: list[str] | None = None) -> int:

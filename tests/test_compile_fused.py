@@ -53,12 +53,14 @@ def _opt(name):
         "adamw": lambda: fdp.optim.adamw(lr=1e-2),
         "muon_sgd": lambda: fdp.optim.partition(lambda k, v: "m" if v.dim() == 2 else "o", {
             "m": fdp.optim.muon(lr=0.02), "o": fdp.optim.sgd(lr=0.1, momentum=0.9)}),
+        "masked_sgd": lambda: fdp.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.01, mask=lambda k, v: v.dim() > 1),
         "masked_sgd_schedule": lambda: fdp.optim.sgd(lr=fdp.optim.schedules.cosine(0.1, 20), momentum=0.9,
                                                      weight_decay=0.01, mask=lambda k, v: v.dim() > 1),
     }[name]()
 
 
-def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None, inductor=False):
+def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None, inductor=False,
+         reset=True):
     """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net (its module
     moved to the meta device), eagerly and
     compiled (``compile_how``: "function" compiles a train step that calls the step,
@@ -66,7 +68,8 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
     which micro-batches go through ``step.accumulate`` (eagerly, as they must), how many.
     Returns both runs' (params as whole tensors, optimizer state as a tree, losses) and the
     number of graphs dynamo made."""
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     model = init_(net(vocab=32, d=16, n=2), 3)
     apply, params, buffers = fdp.functionalize(model)
     loss = _token_loss(apply, buffers)
@@ -385,3 +388,20 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     import_compilers(inductor=True)
     got = fdp.testing.run(_inductor_case, 2, backend="gloo", timeout=900)
     assert [g for g, _ in got] == [1, 1]
+
+
+def _two_steps_case(group):
+    """Two fused steps compiled in one process: the second compile of the step's code makes
+    dynamo treat the ints that differ between them (the runs' offsets) as symbolic; the
+    traced update sorts nothing at trace time, so both still trace (and agree with eager)."""
+    torch._dynamo.reset()
+    for kind in ("replicated", "sliced"):
+        (eager, compiled), _ = _run(group, kind, "masked_sgd", "method", steps=3, accumulate=((1, 2),), reset=False)
+        _assert_same(eager, compiled, exact=True)
+    return True
+
+
+def test_two_fused_steps_compiled_in_one_process_both_trace():
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    assert fdp.testing.run(_two_steps_case, 2, backend="gloo", timeout=300) == [True, True]

@@ -46,6 +46,7 @@ from .program import Program
 from .run import Run, status_failed
 from .state import FusedState, StateLayout
 from .stores import Accumulation, Store, StoreKind, store_for
+from .traced import orders as traced_orders
 
 __all__ = ["Engine", "StepMemory"]
 
@@ -111,6 +112,7 @@ class Engine:
             sliced_sets=store.kind is StoreKind.SLICED, group=self.group)
         # the params tree with each leaf's index for a leaf: its structure, for a traced step
         self.skeleton = _tree.unflatten(plan.treedef, list(range(len(plan.slots))))
+        self.orders = traced_orders(self.buckets, self.parts)  # (each bucket's runs as a traced update takes them)
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step

@@ -27,7 +27,7 @@ is decided at trace time or refused by name (``refusal``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -36,12 +36,14 @@ from .._plan.bucket import BucketPlan
 from .._slices.geometry import Slices
 from .._units.params import ShardedParams
 from ..optim import GradientTransform
-from .engine import Engine
 from .program import Program
 from .state import FusedState, StateLayout
 from .stores import StoreKind
 
-__all__ = ["refusal", "traced_accumulate", "traced_grad_step"]
+if TYPE_CHECKING:  # (the engine imports this module)
+    from .engine import Engine
+
+__all__ = ["Order", "orders", "refusal", "traced_accumulate", "traced_grad_step"]
 
 
 def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> str | None:
@@ -185,7 +187,7 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
                 p = torch.cat([p, p.new_zeros(pad)])
             p = p[slices.lo[b]:slices.hi[b]]
         out.append(_update_bucket(bk, b, p, reduced[b], kernels, counts, [[buffers[k][b] for k in ks] for ks in keys],
-                                  owned, wholes))
+                                  owned, wholes, engine.orders[b]))
     if owners is not None:  # the owners' updated leaves into the slices that hold them
         _to_holders(owners, out, owned, group, received)
     if received and out:  # every exchange's first byte (a zero) into the params: never dropped
@@ -222,33 +224,64 @@ def traced_accumulate(engine: Engine, fn: Callable, has_aux: bool, params: Any, 
     return _detached(value)
 
 
+class Order(NamedTuple):
+    """One bucket's runs as a traced update takes them, made eagerly with the engine (no sort
+    at trace time: dynamo cannot sort ints it has made symbolic, which it does to the ints of a
+    second step compiled in the same process): per key its runs (the eager spans with their
+    chunks put back together); the non-owned runs by position in the (slice of the) bucket,
+    ``(key index, run index)``; per part its runs by position in the part's state; the runs
+    decayed first, per part decayed apart, and all of them by position."""
+
+    by_key: list[tuple[Any, list[Any]]]
+    params: list[tuple[int, int]]
+    states: list[list[tuple[int, int]]]
+    decays: list[tuple[int, list[Any]]]
+    decay_order: list[tuple[int, int]]
+
+
+def orders(bk: Any, parts: int) -> list[Order]:
+    """Every bucket's ``Order`` (see there), from the engine's ``Buckets``."""
+    out = []
+    for b in range(len(bk.plan.buckets)):
+        by_key = [(key, _merged(spans)) for key, spans in bk.spans.by_key[b]]
+        runs = [(k, j, sp) for k, (_, spans) in enumerate(by_key) for j, sp in enumerate(spans)]
+        params = [(k, j) for k, j, sp in sorted(runs, key=lambda r: r[2].lo) if not sp.owned]
+        states = [[(k, j) for k, j, sp in sorted(runs, key=lambda r: r[2].at) if by_key[k][0][0] == part]
+                  for part in range(parts)]
+        decays = [(part, _merged(spans)) for part, spans in bk.decays[b]]
+        decay_order = [(d, j) for d, j, sp in sorted(((d, j, sp) for d, (_, spans) in enumerate(decays)
+                                                      for j, sp in enumerate(spans)), key=lambda r: r[2].lo)]
+        out.append(Order(by_key, params, states, decays, decay_order))
+    return out
+
+
 def _update_bucket(bk: Any, b: int, p: torch.Tensor, g: torch.Tensor, kernels: list, counts: list,
                    states: list[list[torch.Tensor]], owned: dict[int, torch.Tensor],
-                   wholes: dict[int, torch.Tensor]) -> torch.Tensor:
+                   wholes: dict[int, torch.Tensor], order: Order) -> torch.Tensor:
     """Bucket ``b``'s (slice of the) params after the update, the state's buffers ``states``
     (per part, per field) written in place: the eager ``Run.update``'s kernel calls, per key
     over its spans, written for a graph. No kernel writes into a view: each run of a key is a
     copy of its own (a write into a view of a larger tensor becomes, in the graph, a new copy
     of the whole of it), and the results are put together with one ``cat`` per tensor; a run
     is not cut into the eager step's cache-sized chunks (the compiler makes its own loops)."""
-    by_key = [(key, _merged(spans)) for key, spans in bk.spans.by_key[b]]
-    if len(by_key) == 1 and not bk.decays[b] and len(by_key[0][1]) == 1:
+    by_key = order.by_key
+    if len(by_key) == 1 and not order.decays and len(by_key[0][1]) == 1:
         (part, grp), (span,) = by_key[0]
         if span.shape is None and not span.owned and span.lo == 0 and span.hi == p.numel() \
                 and all(t.numel() == p.numel() for t in states[part]):
             p = p.clone()  # (one run over the whole bucket: the tensors themselves)
             kernels[part].step(grp, [p], [g], [[t] for t in states[part]], counts[part])
             return p
-    if bk.decays[b]:  # a part decayed apart: its group-0 runs decayed first, in copies
+    if order.decays:  # a part decayed apart: its group-0 runs decayed first, in copies
         done = []
-        for part, spans in bk.decays[b]:
-            runs = [p[sp.lo:sp.hi].clone() for sp in _merged(spans)]
+        for part, spans in order.decays:
+            runs = [p[sp.lo:sp.hi].clone() for sp in spans]
             kernels[part].decay(runs, counts[part])
-            done += [(sp.lo, t) for sp, t in zip(_merged(spans), runs)]
-        p = _assembled(p, done)
-    new_p: list[tuple[int, torch.Tensor]] = []
-    new_states: list[list[list[tuple[int, torch.Tensor]]]] = [[[] for _ in fields] for fields in states]
-    for (part, grp), spans in by_key:
+            done.append(runs)
+        p = _assembled(p, [(order.decays[d][1][j].lo, done[d][j]) for d, j in order.decay_order])
+    new_p: dict[tuple[int, int], torch.Tensor] = {}
+    new_states: list[list[dict[tuple[int, int], torch.Tensor]]] = [[{} for _ in fields] for fields in states]
+    for k, ((part, grp), spans) in enumerate(by_key):
         if not spans:
             continue
         if spans[0].owned:  # whole leaves this rank owns (sharded Muon): updated apart, in their shapes
@@ -256,16 +289,16 @@ def _update_bucket(bk: Any, b: int, p: torch.Tensor, g: torch.Tensor, kernels: l
         else:
             ps = [_shaped(p[sp.lo:sp.hi].clone(), sp) for sp in spans]
             gs = [_shaped(g[sp.lo:sp.hi], sp) for sp in spans]
-            new_p += [(sp.lo, t) for sp, t in zip(spans, ps)]
+            new_p.update(((k, j), t) for j, t in enumerate(ps))
         runs = [[_shaped(t[sp.at:sp.at + sp.hi - sp.lo].clone(), sp) for sp in spans] for t in states[part]]
         kernels[part].step(grp, ps, gs, runs, counts[part])
         for field, got in zip(new_states[part], runs):
-            field += [(sp.at, t) for sp, t in zip(spans, got)]
-    for fields, news in zip(states, new_states):
+            field.update(((k, j), t) for j, t in enumerate(got))
+    for part, (fields, news) in enumerate(zip(states, new_states)):
         for t, got in zip(fields, news):
             if got:
-                t.copy_(_assembled(t, got))
-    return _assembled(p, new_p)
+                t.copy_(_assembled(t, [(by_key[k][1][j].at, got[k, j]) for k, j in order.states[part]]))
+    return _assembled(p, [(by_key[k][1][j].lo, new_p[k, j]) for k, j in order.params])
 
 
 def _merged(spans: list[Any]) -> list[Any]:
@@ -286,12 +319,12 @@ def _shaped(t: torch.Tensor, span: Any) -> torch.Tensor:
 
 
 def _assembled(base: torch.Tensor, pieces_at: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """``base`` with each ``(offset, tensor)`` written over its elements at ``offset``, as one
-    new tensor (one ``cat``)."""
+    """``base`` with each ``(offset, tensor)`` (in order of offset) written over its elements
+    at ``offset``, as one new tensor (one ``cat``)."""
     if len(pieces_at) == 1 and pieces_at[0][0] == 0 and pieces_at[0][1].numel() == base.numel():
         return pieces_at[0][1].reshape(-1)  # (one piece over all of it)
     parts, pos = [], 0
-    for at, t in sorted(pieces_at, key=lambda x: x[0]):
+    for at, t in pieces_at:
         if at > pos:
             parts.append(base[pos:at])
         parts.append(t.reshape(-1))
@@ -386,21 +419,18 @@ def _to_owners(owners: Any, flats: list[torch.Tensor], group: Any, received: lis
     s, me, slots = owners.slices, owners.slices.rank, owners.plan.slots
     sends: list[list[torch.Tensor]] = [[] for _ in range(s.size)]
     recvs: list[list[tuple[int, int, int]]] = [[] for _ in range(s.size)]
-    pieces_of: dict[int, list[tuple[int, torch.Tensor]]] = {i: [] for i in owners.mine}
     for i, parts in sorted(owners.parts.items()):
         o = owners.owner[i]
         for c, lo, hi, r in parts:
-            part = flats[c][lo - s.lo[c]:hi - s.lo[c]]
             if r == me and o != me:
-                sends[o].append(part)
+                sends[o].append(flats[c][lo - s.lo[c]:hi - s.lo[c]])
             if o == me and r != me:
                 recvs[r].append((i, lo, hi))
-            if o == me and r == me:
-                pieces_of[i].append((lo, part))
-    for (i, lo, _), part in _exchange_parts(sends, recvs, flats[0], slots, group, received):
-        pieces_of[i].append((lo, part))
-    return {i: torch.cat([t for _, t in sorted(pieces_of[i], key=lambda x: x[0])]).view(slots[i].shape)
-            for i in owners.mine}
+    got = dict(zip([(i, r) for r, per in enumerate(recvs) for i, _, _ in per],
+                   [t for _, t in _exchange_parts(sends, recvs, flats[0], slots, group, received)]))
+    # a leaf's parts in the order of the slices that hold them (``Owners.parts``: rank order)
+    return {i: torch.cat([flats[c][lo - s.lo[c]:hi - s.lo[c]] if r == me else got[i, r]
+                          for c, lo, hi, r in owners.parts[i]]).view(slots[i].shape) for i in owners.mine}
 
 
 def _to_holders(owners: Any, mine: list[torch.Tensor], owned: dict[int, torch.Tensor], group: Any,

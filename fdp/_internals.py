@@ -419,3 +419,41 @@ _constant("a sys.meta_path watcher that wraps torch._dynamo's loader's exec_modu
 def when_dynamo_imported(callback: Callable[[], None]) -> None:
     """Run ``callback`` once torch._dynamo is imported (at once if it already is)."""
     _DYNAMO.when_imported(callback)
+
+
+@_use("torch._dynamo.config.trace_autograd_ops", "the traced fused step differentiates with torch.autograd.grad "
+      "where dynamo traces it (torch.func refuses activation checkpointing's saved-tensor hooks)", checked="2.13")
+def dynamo_traces_autograd() -> bool:
+    """Whether dynamo traces ``torch.autograd.grad`` now (read while tracing: a constant there)."""
+    import torch._dynamo.config as config
+
+    return bool(getattr(config, "trace_autograd_ops", False))
+
+
+@_use("torch._dynamo.config.patch(trace_autograd_ops=True)", "step.compile() traces the fused step with "
+      "torch.autograd.grad, so activation checkpointing inside the loss compiles", checked="2.13")
+def tracing_autograd() -> Any:
+    """A context in which dynamo traces ``torch.autograd.grad`` (where this torch can; else nothing)."""
+    import contextlib
+
+    import torch._dynamo.config as config
+
+    if not hasattr(config, "trace_autograd_ops"):  # pragma: no cover - torch < 2.9
+        return contextlib.nullcontext()
+    return config.patch(trace_autograd_ops=True)
+
+
+@_use("torch._inductor.utils.run_and_get_code", "python -m fdp.bench overlap reads the code Inductor generated "
+      "for a compiled step", checked="2.13")
+def inductor_code(fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+    """``fn()`` and the source of the code Inductor generated while it ran."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn)
+
+
+@_use("torch._dynamo.reset", "a benchmark compiles the same code afresh for each configuration", checked="2.13")
+def dynamo_reset() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import _tree
+from .. import _internals, _tree
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import ParamSource, template_of
@@ -89,7 +89,7 @@ class CompiledStep:
 
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
         self._ready(params)
-        with _traced_autograd():
+        with _internals.tracing_autograd():
             return self._call(params, opt_state, *rest, **kwargs)
 
     def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -107,23 +107,11 @@ class CompiledStep:
             def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
                 return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)
             self._acc = torch.compile(accumulate, **self.options)
-        with _traced_autograd():
+        with _internals.tracing_autograd():
             value = self._acc(params, rest, kwargs, not acc.count)
         acc.count += 1
         acc.lost = None
         return value
-
-
-def _traced_autograd() -> Any:
-    """Dynamo traces ``torch.autograd.grad`` while this is entered (torch >= 2.9's
-    ``trace_autograd_ops``; elsewhere nothing changes and the step traces ``torch.func``)."""
-    import contextlib
-
-    import torch._dynamo.config as config
-
-    if not hasattr(config, "trace_autograd_ops"):  # pragma: no cover - older torch
-        return contextlib.nullcontext()
-    return config.patch(trace_autograd_ops=True)
 
 
 class Engines:

@@ -27,7 +27,7 @@ is decided at trace time or refused by name (``refusal``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,13 +40,10 @@ from .program import Program
 from .state import FusedState, StateLayout
 from .stores import StoreKind
 
-if TYPE_CHECKING:  # (the engine imports this module)
-    from .engine import Engine
-
 __all__ = ["Order", "orders", "refusal", "traced_accumulate", "traced_grad_step"]
 
 
-def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> str | None:
+def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool) -> str | None:
     """Why this step cannot be traced (None: it can)."""
     config = engine.config
     if engine.mesh.replicate is not None:
@@ -73,7 +70,7 @@ def refusal(engine: Engine, program: Program, accumulate: Any, uneven: bool) -> 
     return None
 
 
-def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: Callable, has_aux: bool,
+def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Callable, has_aux: bool,
                      params: Any, state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
     """One fused step as graph nodes (see the module docstring): ``(params, state, value)``."""
     plan, store, bk = engine.plan, engine.store, engine.buckets
@@ -199,7 +196,7 @@ def traced_grad_step(engine: Engine, program: Program, layout: StateLayout, fn: 
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
 
 
-def traced_accumulate(engine: Engine, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict,
+def traced_accumulate(engine: Any, fn: Callable, has_aux: bool, params: Any, rest: tuple, kwargs: dict,
                       first: bool) -> Any:
     """``step.accumulate`` as graph nodes (unsharded and ``shard=True``): this rank's gradients
     of one micro-batch written (``first``) or added into the engine's flat accumulation
@@ -340,9 +337,7 @@ def _grad_and_value(loss_of: Callable, has_aux: bool, inputs: list[torch.Tensor]
     (``torch._dynamo.config.trace_autograd_ops = True``), by autograd, which also runs
     ``torch.utils.checkpoint`` inside the loss (torch.func's transforms refuse its saved-tensor
     hooks)."""
-    import torch._dynamo.config as dynamo_config
-
-    if not dynamo_config.trace_autograd_ops:
+    if not _internals.dynamo_traces_autograd():
         return torch.func.grad_and_value(loss_of, has_aux=has_aux)(inputs)
     xs = [t.requires_grad_(True) for t in inputs]
     with torch.enable_grad():

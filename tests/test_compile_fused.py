@@ -128,8 +128,12 @@ def _kind_case(group, kind, opt):
     return graphs, compiled[0]
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("opt", ["clip_sgd", "adamw", "muon_sgd", "masked_sgd_schedule"])
+# Clipping and Muon in every kind; AdamW and the schedule (compared within RTOL) in two and one.
+CASES = [(k, o) for o in ("clip_sgd", "muon_sgd") for k in sorted(KINDS)] + [
+    ("replicated", "adamw"), ("units", "adamw"), ("sliced", "masked_sgd_schedule")]
+
+
+@pytest.mark.parametrize("kind,opt", CASES)
 def test_a_compiled_train_step_calling_the_fused_step_is_one_graph_with_its_eager_numbers(kind, opt):
     """Clipping (the sharded norm measured whole per leaf, as eager) and a Muon + SGD partition
     (Muon's matrices exchanged with their owners when sharded): bit for bit. AdamW, and a
@@ -273,12 +277,13 @@ def _refusal(group, option, how):
     return None
 
 
-@pytest.mark.parametrize("option,named", [("skip_nonfinite", "skip_nonfinite=True"),
-                                          ("uneven", "uneven=True"),
-                                          ("inject_hyperparams", "inject_hyperparams"),
-                                          ("loss_scale", "skips a step with an inf or a NaN")])
-@pytest.mark.parametrize("how", ["method", "function", "graph-break"])
-def test_options_that_cannot_be_traced_are_refused_by_name(option, named, how):
+REFUSED = {"skip_nonfinite": "skip_nonfinite=True", "uneven": "uneven=True",
+           "inject_hyperparams": "inject_hyperparams", "loss_scale": "skips a step with an inf or a NaN"}
+
+
+@pytest.mark.parametrize("option,how", [(o, "method") for o in REFUSED] + [
+    (o, how) for o in ("skip_nonfinite", "loss_scale") for how in ("function", "graph-break")])
+def test_options_that_cannot_be_traced_are_refused_by_name(option, how):
     """``step.compile`` refuses before compiling, naming the option in the error's first line;
     a compiled function of one's own with ``fullgraph=True`` fails with dynamo's error whose
     first lines give fdp's reason (the options listed, step.compile() to name which); without
@@ -290,7 +295,7 @@ def test_options_that_cannot_be_traced_are_refused_by_name(option, named, how):
             assert got is True
             continue
         assert got is not None and "cannot be traced by torch.compile" in got, got
-        assert (named if how == "method" else "step.compile() raises naming which") in got, got
+        assert (REFUSED[option] if how == "method" else "step.compile() raises naming which") in got, got
 
 
 def _unbound(group):

@@ -295,3 +295,28 @@ def traced_broadcast(flat: torch.Tensor, src: int, group: Group) -> torch.Tensor
     return funcol.wait_tensor(funcol.broadcast(flat, src, group.process_group))
 
 
+
+
+def traced_reduce_scatter(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """SUM reduce-scatter of ``flat`` (a multiple of the group's size) into this rank's equal
+    part, as graph nodes; the identity in a world of one."""
+    if group.process_group is None:
+        return flat
+    funcol = _internals.functional_collectives()
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group.process_group))
+
+
+def traced_all_gather(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``flat``, concatenated in rank order, as graph nodes; the identity in a
+    world of one."""
+    if group.process_group is None:
+        return flat
+    funcol = _internals.functional_collectives()
+    return funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, group.process_group))
+
+
+def traced_all_to_all(flat: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Group) -> torch.Tensor:
+    """``all_to_all_single`` as graph nodes: ``in_sizes[j]`` elements of ``flat`` to rank ``j``,
+    ``out_sizes[k]`` from rank ``k``, received in rank order."""
+    funcol = _internals.functional_collectives()
+    return funcol.wait_tensor(funcol.all_to_all_single(flat, out_sizes, in_sizes, group.process_group))

@@ -230,7 +230,9 @@ class StateLayout:
                              f"{len(state.transforms)} transform states; this optimizer keeps "
                              f"{sorted(keys)} and {len(self.transforms)}")
         layout = state.layout
-        if layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
+        # (Under torch.compile the layout tensor's digest is not compared: that reads it on the
+        # host. The fields, sizes and dtypes below are, at trace time.)
+        if not _tree.compiling() and layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
                                               and torch.equal(layout.cpu(), self.layout)):
             shown = describe_layout(layout) if isinstance(layout, torch.Tensor) else repr(layout)
             raise ValueError(

@@ -98,11 +98,9 @@ class CompiledStep:
         if engine.store.kind is StoreKind.UNITS or engine.reduces_micro_batches:
             return step.accumulate(params, *rest, **kwargs)
         engine._check_callable()
-        acc, plan = engine.acc, engine.plan
-        if acc.flats is None:  # (the buffers step.accumulate makes on its first call)
-            with autograd_on():
-                acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
-                acc.grads = _tree.leaves(plan.views(acc.flats))
+        acc = engine.acc
+        with autograd_on():  # (the buffers step.accumulate makes on its first call)
+            acc.flat(engine.plan)
         if self._acc is None:
             def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
                 return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)

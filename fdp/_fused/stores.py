@@ -70,6 +70,12 @@ class Accumulation:
         self.count = 0
         self.lost: str | None = None
 
+    def flat(self, plan: BucketPlan) -> None:
+        """Make the flat per-bucket buffers (``flats``, ``grads`` their per-leaf views) once."""
+        if self.grads is None:
+            self.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
+            self.grads = _tree.leaves(plan.views(self.flats))
+
 
 class Store(Protocol):
     """What the fused engine asks of where its params, gradients and state live.
@@ -405,9 +411,7 @@ def _accumulate_flat(plan: BucketPlan, sets: ParamSets, engine: str, acc: Accumu
             leaves = cast(pset)
             params = _tree.unflatten(plan.treedef, leaves)
         grads, value = local_grads(engine, fn, 0, has_aux, (params, *rest), kwargs, leaves, plan.treedef, None, None)
-        if acc.grads is None:
-            acc.flats = [torch.empty(b.numel, dtype=b.dtype, device=b.device) for b in plan.buckets]
-            acc.grads = _tree.leaves(plan.views(acc.flats))
+        acc.flat(plan)
         if acc.count:
             if grads and grads[0].dtype != acc.grads[0].dtype:  # (mixed precision: the sum kept in the masters' dtype)
                 grads = [g.to(a.dtype) for g, a in zip(grads, acc.grads)]

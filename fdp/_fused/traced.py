@@ -32,8 +32,10 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _internals, _tree
+from .._comm import collectives as comm
 from .._plan.bucket import BucketPlan
 from .._slices.geometry import Slices
+from .._step.traced import traced_fill
 from .._units.params import ShardedParams
 from ..optim import GradientTransform
 from .program import Program
@@ -75,7 +77,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     """One fused step as graph nodes (see the module docstring): ``(params, state, value)``."""
     plan, store, bk = engine.plan, engine.store, engine.buckets
     name = engine.name
-    _check_state(layout, state, name)
+    layout.check(state)  # (under compile without the layout tensor's host comparison)
     machine, slices = engine.machine, store.slices
     group = engine.mesh.shard if store.scatter is not None else engine.group
     units = store.kind is StoreKind.UNITS
@@ -89,22 +91,15 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         fulls = []
         for b in range(len(plan.buckets)):
             mine = own[b].detach().to(store.units.fulls[b].dtype)
-            fulls.append(_all_gather(mine, group) if store.scatter is not None else mine)
+            fulls.append(comm.traced_all_gather(mine, group) if store.scatter is not None else mine)
         # (dynamo replaces optree's specs: the params' structure is flattened inside the trace,
         # from the plan's tree of leaf indices, made eagerly with the engine)
         treedef = _tree.structure(engine.skeleton)
         inputs = _tree.leaves(plan.views(fulls, treedef))
         leaves = None
     else:
-        leaves = plan.leaves_of(params, f"{name} params")
-        treedef = _tree.structure(params)  # (dynamo replaces optree's specs: one made inside the trace)
-        compute = store.compute
-        inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
-
-    def loss_of(xs: list[torch.Tensor]) -> Any:
-        return fn(_tree.unflatten(treedef, xs), *rest, **kwargs)
-
-    grads, value = _grad_and_value(loss_of, has_aux, inputs, name)
+        leaves, treedef, inputs = _whole_inputs(plan, store, params, f"{name} params")
+    grads, value = _grad_and_value(_loss_of(fn, treedef, rest, kwargs), has_aux, inputs, name)
     acc = engine.acc
     if acc.count:  # step.accumulate's micro-batches (eager calls before this one): added before the mean
         grads = [g + a for g, a in zip(grads, acc.grads)]
@@ -114,17 +109,12 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     hook = engine.config.hook
     reduced = []
     for b, bucket in enumerate(plan.buckets):
-        wire = machine.buffers.wire_dtypes[b]
-        flat = torch.cat([grads[i].reshape(-1) for i in bucket.leaves])
-        if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
-            wide = torch.promote_types(torch.promote_types(bucket.dtype, wire), torch.float32)
-            flat = flat.to(wide) * scale
-        flat = flat.to(wire)
+        flat = traced_fill([grads[i] for i in bucket.leaves], bucket.dtype, machine.buffers.wire_dtypes[b], scale)
         if store.scatter is not None:
             pad = slices.padded[b] - bucket.numel
             if pad:
                 flat = torch.cat([flat, flat.new_zeros(pad)])
-            got = _reduce_scatter(flat, group)
+            got = comm.traced_reduce_scatter(flat, group)
         else:
             got = hook.traced(flat, group)
         reduced.append(got.to(bucket.dtype))
@@ -190,7 +180,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     if received and out:  # every exchange's first byte (a zero) into the params: never dropped
         out[0] = out[0] - torch.stack([r[:1] for r in received]).to(out[0].dtype).sum()  # (x - +0.0 is x)
     if store.gathers_params:
-        out = [_all_gather(p, group) for p in out]
+        out = [comm.traced_all_gather(p, group) for p in out]
     state.step.add_(1)
     new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
@@ -202,16 +192,9 @@ def traced_accumulate(engine: Any, fn: Callable, has_aux: bool, params: Any, res
     of one micro-batch written (``first``) or added into the engine's flat accumulation
     buffers, as the eager ``step.accumulate`` adds them (``fdp/_fused/stores.py``). The caller
     keeps the count, eagerly. Returns the value, detached."""
-    plan, store, acc = engine.plan, engine.store, engine.acc
-    leaves = plan.leaves_of(params, f"{engine.name}.accumulate params")
-    treedef = _tree.structure(params)
-    compute = store.compute
-    inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
-
-    def loss_of(xs: list[torch.Tensor]) -> Any:
-        return fn(_tree.unflatten(treedef, xs), *rest, **kwargs)
-
-    grads, value = _grad_and_value(loss_of, has_aux, inputs, engine.name)
+    plan, acc = engine.plan, engine.acc
+    _, treedef, inputs = _whole_inputs(plan, engine.store, params, f"{engine.name}.accumulate params")
+    grads, value = _grad_and_value(_loss_of(fn, treedef, rest, kwargs), has_aux, inputs, engine.name)
     for b, bucket in enumerate(plan.buckets):
         flat = torch.cat([grads[i].reshape(-1) for i in bucket.leaves]).to(bucket.dtype)
         if first:
@@ -331,6 +314,21 @@ def _assembled(base: torch.Tensor, pieces_at: list[tuple[int, torch.Tensor]]) ->
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
+def _whole_inputs(plan: BucketPlan, store: Any, params: Any, what: str) -> tuple[list, Any, list]:
+    """Whole params' ``(leaves in plan order, the tree's structure, what the loss is
+    differentiated in)``: the leaves detached, cast to ``param_dtype`` where the step computes
+    in it. (Dynamo replaces optree's specs: the structure is one made inside the trace.)"""
+    leaves = plan.leaves_of(params, what)
+    compute = store.compute
+    inputs = [t.detach().to(compute) for t in leaves] if compute is not None else [t.detach() for t in leaves]
+    return leaves, _tree.structure(params), inputs
+
+
+def _loss_of(fn: Callable, treedef: Any, rest: tuple, kwargs: dict) -> Callable[[list[torch.Tensor]], Any]:
+    """``fn`` of the leaves put back in ``treedef``, and the rest of the step's arguments."""
+    return lambda xs: fn(_tree.unflatten(treedef, xs), *rest, **kwargs)
+
+
 def _grad_and_value(loss_of: Callable, has_aux: bool, inputs: list[torch.Tensor], name: str) -> tuple[list, Any]:
     """The gradients of ``loss_of`` in ``inputs`` and its value, traced: by ``torch.func`` (as the
     eager step with ``engine="functorch"``), or, where dynamo traces ``torch.autograd.grad``
@@ -385,7 +383,7 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
     slots = plan.slots
     vec = torch.zeros(len(slots), dtype=torch.float64, device=reduced[0].device if reduced else None)
     parts = [own[i].reshape(1).to(torch.float64) if i in own else vec.new_zeros(1) for i in range(len(slots))]
-    vec = _all_reduce(torch.cat(parts), group)
+    vec = comm.traced_all_reduce(torch.cat(parts), group)
     return [vec[i].to(own[i].dtype if i in own else slots[i].dtype) for i in range(len(slots))]
 
 
@@ -477,8 +475,7 @@ def _exchange_parts(sends: list[list[torch.Tensor]], recvs: list[list[tuple[int,
             size += raw.numel() + pad
         in_sizes.append(size)
     out_sizes = [ALIGN + sum(_aligned((hi - lo) * slots[i].dtype.itemsize) for i, lo, hi in per) for per in recvs]
-    funcol = _internals.functional_collectives()
-    recv = funcol.wait_tensor(funcol.all_to_all_single(torch.cat(parts), out_sizes, in_sizes, group.process_group))
+    recv = comm.traced_all_to_all(torch.cat(parts), out_sizes, in_sizes, group)
     received.append(recv)
     out, pos = [], 0
     for per in recvs:
@@ -497,41 +494,6 @@ ALIGN = 16
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _reduce_scatter(flat: torch.Tensor, group: Any) -> torch.Tensor:
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group.process_group))
-
-
-def _all_gather(flat: torch.Tensor, group: Any) -> torch.Tensor:
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, group.process_group))
-
-
-def _all_reduce(flat: torch.Tensor, group: Any) -> torch.Tensor:
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.process_group))
-
-
-def _check_state(layout: StateLayout, state: Any, name: str) -> None:
-    """What of ``StateLayout.check`` can be decided at trace time: the type, the fields and each
-    buffer's size and dtype (the layout tensor's digest is compared on the host, eagerly)."""
-    if not isinstance(state, FusedState):
-        raise TypeError(f"{name}: opt_state must be the FusedState of step.init(params) (or "
-                        f"step.state_from_tree), got {type(state).__name__}")
-    keys = [key for ks in layout.keys for key in ks]
-    if set(state.buffers) != set(keys) or len(state.transforms) != len(layout.transforms):
-        raise ValueError(f"{name}: opt_state has fields {sorted(state.buffers)} and {len(state.transforms)} "
-                         f"transform states; this optimizer keeps {sorted(keys)} and {len(layout.transforms)}")
-    for k, ks in enumerate(layout.keys):
-        for key in ks:
-            flats = state.buffers[key]
-            if len(flats) != len(layout.plan.buckets) or any(
-                    t.numel() != layout.mine.sizes[b.index][k] or t.dtype != b.dtype
-                    for t, b in zip(flats, layout.plan.buckets)):
-                raise ValueError(f"{name}: opt_state.buffers[{key!r}] does not match this step's buckets (a state "
-                                 "made for another plan, world size or sharding?)")
 
 
 def _detached(value: Any) -> Any:

@@ -31,11 +31,16 @@ def traced_all_reduce(grads: Any, plan: BucketPlan, hook: CommHook, wire: list[t
     leaves = plan.leaves_of(grads, "all_reduce grads")
     treedef = _tree.structure(grads)
     scale = 1.0 / group.size if hook.prescale and group.size > 1 else None
-    outs = []
-    for b, dtype in zip(plan.buckets, wire):
-        flat = torch.cat([leaves[i].reshape(-1) for i in b.leaves])
-        if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
-            compute = torch.promote_types(torch.promote_types(b.dtype, dtype), torch.float32)
-            flat = flat.to(compute) * scale
-        outs.append(hook.traced(flat.to(dtype), group).to(b.dtype))
+    outs = [hook.traced(traced_fill([leaves[i] for i in b.leaves], b.dtype, dtype, scale), group).to(b.dtype)
+            for b, dtype in zip(plan.buckets, wire)]
     return plan.views(outs, treedef)
+
+
+def traced_fill(grads: list[torch.Tensor], dtype: torch.dtype, wire: torch.dtype, scale: float | None) -> torch.Tensor:
+    """A bucket's flat gradient on the wire, traceable: its leaves' gradients concatenated
+    (``dtype``: the bucket's), multiplied by ``scale`` in the wide dtype and rounded once to
+    ``wire``, as ``kernels.flatten`` fills it in eager mode."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
+        flat = flat.to(torch.promote_types(torch.promote_types(dtype, wire), torch.float32)) * scale
+    return flat.to(wire)

@@ -260,7 +260,7 @@ def _refusal(group, option, how):
     def loss(p, x):
         return (x @ p["w"].T + p["b"]).square().sum()
 
-    kw = {"skip_nonfinite": True} if option == "skip_nonfinite" else {}
+    kw = {"debug": True} if option == "debug" else {}
     opt = {"inject_hyperparams": lambda: fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1),
            "loss_scale": lambda: fdp.optim.chain(fdp.optim.loss_scale(), fdp.optim.sgd(lr=0.1)),
            }.get(option, lambda: fdp.optim.sgd(lr=0.1))()
@@ -280,12 +280,11 @@ def _refusal(group, option, how):
     return None
 
 
-REFUSED = {"skip_nonfinite": "skip_nonfinite=True", "uneven": "uneven=True",
-           "inject_hyperparams": "inject_hyperparams", "loss_scale": "skips a step with an inf or a NaN"}
+REFUSED = {"debug": "debug=True", "uneven": "uneven=True", "loss_scale": "skips a step with an inf or a NaN"}
 
 
 @pytest.mark.parametrize("option,how", [(o, "method") for o in REFUSED] + [
-    (o, how) for o in ("skip_nonfinite", "loss_scale") for how in ("function", "graph-break")])
+    (o, how) for o in ("debug", "loss_scale", "inject_hyperparams") for how in ("function", "graph-break")])
 def test_options_that_cannot_be_traced_are_refused_by_name(option, how):
     """``step.compile`` refuses before compiling, naming the option in the error's first line;
     a compiled function of one's own with ``fullgraph=True`` fails with dynamo's error whose
@@ -340,39 +339,145 @@ def test_step_accumulate_inside_a_compiled_function_gives_fdps_reason():
         assert error is not None and "step.accumulate" in error and "outside the compiled function" in error, error
 
 
-def _thousand_steps(group):
-    """1,000 compiled steps of a sharded fused step with an lr schedule and a clip, micro-batches
-    accumulated before every third step and none before the others, the loss scaled up now and
-    then (a different clip factor): how many graphs dynamo made, and how many cache entries
-    (guard sets) the compiled step's code holds."""
+def _thousand_steps(group, injected):
+    """1,000 compiled steps of a sharded fused step with a clip and ``skip_nonfinite``, the
+    loss scaled up now and then (a different clip factor) and made infinite on one rank now
+    and then (a skipped step), micro-batches accumulated before every third step and none
+    before the others; the lr a schedule in the graph, or (``injected``) an
+    ``inject_hyperparams`` value set from the schedule before every step. Returns how many
+    graphs dynamo made, how many cache entries (guard sets) the compiled step's code holds,
+    the count, and the steps skipped as ``step.inspect`` says and as expected."""
     torch._dynamo.reset()
     params = {"w": torch.linspace(-1, 1, 12).reshape(4, 3), "b": torch.zeros(4)}
 
     def loss(p, x, k):
         return ((x @ p["w"].T + p["b"]).square().mean() * k)
 
-    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), fdp.optim.sgd(
-        lr=fdp.optim.schedules.warmup_cosine(0.1, 10, 1000), momentum=0.9))
-    step = fdp.Reducer(params, group, shard=True).grad_and_update(loss, opt)
+    schedule = fdp.optim.schedules.warmup_cosine(0.1, 10, 1000)
+    sgd = fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1, momentum=0.9) if injected else fdp.optim.sgd(
+        lr=schedule, momentum=0.9)
+    opt = fdp.optim.chain(fdp.optim.clip_by_global_norm(0.5), sgd)
+    step = fdp.Reducer(params, group, shard=True, skip_nonfinite=True).grad_and_update(loss, opt)
     state = step.init(params)
     graphs = []
     compiled = step.compile(backend=lambda gm, ex: graphs.append(gm) or gm.forward)
     p = params
     g = torch.Generator().manual_seed(group.rank)
+    skipped = 0
     for i in range(1000):
-        x, k = torch.randn(2, 3, generator=g), torch.tensor(10.0 if i % 7 == 0 else 1.0)
+        bad = i % 97 == 50
+        skipped += bad
+        k = torch.tensor(float("inf") if bad and group.rank == i % 2 else 10.0 if i % 7 == 0 else 1.0)
+        x = torch.randn(2, 3, generator=g)
         for _ in range(i % 3):
-            step.accumulate(p, x, k)
+            step.accumulate(p, x, k.clamp(max=10.0))
+        if injected:
+            state = fdp.optim.set_hyperparams(state, lr=schedule(i - skipped + bad))
         p, state, _ = compiled(p, state, x, k)
     entries = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(type(step).__call__.__code__))
-    return len(graphs), entries, int(state.step)
+    return len(graphs), entries, int(state.step), step.inspect(state).skipped, skipped
 
 
-def test_a_thousand_compiled_steps_with_a_schedule_and_accumulation_do_not_recompile():
+@pytest.mark.parametrize("injected", [False, True], ids=["schedule", "set_hyperparams"])
+def test_a_thousand_compiled_steps_with_a_changing_lr_accumulation_and_skipped_steps_do_not_recompile(injected):
     skip_unless_dynamo_traces_fdp()
     import_compilers()
-    for graphs, entries, count in fdp.testing.run(_thousand_steps, 2, backend="gloo", timeout=300):
-        assert (graphs, entries, count) == (2, 2, 1000)
+    for graphs, entries, count, skipped, expected in fdp.testing.run(_thousand_steps, 2, backend="gloo", timeout=300,
+                                                                      args=(injected,)):
+        assert (graphs, entries) == (2, 2)
+        assert expected == 10 and skipped == expected and count == 1000 - expected
+
+
+def _nonfinite_case(group, kind, opt):
+    """Eight steps with ``skip_nonfinite``, eagerly and compiled, the loss infinite on one rank
+    at steps 2 and 5: the params, the state (as a tree), ``step.inspect``'s verdicts and counts
+    per step of both runs, and how many graphs dynamo made."""
+    params = {"w": torch.linspace(-1, 1, 12).reshape(4, 3), "b": torch.zeros(4), "v": torch.ones(5)}
+
+    def loss(p, x, k):
+        return (x @ p["w"].T + p["b"]).square().mean() * k + p["v"].square().sum()
+
+    runs, graphs = [], []
+    for compiled in (False, True):
+        step = fdp.Reducer(params, group, skip_nonfinite=True, **KINDS[kind]).grad_and_update(loss, _opt(opt))
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        run = step.compile(backend=lambda gm, ex: graphs.append(gm) or gm.forward) if compiled else step
+        g = torch.Generator().manual_seed(group.rank)
+        seen = []
+        for i in range(8):
+            k = torch.tensor(float("inf") if i in (2, 5) and group.rank == i % 2 else 1.0)
+            p, state, _ = run(p, state, torch.randn(2, 3, generator=g), k)
+            info = step.inspect(state)
+            seen.append((info.finite, info.skipped, int(state.step)))
+        runs.append((p.full() if kind == "units" else dict(p), fdp._tree.leaves(step.state_to_tree(state, p)), seen))
+    return runs, len(graphs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_skip_nonfinite_compiles_skipped_steps_keep_params_and_state_as_eagerly(kind):
+    """The finite check is a graph node (every rank's, sharded), the update is kept where it
+    holds: the params, the state (a clip's last norm included) and ``step.inspect``'s verdicts
+    equal the eager step's, bit for bit, in one graph."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+
+    def case(group):
+        torch._dynamo.reset()
+        return [_nonfinite_case(group, kind, opt) for opt in ("clip_sgd", "muon_sgd")]
+
+    for per_opt in fdp.testing.run(case, 2, backend="gloo", timeout=300):
+        for ((pe, se, ve), (pc, sc, vc)), graphs in per_opt:
+            assert graphs == 1
+            assert ve == vc and [v[0] for v in ve] == [True, True, False, True, True, False, True, True], ve
+            assert all(torch.equal(pe[k], pc[k]) for k in pe)
+            assert all(torch.equal(a, b) for a, b in zip(se, sc))
+
+
+def _injected_case(group, kind, factory, extra):
+    """An ``inject_hyperparams`` optimizer through ``step.compile()``, eagerly and compiled from
+    the same params: a new lr every step (``set_hyperparams``), ``extra`` (a value fixed in the
+    graph) set at step 4 and back at step 6. Returns the largest difference between the runs'
+    params and how many graphs dynamo made."""
+    params = {"w": torch.linspace(-1, 1, 12).reshape(4, 3), "b": torch.zeros(4)}
+
+    def loss(p, x):
+        return (x @ p["w"].T + p["b"]).square().mean()
+
+    out, graphs = [], []
+    for compiled in (False, True):
+        opt = fdp.optim.inject_hyperparams(factory)(lr=0.1, weight_decay=0.01, **{k: v for k, (v, _) in extra.items()})
+        step = fdp.Reducer(params, group, **KINDS[kind]).grad_and_update(loss, opt)
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        run = step.compile(backend=lambda gm, ex: graphs.append(gm) or gm.forward) if compiled else step
+        g = torch.Generator().manual_seed(group.rank)
+        for i in range(8):
+            state = fdp.optim.set_hyperparams(state, lr=0.1 / (i + 1))
+            if i in (4, 6):
+                state = fdp.optim.set_hyperparams(state, **{k: v[i == 4] for k, v in extra.items()})
+            p, state, _ = run(p, state, torch.randn(2, 3, generator=g))
+        out.append(p.full() if kind == "units" else dict(p))
+    return max(float((out[0][k] - out[1][k]).abs().max()) for k in out[0]), len(graphs)
+
+
+def _injected_cases(group):
+    torch._dynamo.reset()
+    return [_injected_case(group, "replicated", fdp.optim.adamw, {"betas": ((0.9, 0.999), (0.8, 0.99))}),
+            _injected_case(group, "units", fdp.optim.sgd, {"momentum": (0.9, 0.5)})]
+
+
+def test_step_compile_runs_inject_hyperparams_and_a_new_lr_each_step_compiles_nothing():
+    """The lr is read in the graph from the state's tensor: eight values, no recompile; a new
+    betas (or momentum) is fixed in the graph: one more graph, and the old values, set again,
+    find their first graph. The numbers are the eager step's within the tolerance of a tensor
+    lr (AdamW: ``RTOL``; SGD's ``lr * grad`` rounds once more)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for (adamw_diff, adamw_graphs), (sgd_diff, sgd_graphs) in fdp.testing.run(_injected_cases, 2, backend="gloo",
+                                                                              timeout=300):
+        assert adamw_graphs == 2 and sgd_graphs == 2
+        assert adamw_diff < 1e-5 and sgd_diff < 1e-7, (adamw_diff, sgd_diff)
 
 
 def _inductor_case(group):

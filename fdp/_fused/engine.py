@@ -73,6 +73,16 @@ class StepMemory(NamedTuple):
     gathered: int
 
 
+class TracedVerdicts(NamedTuple):
+    """What compiled steps with ``skip_nonfinite`` decided, written by their graphs (0-d
+    tensors on the step's device: reading one waits for the step): ``finite``, the last
+    compiled step's finite check (False: it updated nothing); ``skipped``, how many compiled
+    steps it skipped."""
+
+    finite: torch.Tensor
+    skipped: torch.Tensor
+
+
 class Engine:
     """One layout's fused step machinery (see the module docstring)."""
 
@@ -114,6 +124,13 @@ class Engine:
         self.skeleton = _tree.unflatten(plan.treedef, list(range(len(plan.slots))))
         self.orders = traced_orders(self.buckets, self.parts)  # (each bucket's runs as a traced update takes them)
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
+        # ``skip_nonfinite`` in a compiled step: its verdicts, written by the graph on the step's
+        # device (``TracedVerdicts``); ``traced_last``: the last step was a compiled one
+        device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
+        self.verdicts = TracedVerdicts(torch.ones((), dtype=torch.bool, device=device),
+                                       torch.zeros((), dtype=torch.int64, device=device)) \
+            if config.skip_nonfinite else None
+        self.traced_last = False
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step
         # ``reduce_micro_batches``: each micro-batch reduce-scattered, the sum kept sliced
@@ -449,4 +466,5 @@ class Engine:
         steps = self.config.steps
         steps.nonfinite += not updated
         steps.last = StepRecord(step.n, step.kind, updated, step.timeline())
+        self.traced_last = False
         return sets.views(sets.cur), out, value

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from .. import _tree
 from ..optim import GradientTransform, LeafKernel, Optimizer
 from ..optim._flat import bound, split_chain
+from ..optim._inject import Traced
 
 
 class Part(NamedTuple):
@@ -101,6 +102,8 @@ class Program:
         # the parts' own kernels: what a step without injected values runs (read directly by ``Run``)
         self.default_kernels: list[LeafKernel] = [part.kernel for part in self.parts]
         self._last: tuple[Optimizer, list[LeafKernel]] = (self.optimizer, self.default_kernels)
+        # an injected optimizer as a compiled step runs it: set by ``fdp.CompiledStep`` around each call
+        self.traced: Traced | None = None
 
     def kernels(self, hyperparams: dict | None) -> list[LeafKernel]:
         """Each part's kernel for a step whose state holds ``hyperparams`` (``FusedState.hyperparams``):
@@ -125,6 +128,23 @@ class Program:
         last = self._last  # (one read: simulated ranks may share a step)
         if opt is last[0]:
             return last[1]
+        kernels = [self._checked(opt, hyperparams).form.leaf_kernel]
+        self._last = (opt, kernels)
+        return kernels
+
+    def for_trace(self, hyperparams: dict) -> Traced:
+        """Eagerly, before a compiled step's call: the injected optimizer its graph runs
+        (``fdp.optim._inject._Binder.traced``: the values ``lr``/``weight_decay`` read in the
+        graph from ``hyperparams``' tensors, the others read here, on the host, and fixed in
+        it), checked as ``kernels`` checks the values."""
+        binder = self.injected.form.bind
+        traced = binder.traced(binder.host_values(hyperparams))
+        self._checked(traced.optimizer, hyperparams)
+        return traced
+
+    def _checked(self, opt: Optimizer, hyperparams: dict) -> Optimizer:
+        """``opt`` (the injected optimizer bound to ``hyperparams``) if its kernel keeps the
+        state's layout (the same fields), else a ``ValueError`` naming the values that change it."""
         kernel, first = opt.form.leaf_kernel, self.parts[0].kernel
         if kernel is None or (kernel.fields, kernel.init_value, kernel.whole_leaves) != (
                 first.fields, first.init_value, first.whole_leaves):
@@ -135,9 +155,7 @@ class Program:
                 f"{first.fields} would be {None if kernel is None else kernel.fields}), which the fused step's "
                 "state cannot change between steps; build the optimizer with values that keep it (e.g. sgd's "
                 "momentum > 0 from the start), or start a new state (step.init)")
-        kernels = [kernel]
-        self._last = (opt, kernels)
-        return kernels
+        return opt
 
     @property
     def partitioned(self) -> bool:

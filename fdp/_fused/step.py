@@ -52,8 +52,9 @@ EAGER_INSTEAD = (
     f"{NAME}: this call of the step cannot be traced by torch.compile: the step is not bound yet (call "
     "step.init(params) eagerly first), an eager step's status is still in flight or its state is refused, or "
     "the step has an option decided on the host (skip_nonfinite, uneven, accumulate=, reduce_micro_batches, a "
-    "2-D mesh, inject_hyperparams, loss_scale, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook "
-    "without a traced form); step.compile() raises naming which. Without fullgraph=True it runs eagerly here")
+    "2-D mesh, loss_scale, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
+    "inject_hyperparams, which step.compile() runs); step.compile() raises naming which. Without fullgraph=True "
+    "it runs eagerly here")
 eager_instead = eager.eager_only(EAGER_INSTEAD)
 
 
@@ -83,14 +84,26 @@ class CompiledStep:
                                "had made theirs; call the eager step once (it restores those ranks from a healthy "
                                "one), then the compiled one")
         if self._call is None:
-            step._check_traceable()  # (here, eagerly: the reason is the error's first line)
+            step._check_traceable(compiled_step=True)  # (here, eagerly: the reason is the error's first line)
             self._call = torch.compile(step.__call__, **self.options)
         return step._engine
 
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
         self._ready(params)
-        with _internals.tracing_autograd():
-            return self._call(params, opt_state, *rest, **kwargs)
+        program = self.step._program
+        if program.injected is None:
+            with _internals.tracing_autograd():
+                return self._call(params, opt_state, *rest, **kwargs)
+        # An inject_hyperparams optimizer: the values its graph fixes read here, on the host
+        # (the graph is guarded on them: a new betas compiles anew; lr and weight_decay are
+        # read in the graph, from the state's tensors)
+        self.step._layout.check(opt_state)
+        program.traced = program.for_trace(opt_state.hyperparams)
+        try:
+            with _internals.tracing_autograd():
+                return self._call(params, opt_state, *rest, **kwargs)
+        finally:
+            program.traced = None
 
     def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
         engine = self._ready(params)
@@ -283,16 +296,21 @@ class FusedStep:
                     compiled.accumulate(params, x, y)
                 params, opt_state, loss = compiled(params, opt_state, *micro_batches[-1])
 
+        ``skip_nonfinite`` compiles (the check and the kept update are graph nodes;
+        ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer
+        here: the ``lr`` is read in the graph from the state, the other values on the host
+        before each call, fixed in the graph (a new ``betas`` compiles anew).
+
         Raises (on the first call): ``RuntimeError`` naming an option of the step that cannot
-        be traced (``skip_nonfinite``, ``uneven``, ...), before anything is compiled.
+        be traced (``uneven``, ``loss_scale``, ...), before anything is compiled.
         """
         return CompiledStep(self, {"fullgraph": True, **options})
 
-    def _untraceable(self) -> str | None:
-        return traced.refusal(self._engine, self._program, self._acc_tree, self.uneven)
+    def _untraceable(self, compiled_step: bool = False) -> str | None:
+        return traced.refusal(self._engine, self._program, self._acc_tree, self.uneven, compiled_step)
 
-    def _check_traceable(self) -> None:
-        why = self._untraceable()
+    def _check_traceable(self, compiled_step: bool = False) -> None:
+        why = self._untraceable(compiled_step)
         if why is not None:
             raise RuntimeError(f"{NAME}: this step cannot be traced by torch.compile: {why}; call it outside the "
                                "compiled function (docs/compile.md)")
@@ -506,7 +524,10 @@ class FusedStep:
         """What the last step did, for logging: ``fdp.optim.inspect(step.opt, opt_state)`` (the
         count, the lr and other hyper-parameters per label, the clip's norm, the loss scale, the
         EMA's decay) with the last call's ``finite`` verdict and the Reducer's count of steps
-        skipped as non-finite. Reads scalars every rank holds: no gather, also sharded.
+        skipped as non-finite. Reads scalars every rank holds: no gather, also sharded. After
+        a compiled step (``step.compile()``, or ``step`` inside a compiled function) the verdict
+        is the one its graph wrote (reading it waits for the step on a GPU), and ``skipped``
+        counts compiled and eager steps alike.
 
         Example::
 
@@ -519,9 +540,15 @@ class FusedStep:
                             f"got a {type(opt_state).__name__}; for the state of opt.init/opt.update use "
                             "fdp.optim.inspect(opt, state)")
         info = inspect(self.opt, opt_state, next_update=next_update)
-        last = self._last
-        return info._replace(finite=None if last is None else last.finite,
-                             skipped=self._engines.config.steps.nonfinite)
+        last, engine = self._last, self._engine
+        finite = None if last is None else last.finite
+        skipped = self._engines.config.steps.nonfinite
+        verdicts = None if engine is None else engine.verdicts
+        if verdicts is not None:  # compiled steps' verdicts (skip_nonfinite), written by their graphs
+            skipped += int(verdicts.skipped)
+            if engine.traced_last:
+                finite = bool(verdicts.finite)
+        return info._replace(finite=finite, skipped=skipped)
 
     @property
     def last_step(self) -> StepRecord | None:

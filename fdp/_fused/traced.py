@@ -45,13 +45,13 @@ from .stores import StoreKind
 __all__ = ["Order", "orders", "refusal", "traced_accumulate", "traced_grad_step"]
 
 
-def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool) -> str | None:
-    """Why this step cannot be traced (None: it can)."""
+def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool, compiled_step: bool = False
+            ) -> str | None:
+    """Why this step cannot be traced (None: it can); ``compiled_step``: asked by
+    ``fdp.CompiledStep``, which reads an injected optimizer's host values itself."""
     config = engine.config
     if engine.mesh.replicate is not None:
         return "a 2-D mesh sums each slice over the replicas after its reduce-scatter, point to point"
-    if config.skip_nonfinite:
-        return "skip_nonfinite=True decides on the host whether to update"
     if config.debug:
         return "debug=True compares fingerprints of the buckets on the host"
     if uneven:
@@ -60,9 +60,10 @@ def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool) -> str
         return "accumulate= adds a gradient tree built outside the step"
     if engine.acc.slices is not None:
         return "reduce_micro_batches=True keeps the micro-batches' sharded sums, reduced by eager calls"
-    if program.injected is not None:
-        return ("inject_hyperparams binds its values on the host each step; give the optimizer a schedule "
-                "(lr=fdp.optim.schedules...), evaluated in the graph from the step count")
+    if program.injected is not None and program.traced is None and not compiled_step:
+        return ("inject_hyperparams reads some values on the host before each step (betas, eps, momentum: a new "
+                "value compiles the step anew); compile the step with step.compile(), which reads them, or give "
+                "the optimizer a schedule (lr=fdp.optim.schedules...), evaluated in the graph from the step count")
     if not config.hook.traceable:
         return f"comm hook {config.hook.name} declares no traced form (CommHook(traced=...))"
     for t in program.transforms:  # (a global scale that decides on the host declares it on its scale)
@@ -119,6 +120,10 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             got = hook.traced(flat, group)
         reduced.append(got.to(bucket.dtype))
 
+    # skip_nonfinite: the reduced gradients' finite check (every rank's, sharded), made before
+    # the transforms; the update below is computed either way and kept where it passed
+    ok = _all_finite(reduced, group if store.scatter is not None else None) if engine.verdicts is not None else None
+
     # The chain's transforms, in the eager step's order: the prefix per bucket, the whole-tree
     # ones (a global scale's factor from every leaf's statistic, in leaf order), the suffix.
     tstates = list(state.transforms)
@@ -147,8 +152,13 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             tstates[i] = _apply(program.transforms[i], plan, slices, b, reduced[b], tstates[i])
 
     # The updates: per bucket, one kernel call per key over its spans, as the eager ``Run.update``.
-    kernels = program.default_kernels if program.injected is None and state.hyperparams is None \
-        else program.kernels(state.hyperparams)
+    injected = program.traced  # (fdp.CompiledStep's, made for this call's values; else no injected optimizer)
+    if injected is not None:  # lr and weight_decay read in the graph from the state's tensors
+        for k, held in injected.held.items():
+            held.value = state.hyperparams[k]
+        kernels = [injected.optimizer.form.leaf_kernel]
+    else:
+        kernels = program.default_kernels
     counts = [state.step if part.count_dtype in (None, state.step.dtype) else state.step.to(part.count_dtype)
               for part in program.parts]
     buffers, keys = state.buffers, layout.keys
@@ -162,7 +172,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         wholes = _to_owners(owners, reduced, group, received)
         owned = _to_owners(owners, own, group, received) if units else {
             i: leaves[i].detach().clone() for i in owners.mine}
-    out = []
+    out, before = [], []
     for b, bucket in enumerate(plan.buckets):
         if units:
             p = own[b].detach()
@@ -173,15 +183,27 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             if pad:
                 p = torch.cat([p, p.new_zeros(pad)])
             p = p[slices.lo[b]:slices.hi[b]]
+        before.append(p)
         out.append(_update_bucket(bk, b, p, reduced[b], kernels, counts, [[buffers[k][b] for k in ks] for ks in keys],
-                                  owned, wholes, engine.orders[b]))
+                                  owned, wholes, engine.orders[b], ok))
+    if injected is not None:
+        for held in injected.held.values():
+            held.value = None
     if owners is not None:  # the owners' updated leaves into the slices that hold them
         _to_holders(owners, out, owned, group, received)
     if received and out:  # every exchange's first byte (a zero) into the params: never dropped
         out[0] = out[0] - torch.stack([r[:1] for r in received]).to(out[0].dtype).sum()  # (x - +0.0 is x)
+    if ok is not None:  # a non-finite step keeps the params, and every state but the first global scale's
+        out = [torch.where(ok, new, old) for new, old in zip(out, before)]
+        shown = program.prefix if program.measure is not None else None  # (its statistics are kept, as eagerly)
+        tstates = [t if i == shown else _kept(ok, t, old) for i, (t, old) in enumerate(zip(tstates, state.transforms))]
+        verdicts = engine.verdicts
+        verdicts.finite.copy_(ok)
+        verdicts.skipped.add_((~ok).to(verdicts.skipped.dtype))
+        engine.traced_last = True  # (dynamo replays this after each call of the graph)
     if store.gathers_params:
         out = [comm.traced_all_gather(p, group) for p in out]
-    state.step.add_(1)
+    state.step.add_(1 if ok is None else ok.to(state.step.device, state.step.dtype))
     new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
 
@@ -237,15 +259,17 @@ def orders(bk: Any, parts: int) -> list[Order]:
 
 def _update_bucket(bk: Any, b: int, p: torch.Tensor, g: torch.Tensor, kernels: list, counts: list,
                    states: list[list[torch.Tensor]], owned: dict[int, torch.Tensor],
-                   wholes: dict[int, torch.Tensor], order: Order) -> torch.Tensor:
+                   wholes: dict[int, torch.Tensor], order: Order, ok: torch.Tensor | None = None) -> torch.Tensor:
     """Bucket ``b``'s (slice of the) params after the update, the state's buffers ``states``
     (per part, per field) written in place: the eager ``Run.update``'s kernel calls, per key
     over its spans, written for a graph. No kernel writes into a view: each run of a key is a
     copy of its own (a write into a view of a larger tensor becomes, in the graph, a new copy
     of the whole of it), and the results are put together with one ``cat`` per tensor; a run
-    is not cut into the eager step's cache-sized chunks (the compiler makes its own loops)."""
+    is not cut into the eager step's cache-sized chunks (the compiler makes its own loops).
+    ``ok`` (``skip_nonfinite``): the state's buffers are written where it holds, else kept
+    (the params are selected by the caller)."""
     by_key = order.by_key
-    if len(by_key) == 1 and not order.decays and len(by_key[0][1]) == 1:
+    if ok is None and len(by_key) == 1 and not order.decays and len(by_key[0][1]) == 1:
         (part, grp), (span,) = by_key[0]
         if span.shape is None and not span.owned and span.lo == 0 and span.hi == p.numel() \
                 and all(t.numel() == p.numel() for t in states[part]):
@@ -277,8 +301,23 @@ def _update_bucket(bk: Any, b: int, p: torch.Tensor, g: torch.Tensor, kernels: l
     for part, (fields, news) in enumerate(zip(states, new_states)):
         for t, got in zip(fields, news):
             if got:
-                t.copy_(_assembled(t, [(by_key[k][1][j].at, got[k, j]) for k, j in order.states[part]]))
+                new = _assembled(t, [(by_key[k][1][j].at, got[k, j]) for k, j in order.states[part]])
+                t.copy_(new if ok is None else torch.where(ok, new, t))
     return _assembled(p, [(by_key[k][1][j].lo, new_p[k, j]) for k, j in order.params])
+
+
+def _all_finite(reduced: list[torch.Tensor], group: Any) -> torch.Tensor:
+    """Whether every reduced gradient is finite (0-d bool), on every rank of ``group`` when
+    each holds slices (one all-reduce of the count of ranks that found a non-finite one)."""
+    ok = torch.stack([torch.isfinite(r).all() for r in reduced]).all() if reduced else torch.ones((), dtype=torch.bool)
+    if group is None:
+        return ok
+    return comm.traced_all_reduce((~ok).to(torch.float32).reshape(1), group)[0] == 0
+
+
+def _kept(ok: torch.Tensor, new: Any, old: Any) -> Any:
+    """A transform's state: ``new`` where ``ok`` holds, else ``old`` (leaf by leaf)."""
+    return _tree.tree_map(lambda n, o: torch.where(ok, n, o) if isinstance(n, torch.Tensor) else n, new, old)
 
 
 def _merged(spans: list[Any]) -> list[Any]:

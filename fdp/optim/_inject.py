@@ -20,7 +20,8 @@ In the fused step the kernels run inside autograd's hooks (on CUDA, on autograd'
 threads), where a per-thread value is not the caller's: there the step reads the state's
 values once, before it starts, and runs the kernel of ``opt.bind(values)``, the inner
 optimizer with every value fixed in it (no schedule slots), built once per distinct set of
-values (the last ``CACHED`` kept).
+values (the last ``CACHED`` kept). A compiled fused step (``fdp.CompiledStep``) runs the
+optimizer of ``_Binder.traced``: the ``lr`` read in the graph, the other values fixed.
 """
 
 from __future__ import annotations
@@ -127,7 +128,10 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
     (``opt_state.hyperparams``), ``set_hyperparams(opt_state, lr=...)`` changes them, and
     each step runs the kernel of ``opt.bind(opt_state.hyperparams)`` (the inner optimizer
     with those values fixed, built once per distinct set of values, the last ``CACHED``
-    kept): the same core, buffers and numbers as the plain path. A value that would change
+    kept): the same core, buffers and numbers as the plain path; compiled
+    (``step.compile()``), the ``lr`` is read in the graph from the state (a new value
+    compiles nothing) and the others are fixed in the graph (a new ``betas`` compiles the
+    step anew; docs/compile.md). A value that would change
     the state's fields (``sgd``'s ``momentum`` from 0) is refused there; so is an injected
     optimizer inside a ``partition`` or under ``ema``/``multi_steps`` (plain path only).
 
@@ -179,7 +183,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
         rebuilt = [k for k in injected if k not in slots]
         local = threading.local()
         slot_args = {k: _Slot(k, local, name) for k in slots}
-        inner, bound = LRU(CACHED), LRU(CACHED)  # (simulated ranks, threads, share them)
+        inner = LRU(CACHED)  # (simulated ranks, threads, share them)
 
         def check_slots(values: dict[str, Any], where: str) -> None:
             for k in slots:  # the factory does not see these values: its checks, here
@@ -203,13 +207,7 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
             check_slots(values, f" in {what}")
             return values
 
-        def bind(hyperparams: dict[str, Any] | None = None) -> Optimizer:
-            # Every value fixed in the inner optimizer (no schedule reading a per-thread
-            # value: the fused step runs the kernel inside autograd's hooks, on its threads).
-            values = initial if hyperparams is None else values_of(hyperparams, "the hyperparams")
-            return bound.get(tuple(values[k] for k in injected),
-                             lambda: factory(**fixed, **{k: float(values[k]) for k in slots},
-                                             **{k: values[k] for k in rebuilt}))
+        binder = _Binder(name, factory, fixed, slots, rebuilt, initial, values_of)
 
         def init(params: Any) -> InjectHyperparamsState:
             return InjectHyperparamsState({k: _to_state(v) for k, v in initial.items()}, first.init(params))
@@ -227,11 +225,81 @@ def inject_hyperparams(factory: Callable[..., Optimizer], *, static_args: str | 
                 local.values = None
             return params, InjectHyperparamsState(dict(state.hyperparams), inner)  # (a dict of its own)
 
-        return Optimizer(init, update, Form(bind=bind))
+        return Optimizer(init, update, Form(bind=binder))
 
     make.__name__ = f"inject_hyperparams({getattr(factory, '__name__', 'factory')})"
     make.__doc__ = factory.__doc__
     return make
+
+
+class _Held:
+    """A schedule (for the factory) returning the value a traced step put in it: the state's
+    0-d tensor, a graph input (``_Binder.traced``)."""
+
+    def __init__(self, name: str, owner: str) -> None:
+        self.name, self.owner = name, owner
+        self.value: Tensor | None = None
+
+    def __call__(self, count: Any) -> Any:
+        if self.value is None:
+            raise RuntimeError(f"{self.owner}: {self.name} is read from the state by the compiled step only while "
+                               "it updates (fdp.CompiledStep)")
+        return self.value
+
+
+class Traced(NamedTuple):
+    """An injected optimizer as a compiled step runs it (``_Binder.traced``): ``optimizer``
+    built with the values read on the host fixed in it, and each of ``held``'s schedules
+    returning the state's tensor the step puts in it while it updates."""
+
+    optimizer: Optimizer
+    held: dict[str, _Held]
+
+
+class _Binder:
+    """``Form.bind`` of an ``inject_hyperparams`` optimizer.
+
+    ``bind(values)`` is the inner optimizer with every value fixed in it (what the eager fused
+    step runs: its kernels run inside autograd's hooks, where a per-thread value is not the
+    caller's), built once per distinct set of values (the last ``CACHED`` kept).
+
+    Under ``torch.compile`` (``fdp.CompiledStep``) the ``lr`` (when the factory takes it as
+    a schedule, as fdp.optim's do) is read in the graph from the state's tensor (a graph
+    input: a new value compiles nothing), and the others (``weight_decay``, whose zero
+    torch's kernels test in Python, ``betas``, ``eps``, ``momentum``...) are read on the host
+    before the call (``host_values``: checked as ``bind`` checks them) and fixed in the
+    optimizer (``traced``): the graph is guarded on them, so a new value compiles the step
+    anew, as optax builds the inner optimizer anew."""
+
+    def __init__(self, name: str, factory: Callable[..., Optimizer], fixed: dict, slots: list[str],
+                 rebuilt: list[str], initial: dict[str, Any], values_of: Callable[[dict, str], dict]) -> None:
+        self.name, self.factory, self.fixed, self.slots, self.rebuilt = name, factory, fixed, slots, rebuilt
+        self.initial, self.values_of = initial, values_of
+        self.held = [k for k in slots if k == "lr"]  # (read in a compiled step's graph)
+        self.fixed_in_graph = [k for k in (*slots, *rebuilt) if k not in self.held]
+        self._bound: LRU[tuple, Optimizer] = LRU(CACHED)  # (simulated ranks, threads, share them)
+        self._traced: LRU[tuple, Traced] = LRU(CACHED)
+
+    def __call__(self, hyperparams: dict[str, Any] | None = None) -> Optimizer:
+        values = self.initial if hyperparams is None else self.values_of(hyperparams, "the hyperparams")
+        keys = [*self.slots, *self.rebuilt]
+        return self._bound.get(tuple(values[k] for k in keys), lambda: self.factory(
+            **self.fixed, **{k: float(values[k]) for k in self.slots}, **{k: values[k] for k in self.rebuilt}))
+
+    def host_values(self, hyperparams: dict[str, Any]) -> tuple:
+        """The state's values of the arguments other than ``lr``, read on the host and checked
+        (every value is): what ``traced`` fixes in the optimizer."""
+        values = self.values_of(hyperparams, "the hyperparams")
+        return tuple(values[k] for k in self.fixed_in_graph)
+
+    def traced(self, host: tuple) -> Traced:
+        """The optimizer a compiled step runs (``Traced``), for ``host_values``'s values, built
+        eagerly, once per distinct values (the last ``CACHED`` kept)."""
+        def make() -> Traced:
+            held = {k: _Held(k, self.name) for k in self.held}
+            fixed = {k: float(v) if k in self.slots else v for k, v in zip(self.fixed_in_graph, host)}
+            return Traced(self.factory(**self.fixed, **held, **fixed), held)
+        return self._traced.get(host, make)
 
 
 def set_hyperparams(state: Any, **values: Any) -> Any:

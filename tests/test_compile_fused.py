@@ -480,6 +480,67 @@ def test_step_compile_runs_inject_hyperparams_and_a_new_lr_each_step_compiles_no
         assert adamw_diff < 1e-5 and sgd_diff < 1e-7, (adamw_diff, sgd_diff)
 
 
+def _scheduled_case(group, kind):
+    """The Muon + SGD step with a clip (``kind``), compiled with ``aot_eager`` twice: as traced,
+    and with fdp's collective scheduling pass (``fdp/_comm/schedule.py``) run on AOTAutograd's
+    graph. Returns both runs' params after three steps, and per graph the collectives in issue
+    order and, per collective, the nodes between its launch and its wait."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fdp._comm.schedule import COLLECTIVES, issue_early
+
+    seen = {False: [], True: []}
+
+    def compiler(scheduled):
+        def fw(gm, _):
+            if scheduled:
+                issue_early(gm.graph)
+                gm.recompile()
+            calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+            at = {n: i for i, n in enumerate(calls)}
+
+            def name(n):
+                return getattr(getattr(n.target, "_schema", None), "name", "")
+
+            launches = [n for n in calls if name(n).split("::")[-1] in COLLECTIVES]
+            waits = [next(u for u in c.users if name(u).endswith("wait_tensor")) for c in launches]
+            seen[scheduled].append(([name(c) for c in launches], [at[w] - at[c] - 1 for c, w in zip(launches, waits)]))
+            return gm.forward
+        return aot_autograd(fw_compiler=fw)
+
+    out = []
+    for scheduled in (False, True):
+        torch._dynamo.reset()
+        model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+        apply, params, buffers = fdp.functionalize(model)
+        kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+        if kind == "units":
+            kw["units"] = fdp.units(model, Block)
+        step = fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("muon_sgd"))
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        compiled = step.compile(backend=compiler(scheduled))
+        for i in range(3):
+            p, state, _ = compiled(p, state, *tokens(group.rank, i))
+        out.append(p.full() if kind == "units" else dict(p))
+    return out, seen
+
+
+@pytest.mark.parametrize("kind", ["sliced", "units"])
+def test_fdps_scheduling_pass_launches_collectives_early_in_the_same_order_with_the_same_numbers(kind):
+    """The pass moves each collective (and the fill feeding it) up to where its inputs are
+    ready and each wait down to its first user: the first buckets' collectives then have the
+    rest of the backward between launch and wait, the ranks issue the collectives in the order
+    the step traced them (Muon's owners differ per rank), and the numbers are the same."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for (plain, scheduled), seen in fdp.testing.run(_scheduled_case, 2, backend="gloo", timeout=300, args=(kind,)):
+        assert all(torch.equal(plain[k], scheduled[k]) for k in plain)
+        assert [o for o, _ in seen[True]] == [o for o, _ in seen[False]] and len(seen[False][0][0]) > 4, seen
+        (_, between), (_, between_s) = seen[False][0], seen[True][0]  # (the step's graph: the EMA's first is another)
+        assert sum(between_s) > 10 * max(1, sum(between)), (between, between_s)
+
+
 def _inductor_case(group):
     import_compilers(inductor=True)
     (eager, compiled), graphs = _run(group, "units", "muon_sgd", "method", steps=3,

@@ -9,12 +9,14 @@ reuses the engine of the step before it, and the cache never holds more than ``M
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import _internals, _tree
+from .._comm.schedule import issue_early
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import ParamSource, template_of
@@ -58,6 +60,12 @@ EAGER_INSTEAD = (
 eager_instead = eager.eager_only(EAGER_INSTEAD)
 
 
+@functools.cache
+def schedule_pass() -> Any:
+    """fdp's pass for Inductor (fdp/_comm/schedule.py), made once (Inductor imported then)."""
+    return _internals.inductor_post_grad_pass(issue_early, "fdp.issue_early/1")
+
+
 class CompiledStep:
     """A fused step compiled as one graph (``step.compile()``): call it as the step, and
     ``accumulate`` as ``step.accumulate``, each compiled (see ``FusedStep.compile``).
@@ -69,7 +77,14 @@ class CompiledStep:
     micro-batches' reduce-scatters run from hooks).
     """
 
-    def __init__(self, step: FusedStep, options: dict) -> None:
+    def __init__(self, step: FusedStep, options: dict, schedule: bool = True) -> None:
+        inductor = options.get("backend", "inductor") == "inductor"
+        given = dict(options.get("options") or {})
+        if schedule and inductor and "post_grad_custom_post_pass" not in given:
+            # fdp's pass: each collective (with its fill) issued as early as its inputs allow,
+            # waited as late as its users allow (fdp/_comm/schedule.py)
+            given["post_grad_custom_post_pass"] = schedule_pass()
+            options = {**options, "options": given}
         self.step, self.options = step, options
         self._call: Callable | None = None
         self._acc: Callable | None = None
@@ -281,7 +296,7 @@ class FusedStep:
             return self._traced(params, opt_state, rest, kwargs)
         return self._eager(params, opt_state, rest, kwargs)
 
-    def compile(self, **options: Any) -> CompiledStep:
+    def compile(self, *, schedule: bool = True, **options: Any) -> CompiledStep:
         """This step compiled as one graph: ``torch.compile(step, fullgraph=True, **options)``
         (``options``: ``torch.compile``'s, e.g. ``backend="aot_eager"`` or ``mode=``), called
         like the step, with ``accumulate`` compiled too (``fdp.CompiledStep``). It binds the
@@ -296,6 +311,10 @@ class FusedStep:
                     compiled.accumulate(params, x, y)
                 params, opt_state, loss = compiled(params, opt_state, *micro_batches[-1])
 
+        With Inductor (the default backend) fdp's pass schedules the graph's collectives: each
+        (with its fill) issued as soon as its inputs are ready, waited right before its first
+        use, in the traced order (``fdp/_comm/schedule.py``; ``schedule=False``: as traced).
+
         ``skip_nonfinite`` compiles (the check and the kept update are graph nodes;
         ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer
         here: the ``lr`` is read in the graph from the state, the other values on the host
@@ -304,7 +323,7 @@ class FusedStep:
         Raises (on the first call): ``RuntimeError`` naming an option of the step that cannot
         be traced (``uneven``, ``loss_scale``, ...), before anything is compiled.
         """
-        return CompiledStep(self, {"fullgraph": True, **options})
+        return CompiledStep(self, {"fullgraph": True, **options}, schedule)
 
     def _untraceable(self, compiled_step: bool = False) -> str | None:
         return traced.refusal(self._engine, self._program, self._acc_tree, self.uneven, compiled_step)

@@ -1,12 +1,13 @@
 """``python -m fdp.bench overlap``: how much compute Inductor schedules between each collective's
-launch and its wait in a compiled fused step, with its default scheduling and with its
-compute/communication reordering (docs/compile.md).
+launch and its wait in a compiled fused step, with its default scheduling, with its
+compute/communication reordering, and with fdp's pass (docs/compile.md).
 
 A GPT (``--layers`` blocks of width ``--width``, tied head) with AdamW, the fused step of
 ``Reducer(shard=...)`` (``--shard``: ``True`` or ``params``) with small buckets (several
-collectives), compiled by ``step.compile()`` with Inductor on 2 gloo ranks, twice: with
-Inductor's defaults, and with ``reorder_for_compute_comm_overlap`` and the passes torch
-2.13's ``inductor/config.py`` recommends. Inductor's generated code of the step (rank 0's) is
+collectives), compiled by ``step.compile()`` with Inductor on 2 gloo ranks, four times (``HOW``):
+Inductor's defaults (``schedule=False``), its ``reorder_for_compute_comm_overlap`` with the
+passes torch 2.13's ``inductor/config.py`` recommends, fdp's pass (``fdp/_comm/schedule.py``,
+``step.compile()``'s default), and both. Inductor's generated code of the step (rank 0's) is
 read: the collectives (``torch.ops._c10d_functional.*``) in the order they are issued, each
 paired with its ``wait_tensor``, and the kernels issued between the two (the compute a
 collective can overlap). Reported: the compile time, the kernels in the step, and per
@@ -33,6 +34,10 @@ REORDER = {"reorder_for_compute_comm_overlap": True,
            "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
                                                        "sink_waits_iterative",
                                                        "reorder_communication_preserving_peak_memory"]}
+# How each run compiles: Inductor's defaults (fdp's pass off), its reordering passes, fdp's pass
+# (step.compile()'s default), both.
+HOW = {"inductor": {"schedule": False}, "reordered": {"schedule": False, "options": REORDER},
+       "fdp": {}, "fdp+reorder": {"options": REORDER}}
 _COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
 _KERNEL = re.compile(r"^(\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|aten\.\w+)\(")
 
@@ -55,7 +60,7 @@ def schedule(code: str) -> tuple[list[tuple[str, int]], int]:
     return pairs, kernels
 
 
-def rank(group: fdp.Group, cfg: argparse.Namespace, reorder: bool) -> dict:
+def rank(group: fdp.Group, cfg: argparse.Namespace, how: str) -> dict:
     from .._internals import dynamo_reset, inductor_code
 
     dynamo_reset()
@@ -70,7 +75,7 @@ def rank(group: fdp.Group, cfg: argparse.Namespace, reorder: bool) -> dict:
         lambda p, x, y: F.cross_entropy(apply(p, {}, x)[0].view(-1, VOCAB), y.reshape(-1)), fdp.optim.adamw(lr=1e-3))
     state = step.init(params)
     p = step.shard(params) if shard == "params" else params
-    compiled = step.compile(options=REORDER) if reorder else step.compile()
+    compiled = step.compile(**HOW[how])
     g = torch.Generator().manual_seed(group.rank)
     data = torch.randint(VOCAB, (4, CONTEXT + 1), generator=g)
     t0 = time.perf_counter()
@@ -86,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-cap-mb", type=float, default=0.5)
     cfg = p.parse_args(argv)
-    for reorder in (False, True):
-        r: dict[str, Any] = fdp.testing.run(rank, 2, backend="gloo", timeout=1800, args=(cfg, reorder))[0]
+    for how in HOW:
+        r: dict[str, Any] = fdp.testing.run(rank, 2, backend="gloo", timeout=1800, args=(cfg, how))[0]
         between = [n for _, n in r["pairs"]]
         kinds = sorted({name for name, _ in r["pairs"]})
-        print(f"{'reordered' if reorder else 'default  '}: compiled in {r['compile_s']:.1f} s, {r['kernels']} kernels, "
+        print(f"{how:9}: compiled in {r['compile_s']:.1f} s, {r['kernels']} kernels, "
               f"{len(between)} collectives ({', '.join(kinds)}); kernels between launch and wait: {between} "
               f"(total {sum(between)})")
     return 0

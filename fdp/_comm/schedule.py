@@ -1,0 +1,79 @@
+"""Where the collectives of a compiled step go: each issued as early as its inputs allow, and
+waited as late as its users allow (an FX pass on the graph Inductor compiles).
+
+The traced fused step (``fdp/_fused/traced.py``) is written bucket after bucket once the
+gradients are in: the fill of a bucket (its gradients concatenated, scaled, cast) and its
+collective follow the whole backward in the graph, although the backward produces the last
+bucket's gradients first. Inductor's own reordering (``reorder_for_compute_comm_overlap``)
+moves a collective but not the fill that feeds it. This pass moves both: for every collective
+(``torch.ops._c10d_functional``'s all_reduce, reduce_scatter, all_gather, all_to_all) the pure
+nodes that feed only it (its *chain*) go, in their order, right after the last node they read
+from outside the chain (and after the collective before it: the ranks issue their collectives
+in the same order, also where their graphs differ, e.g. Muon's owners), with the collective
+after them; then each ``wait_tensor`` goes right before its first user. The graph stays in a topological order, nothing is added or removed,
+and the numbers do not change (the same ops on the same inputs); what changes is how much of
+the backward runs between a collective's launch and its wait (``python -m fdp.bench overlap``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COLLECTIVES", "issue_early"]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
+
+
+def _is(node: Any, names: tuple[str, ...]) -> bool:
+    schema = getattr(node.target, "_schema", None)  # (an OpOverload's)
+    return (node.op == "call_function" and schema is not None and schema.name.startswith("_c10d_functional::")
+            and schema.name.split("::")[-1] in names)
+
+
+def _pure(node: Any) -> bool:
+    """A node that may move: a call of a functional op (no mutation, no side effect)."""
+    target = node.target
+    if node.op != "call_function" or node.is_impure():
+        return False
+    schema = getattr(target, "_schema", None)
+    return schema is None or not schema.is_mutable
+
+
+def issue_early(graph: Any) -> None:
+    """The pass (see the module docstring), on ``graph`` (a ``torch.fx.Graph``) in place."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = None  # the collective before (every rank issues the collectives in the graph's order)
+    for c in [n for n in graph.nodes if _is(n, COLLECTIVES)]:
+        chain = _chain(c)
+        outside = [i for n in chain for i in n.all_input_nodes if i not in chain]
+        if last is not None:
+            outside.append(last)
+        last = c
+        if not outside:
+            continue
+        anchor = max(outside, key=order.__getitem__)
+        for n in sorted(chain, key=order.__getitem__, reverse=True):  # (each right after the anchor: in order)
+            if order[n] > order[anchor]:
+                anchor.append(n)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    for w in [n for n in graph.nodes if _is(n, ("wait_tensor",))]:
+        if w.users:
+            first = min(w.users, key=order.__getitem__)
+            if order[first] > order[w] + 1:
+                first.prepend(w)
+    graph.lint()
+
+
+def _chain(collective: Any) -> set[Any]:
+    """The collective and the pure nodes that feed only it (through each other)."""
+    chain = {collective}
+    grown = True
+    while grown:
+        grown = False
+        for n in list(chain):
+            for p in n.all_input_nodes:
+                if p not in chain and _pure(p) and not _is(p, (*COLLECTIVES, "wait_tensor")) \
+                        and p.users and all(u in chain for u in p.users):
+                    chain.add(p)
+                    grown = True
+    return chain

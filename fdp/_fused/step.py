@@ -53,7 +53,7 @@ eager_only = eager.eager_only(EAGER_ONLY)
 EAGER_INSTEAD = (
     f"{NAME}: this call of the step cannot be traced by torch.compile: the step is not bound yet (call "
     "step.init(params) eagerly first), an eager step's status is still in flight or its state is refused, or "
-    "the step has an option decided on the host (skip_nonfinite, uneven, accumulate=, reduce_micro_batches, a "
+    "the step has an option decided on the host (uneven, accumulate=, reduce_micro_batches, a "
     "2-D mesh, loss_scale, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
     "inject_hyperparams, which step.compile() runs); step.compile() raises naming which. Without fullgraph=True "
     "it runs eagerly here")
@@ -110,8 +110,8 @@ class CompiledStep:
             with _internals.tracing_autograd():
                 return self._call(params, opt_state, *rest, **kwargs)
         # An inject_hyperparams optimizer: the values its graph fixes read here, on the host
-        # (the graph is guarded on them: a new betas compiles anew; lr and weight_decay are
-        # read in the graph, from the state's tensors)
+        # (the graph is guarded on them: a new betas compiles anew; the lr is read in the
+        # graph, from the state's tensor)
         self.step._layout.check(opt_state)
         program.traced = program.for_trace(opt_state.hyperparams)
         try:

@@ -153,7 +153,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
 
     # The updates: per bucket, one kernel call per key over its spans, as the eager ``Run.update``.
     injected = program.traced  # (fdp.CompiledStep's, made for this call's values; else no injected optimizer)
-    if injected is not None:  # lr and weight_decay read in the graph from the state's tensors
+    if injected is not None:  # the lr read in the graph from the state's tensor
         for k, held in injected.held.items():
             held.value = state.hyperparams[k]
         kernels = [injected.optimizer.form.leaf_kernel]

@@ -9,6 +9,11 @@ context 64, vocabulary 65, tied head, a causal mask registered ``persistent=Fals
 the next steps, the median eager step, and, from the same seed, the loss of one eager and one
 compiled step with dropout on and off. The whole thing runs twice, in fresh processes sharing
 one Inductor cache folder: first cold (an empty folder), then warm (what a restarted job pays).
+
+``--fused``: instead, the fused step (``reducer.grad_and_update`` with AdamW) unsharded,
+``shard=True`` and ``shard="params"`` (one unit per block) through ``step.compile()``, on the same
+GPT without dropout: per kind the first compiled call, cold and warm, and the median compiled
+and eager steps (interleaved).
 """
 
 from __future__ import annotations
@@ -124,12 +129,55 @@ def _measure(group: fdp.Group, cfg: argparse.Namespace) -> dict:
     return results
 
 
+FUSED_KINDS = {"fused": {}, "fused shard=True": {"shard": True}, 'fused shard="params"': {"shard": "params"}}
+
+
+def _measure_fused(group: fdp.Group, cfg: argparse.Namespace) -> dict:
+    """The fused step of each kind (``FUSED_KINDS``) through ``step.compile()`` (Inductor, fdp's
+    collective scheduling) on the same GPT without dropout, with AdamW: the first compiled
+    call (the compile), the median compiled and eager step after it."""
+    torch.set_num_threads(1)
+    results: dict = {}
+    for kind, kw in FUSED_KINDS.items():
+        torch.manual_seed(0)
+        net = GPT(dropout=0.0)
+        apply, params, buffers = fdp.functionalize(net)
+        units = {"units": fdp.units(net, Block)} if kw.get("shard") == "params" else {}
+        reducer = fdp.Reducer(params, group, **kw, **units)
+
+        def loss_fn(p, x, y):
+            return F.cross_entropy(apply(p, buffers, x)[0].reshape(-1, VOCAB), y.reshape(-1))  # noqa: B023
+
+        step = reducer.grad_and_update(loss_fn, fdp.optim.adamw(lr=1e-3, weight_decay=0.1))
+        opt_state = step.init(params)
+        p = step.shard(params) if units else params
+        g = torch.Generator().manual_seed(group.rank)
+        x = torch.randint(0, VOCAB, (cfg.batch, CONTEXT), generator=g)
+        y = torch.randint(0, VOCAB, (cfg.batch, CONTEXT), generator=g)
+        compiled = step.compile()
+        t0 = time.perf_counter()
+        p, opt_state, _ = compiled(p, opt_state, x, y)
+        results[f"{kind}: first compiled call (s)"] = time.perf_counter() - t0
+        times: dict[str, list[float]] = {"compiled": [], "eager": []}
+        for _ in range(cfg.steps):
+            for how, run in (("compiled", compiled), ("eager", step)):  # (interleaved)
+                t0 = time.perf_counter()
+                p, opt_state, _ = run(p, opt_state, x, y)
+                times[how].append(time.perf_counter() - t0)
+        results[f"{kind}: compiled step (ms)"] = 1e3 * statistics.median(times["compiled"])
+        results[f"{kind}: eager step (ms)"] = 1e3 * statistics.median(times["eager"])
+        torch.compiler.reset()
+    return results
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m fdp.bench compile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps after the first")
     p.add_argument("--world", type=int, default=2)
+    p.add_argument("--fused", action="store_true",
+                   help="the fused step of every kind through step.compile() instead of the plain step")
     cfg = p.parse_args(argv)
     import os
 
@@ -138,7 +186,8 @@ def main(argv: list[str]) -> int:
         print(f"torch {torch.__version__}, {cfg.world} gloo ranks, batch {cfg.batch}x{CONTEXT}, "
               f"{os.cpu_count()} CPUs")
         for label in ("cold cache", "warm cache"):
-            res = fdp.testing.run(_measure, cfg.world, backend="gloo", timeout=1800, args=(cfg,))
+            res = fdp.testing.run(_measure_fused if cfg.fused else _measure, cfg.world, backend="gloo", timeout=1800,
+                                  args=(cfg,))
             print(f"{label}:")
             for key in res[0]:
                 shown = ", ".join(f"{r[key]:.6g}" for r in res)

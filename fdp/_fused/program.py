@@ -134,9 +134,9 @@ class Program:
 
     def for_trace(self, hyperparams: dict) -> Traced:
         """Eagerly, before a compiled step's call: the injected optimizer its graph runs
-        (``fdp.optim._inject._Binder.traced``: the values ``lr``/``weight_decay`` read in the
-        graph from ``hyperparams``' tensors, the others read here, on the host, and fixed in
-        it), checked as ``kernels`` checks the values."""
+        (``fdp.optim._inject._Binder.traced``: the ``lr`` read in the graph from
+        ``hyperparams``' tensor, the others read here, on the host, and fixed in it), checked
+        as ``kernels`` checks the values."""
         binder = self.injected.form.bind
         traced = binder.traced(binder.host_values(hyperparams))
         self._checked(traced.optimizer, hyperparams)

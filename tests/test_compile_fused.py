@@ -95,7 +95,11 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
         state = step.init(params)
         p = step.shard(params) if kind == "units" else params
         run = step
-        if compiled and compile_how == "method":
+        if compiled and compile_how == "method" and inductor:  # (Inductor with fdp's passes, as users get it)
+            from torch._dynamo.utils import counters
+            before = counters["stats"]["unique_graphs"]
+            run = step.compile()
+        elif compiled and compile_how == "method":
             run = step.compile(backend=count)
         elif compiled:
             run = torch.compile(lambda p, s, x, y, step=step: step(p, s, x, y), fullgraph=True, backend=count)
@@ -108,6 +112,8 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
             losses.append(float(value))
         whole = p.full() if kind == "units" else dict(p)
         out.append((whole, step.state_to_tree(state, p), losses))
+        if compiled and compile_how == "method" and inductor:
+            graphs[0] = counters["stats"]["unique_graphs"] - before
     return out, graphs[0]
 
 
@@ -541,6 +547,129 @@ def test_fdps_scheduling_pass_launches_collectives_early_in_the_same_order_with_
         assert sum(between_s) > 10 * max(1, sum(between)), (between, between_s)
 
 
+def _gathers_alive(gm):
+    """Per param all-gather of ``gm`` (first gathers and second ones, in graph order): the
+    interval of nodes from its launch to the last node reading its buffer (through views), and
+    the most buffers of units alive at once."""
+    import operator
+
+    from fdp._comm.schedule import _is
+
+    nodes = list(gm.graph.nodes)
+    at = {n: i for i, n in enumerate(nodes)}
+    out = []
+    for g in (n for n in nodes if _is(n, ("all_gather_into_tensor",))):
+        seen, todo, last = set(), [g], at[g]
+        while todo:
+            n = todo.pop()
+            for u in n.users:
+                last = max(last, at[u])
+                view = u.target is operator.getitem or getattr(u.target, "is_view", False) or _is(u, ("wait_tensor",))
+                if view and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+        out.append((at[g], last))
+    return out
+
+
+def _resharded_case(group, net, reducer_kw):
+    """The fully sharded Muon + SGD step (``net``, 3 blocks) compiled with ``aot_eager`` three
+    ways: as traced, with fdp's scheduling pass, and with it and the reshard pass
+    (``fdp/_comm/reshard.py``) run on AOTAutograd's graph; and eagerly. Returns the params of
+    each after three steps, the step graph's gather intervals per way, and its collectives."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fdp._comm.reshard import reshard_after_forward
+    from fdp._comm.schedule import COLLECTIVES, _is, issue_early
+
+    out, seen = [], {}
+    for how in ("eager", "traced", "scheduled", "resharded"):
+        torch._dynamo.reset()
+        model = init_(net(vocab=32, d=16, n=3), 3)
+        apply, params, buffers = fdp.functionalize(model)
+        kw = {"shard": "params", "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002,
+              "units": fdp.units(model, Block), **reducer_kw}
+        step = fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("muon_sgd"))
+        state = step.init(params)
+        p = step.shard(params)
+        units = step._engine.store.units
+
+        def fw(gm, _, how=how, units=units):
+            if how != "traced":
+                issue_early(gm.graph)
+            if how == "resharded":
+                reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward)
+            gm.recompile()
+            seen.setdefault(how, (_gathers_alive(gm), [n.target._schema.name for n in gm.graph.nodes
+                                                        if _is(n, COLLECTIVES)]))
+            return gm.forward
+
+        run = step if how == "eager" else step.compile(backend=aot_autograd(fw_compiler=fw))
+        for i in range(3):
+            p, state, _ = run(p, state, *tokens(group.rank, i))
+        out.append(p.full())
+    roots = sum(u == 0 for u in units.unit_of_bucket)
+    return out, seen, roots
+
+
+@pytest.mark.parametrize("net,reducer_kw", [(BlockNet, {}), (CheckpointedNet, {"param_dtype": torch.bfloat16}),
+                                            (BlockNet, {"reshard_after_forward": False})],
+                         ids=["fp32", "checkpointed-bf16", "kept-after-forward"])
+def test_the_reshard_pass_gathers_one_unit_ahead_and_again_for_the_backward_with_the_same_numbers(net, reducer_kw):
+    """fdp's memory schedule for compiled fully sharded params: as traced, every unit's
+    params are gathered at the graph's start and kept to the end of its backward (all of them
+    alive at once); with the pass, a unit is gathered right before the one before it runs, and
+    (``reshard_after_forward``) gathered a second time for its backward (activation
+    checkpointing's recomputation reads the second gather), so at most two units' buffers
+    (and the root's) are alive at once. The numbers are the eager step's, bit for bit, and
+    the ranks issue the same collectives in the same order."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    got = fdp.testing.run(_resharded_case, 2, backend="gloo", timeout=300, args=(net, reducer_kw))
+    for (eager, *compiled), seen, roots in got:
+        for p in compiled:
+            assert all(torch.equal(eager[k], p[k]) for k in eager)
+
+        def most_alive(intervals):
+            return max(sum(a <= i <= z for a, z in intervals) for i in range(max(z for _, z in intervals) + 1))
+
+        traced, resharded = seen["traced"][0], seen["resharded"][0]
+        units = len(traced) - roots
+        assert units == 3 and most_alive(traced) == len(traced)
+        again = 0 if reducer_kw.get("reshard_after_forward") is False else units  # (each block: the head is the root's)
+        assert len(resharded) == len(traced) + again
+        if again:  # (kept after the forward, every unit is alive from its forward to its backward, as eagerly)
+            assert most_alive(resharded) <= 2 + roots, resharded
+    assert got[0][1]["resharded"][1] == got[1][1]["resharded"][1]
+
+
+def _donated_case(group, compiled):
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    step = fdp.Reducer(params, group, shard="params", units=fdp.units(model, Block), bucket_cap_mb=0.004).grad_and_update(
+        _token_loss(apply, buffers), _opt("clip_sgd"), donate=True)
+    state = step.init(params)
+    p = step.shard(params)
+    run = step.compile(backend="aot_eager") if compiled else step
+    given = [f.data_ptr() for f in p.flats]
+    for i in range(3):
+        p, state, _ = run(p, state, *tokens(group.rank, i))
+    return p.full(), [f.data_ptr() for f in p.flats] == given
+
+
+def test_a_donated_fully_sharded_step_compiled_writes_the_given_slices_as_eagerly():
+    """``donate=True``: the compiled step writes the new slices into the given ones (no second
+    copy of them in the graph's outputs) and returns them, as the eager step does."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    eager = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(False,))
+    compiled = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(True,))
+    for (pe, same_e), (pc, same_c) in zip(eager, compiled):
+        assert same_e and same_c
+        assert all(torch.equal(pe[k], pc[k]) for k in pe)
+
+
 def _inductor_case(group):
     import_compilers(inductor=True)
     (eager, compiled), graphs = _run(group, "units", "muon_sgd", "method", steps=3,
@@ -557,7 +686,8 @@ def _inductor_case(group):
 def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
     sharded step whose graph holds every collective kind fdp issues (all-gather,
-    reduce-scatter, the all-to-alls of Muon's owners) and bf16 casts, lowered and run."""
+    reduce-scatter, the all-to-alls of Muon's owners) and bf16 casts, lowered with fdp's
+    passes (the collectives' schedule, each unit gathered again for its backward) and run."""
     skip_unless_dynamo_traces_fdp()
     import_compilers(inductor=True)
     got = fdp.testing.run(_inductor_case, 2, backend="gloo", timeout=900)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import _internals, _tree
+from .._comm.reshard import reshard_after_forward
 from .._comm.schedule import issue_early
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
@@ -61,9 +62,19 @@ eager_instead = eager.eager_only(EAGER_INSTEAD)
 
 
 @functools.cache
-def schedule_pass() -> Any:
-    """fdp's pass for Inductor (fdp/_comm/schedule.py), made once (Inductor imported then)."""
-    return _internals.inductor_post_grad_pass(issue_early, "fdp.issue_early/1")
+def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True) -> Any:
+    """fdp's pass for Inductor (fdp/_comm/schedule.py), made once per kind (Inductor imported
+    then). ``roots`` (fully sharded params: per bucket, whether the root's) adds the memory
+    schedule of ``fdp/_comm/reshard.py`` (``regather``: ``reshard_after_forward``)."""
+    if roots is None:
+        return _internals.inductor_post_grad_pass(issue_early, "fdp.issue_early/1")
+
+    def scheduled(graph: Any) -> None:
+        issue_early(graph)
+        reshard_after_forward(graph, roots, regather)
+
+    key = "".join("r" if r else "u" for r in roots)
+    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+reshard/1:{key}:{int(regather)}")
 
 
 class CompiledStep:
@@ -78,16 +89,27 @@ class CompiledStep:
     """
 
     def __init__(self, step: FusedStep, options: dict, schedule: bool = True) -> None:
-        inductor = options.get("backend", "inductor") == "inductor"
-        given = dict(options.get("options") or {})
-        if schedule and inductor and "post_grad_custom_post_pass" not in given:
-            # fdp's pass: each collective (with its fill) issued as early as its inputs allow,
-            # waited as late as its users allow (fdp/_comm/schedule.py)
-            given["post_grad_custom_post_pass"] = schedule_pass()
-            options = {**options, "options": given}
-        self.step, self.options = step, options
+        self.step, self.options, self.schedule = step, options, schedule
         self._call: Callable | None = None
         self._acc: Callable | None = None
+
+    def _options(self, engine: Engine) -> dict:
+        """``torch.compile``'s options, with fdp's pass for Inductor: each collective (with its
+        fill) issued as early as its inputs allow, waited as late as its users allow
+        (fdp/_comm/schedule.py); with fully sharded params, each unit gathered one ahead of its
+        use and again for its backward (fdp/_comm/reshard.py)."""
+        options = self.options
+        given = dict(options.get("options") or {})
+        if not self.schedule or options.get("backend", "inductor") != "inductor" \
+                or "post_grad_custom_post_pass" in given:
+            return options
+        roots, regather = None, True
+        if engine.store.kind is StoreKind.UNITS:
+            units = engine.store.units
+            roots = tuple(u == 0 for u in units.unit_of_bucket)
+            regather = units.reshard_after_forward
+        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather)
+        return {**options, "options": given}
 
     def _ready(self, params: Any) -> Engine:
         step = self.step
@@ -100,7 +122,7 @@ class CompiledStep:
                                "one), then the compiled one")
         if self._call is None:
             step._check_traceable(compiled_step=True)  # (here, eagerly: the reason is the error's first line)
-            self._call = torch.compile(step.__call__, **self.options)
+            self._call = torch.compile(step.__call__, **self._options(step._engine))
         return step._engine
 
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
@@ -132,7 +154,7 @@ class CompiledStep:
         if self._acc is None:
             def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
                 return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)
-            self._acc = torch.compile(accumulate, **self.options)
+            self._acc = torch.compile(accumulate, **self._options(engine))
         with _internals.tracing_autograd():
             value = self._acc(params, rest, kwargs, not acc.count)
         acc.count += 1
@@ -346,7 +368,7 @@ class FusedStep:
                 or self._untraceable() is not None):
             return self._eager_instead(params, opt_state, rest, kwargs)
         return traced.traced_grad_step(engine, self._program, self._layout, self.fn, self.has_aux, params,
-                                       opt_state, rest, kwargs)
+                                       opt_state, rest, kwargs, self.donate)
 
     @eager_instead
     def _eager_instead(self, params: Any, opt_state: FusedState, rest: tuple, kwargs: dict

@@ -74,8 +74,11 @@ def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool, compil
 
 
 def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Callable, has_aux: bool,
-                     params: Any, state: FusedState, rest: tuple, kwargs: dict) -> tuple[Any, FusedState, Any]:
-    """One fused step as graph nodes (see the module docstring): ``(params, state, value)``."""
+                     params: Any, state: FusedState, rest: tuple, kwargs: dict, donate: bool = False
+                     ) -> tuple[Any, FusedState, Any]:
+    """One fused step as graph nodes (see the module docstring): ``(params, state, value)``;
+    ``donate``: with fully sharded params, the new slices are written into the given ones (as
+    the eager step writes them), so the step holds no second copy of them."""
     plan, store, bk = engine.plan, engine.store, engine.buckets
     name = engine.name
     layout.check(state)  # (under compile without the layout tensor's host comparison)
@@ -201,10 +204,17 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         verdicts.finite.copy_(ok)
         verdicts.skipped.add_((~ok).to(verdicts.skipped.dtype))
         engine.traced_last = True  # (dynamo replays this after each call of the graph)
+    if units and donate:
+        for mine, new_slice in zip(own, out):
+            mine.copy_(new_slice)
+        out = own
     if store.gathers_params:
         out = [comm.traced_all_gather(p, group) for p in out]
     state.step.add_(1 if ok is None else ok.to(state.step.device, state.step.dtype))
-    new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
+    if units and donate:  # (the given object, its slices written: no graph output aliases an input)
+        new = params
+    else:
+        new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
 
 

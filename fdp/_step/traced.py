@@ -40,7 +40,10 @@ def traced_fill(grads: list[torch.Tensor], dtype: torch.dtype, wire: torch.dtype
     """A bucket's flat gradient on the wire, traceable: its leaves' gradients concatenated
     (``dtype``: the bucket's), multiplied by ``scale`` in the wide dtype and rounded once to
     ``wire``, as ``kernels.flatten`` fills it in eager mode."""
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if scale is not None:  # multiply in the wide dtype, round once (as kernels.flatten)
-        flat = flat.to(torch.promote_types(torch.promote_types(dtype, wire), torch.float32)) * scale
-    return flat.to(wire)
+    if scale is None:
+        return torch.cat([g.reshape(-1).to(wire) for g in grads])
+    # multiplied in the wide dtype and rounded once (as kernels.flatten), leaf by leaf: the
+    # compiler then writes each product straight into its place in the bucket (one flat
+    # buffer, not the concatenation and its scaled copy)
+    wide = torch.promote_types(torch.promote_types(dtype, wire), torch.float32)
+    return torch.cat([(g.reshape(-1).to(wide) * scale).to(wire) for g in grads])

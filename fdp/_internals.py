@@ -461,7 +461,8 @@ def dynamo_reset() -> None:
 
 @_use("torch._inductor.custom_graph_pass.CustomGraphPass, torch._inductor.config.post_grad_custom_post_pass",
       "step.compile() gives Inductor fdp's pass that issues each collective as early as its inputs allow and "
-      "waits as late as its users allow (fdp/_comm/schedule.py)", checked="2.13")
+      "waits as late as its users allow (fdp/_comm/schedule.py), and with fully sharded params its reshard pass "
+      "(fdp/_comm/reshard.py)", checked="2.13")
 def inductor_post_grad_pass(fn: Callable[[Any], None], uuid: str) -> Any:
     """``fn`` (a function of an FX graph, changing it in place) as the pass Inductor runs after
     its post-grad passes (``options={"post_grad_custom_post_pass": ...}``); ``uuid`` names it in

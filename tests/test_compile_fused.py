@@ -553,18 +553,18 @@ def _gathers_alive(gm):
     the most buffers of units alive at once."""
     import operator
 
-    from fdp._comm.schedule import _is
+    from fdp._comm.schedule import is_op
 
     nodes = list(gm.graph.nodes)
     at = {n: i for i, n in enumerate(nodes)}
     out = []
-    for g in (n for n in nodes if _is(n, ("all_gather_into_tensor",))):
+    for g in (n for n in nodes if is_op(n, ("all_gather_into_tensor",))):
         seen, todo, last = set(), [g], at[g]
         while todo:
             n = todo.pop()
             for u in n.users:
                 last = max(last, at[u])
-                view = u.target is operator.getitem or getattr(u.target, "is_view", False) or _is(u, ("wait_tensor",))
+                view = u.target is operator.getitem or getattr(u.target, "is_view", False) or is_op(u, ("wait_tensor",))
                 if view and u not in seen:
                     seen.add(u)
                     todo.append(u)
@@ -580,7 +580,7 @@ def _resharded_case(group, net, reducer_kw):
     from torch._dynamo.backends.common import aot_autograd
 
     from fdp._comm.reshard import reshard_after_forward
-    from fdp._comm.schedule import COLLECTIVES, _is, issue_early
+    from fdp._comm.schedule import COLLECTIVES, is_op, issue_early
 
     out, seen = [], {}
     for how in ("eager", "traced", "scheduled", "resharded"):
@@ -601,7 +601,7 @@ def _resharded_case(group, net, reducer_kw):
                 reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward)
             gm.recompile()
             seen.setdefault(how, (_gathers_alive(gm), [n.target._schema.name for n in gm.graph.nodes
-                                                        if _is(n, COLLECTIVES)]))
+                                                        if is_op(n, COLLECTIVES)]))
             return gm.forward
 
         run = step if how == "eager" else step.compile(backend=aot_autograd(fw_compiler=fw))

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .schedule import _chain, _is
+from .schedule import feeding_only, is_op
 
 __all__ = ["reshard_after_forward"]
 
@@ -47,7 +47,7 @@ def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = Tr
     ``roots``: per bucket (in the order the step gathers them), whether it is the root's (kept
     gathered for the whole step). A graph whose param gathers are not one per bucket is left
     as it is."""
-    gathers = [n for n in graph.nodes if _is(n, ("all_gather_into_tensor",))]
+    gathers = [n for n in graph.nodes if is_op(n, ("all_gather_into_tensor",))]
     if not gathers or len(gathers) != len(roots) or not all(_reads_inputs_only(g) for g in gathers):
         _bound_reduce_scatters(graph)
         return
@@ -83,7 +83,7 @@ class _Gathered:
 
     def __init__(self, gather: Any, root: bool) -> None:
         self.gather, self.root = gather, root
-        self.chain = _chain(gather)
+        self.chain = feeding_only(gather)
         self.waits = _waits(gather)
         self.views = _views(self.waits[-1] if self.waits else gather)
         self.users: list[Any] = []
@@ -158,7 +158,7 @@ class _Gathered:
 
 def _bound_reduce_scatters(graph: Any) -> None:
     """Each reduce-scatter waited for no later than the next one's issue."""
-    scatters = [n for n in graph.nodes if _is(n, ("reduce_scatter_tensor",))]
+    scatters = [n for n in graph.nodes if is_op(n, ("reduce_scatter_tensor",))]
     for n, after in zip(scatters, scatters[1:]):
         order = _order(graph)
         waits = _waits(n)
@@ -169,7 +169,7 @@ def _bound_reduce_scatters(graph: Any) -> None:
 
 def _reads_inputs_only(gather: Any) -> bool:
     """A param gather: its fill reads nothing but the graph's inputs (the slices)."""
-    chain = _chain(gather)
+    chain = feeding_only(gather)
     return all(a.op == "placeholder" for n in chain for a in n.all_input_nodes if a not in chain)
 
 
@@ -177,7 +177,7 @@ def _waits(collective: Any) -> list[Any]:
     """The collective's ``wait_tensor`` and any wait of that wait, in order."""
     out, n = [], collective
     while True:
-        w = [u for u in n.users if _is(u, ("wait_tensor",))]
+        w = [u for u in n.users if is_op(u, ("wait_tensor",))]
         if len(w) != 1:
             return out
         out.append(w[0])

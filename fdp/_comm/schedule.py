@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COLLECTIVES", "issue_early"]
+__all__ = ["COLLECTIVES", "feeding_only", "is_op", "issue_early"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
 
 
-def _is(node: Any, names: tuple[str, ...]) -> bool:
+def is_op(node: Any, names: tuple[str, ...]) -> bool:
     schema = getattr(node.target, "_schema", None)  # (an OpOverload's)
     return (node.op == "call_function" and schema is not None and schema.name.startswith("_c10d_functional::")
             and schema.name.split("::")[-1] in names)
@@ -43,8 +43,8 @@ def issue_early(graph: Any) -> None:
     """The pass (see the module docstring), on ``graph`` (a ``torch.fx.Graph``) in place."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = None  # the collective before (every rank issues the collectives in the graph's order)
-    for c in [n for n in graph.nodes if _is(n, COLLECTIVES)]:
-        chain = _chain(c)
+    for c in [n for n in graph.nodes if is_op(n, COLLECTIVES)]:
+        chain = feeding_only(c)
         outside = [i for n in chain for i in n.all_input_nodes if i not in chain]
         if last is not None:
             outside.append(last)
@@ -56,7 +56,7 @@ def issue_early(graph: Any) -> None:
             if order[n] > order[anchor]:
                 anchor.append(n)
         order = {n: i for i, n in enumerate(graph.nodes)}
-    for w in [n for n in graph.nodes if _is(n, ("wait_tensor",))]:
+    for w in [n for n in graph.nodes if is_op(n, ("wait_tensor",))]:
         if w.users:
             first = min(w.users, key=order.__getitem__)
             if order[first] > order[w] + 1:
@@ -64,7 +64,7 @@ def issue_early(graph: Any) -> None:
     graph.lint()
 
 
-def _chain(collective: Any) -> set[Any]:
+def feeding_only(collective: Any) -> set[Any]:
     """The collective and the pure nodes that feed only it (through each other)."""
     chain = {collective}
     grown = True
@@ -72,7 +72,7 @@ def _chain(collective: Any) -> set[Any]:
         grown = False
         for n in list(chain):
             for p in n.all_input_nodes:
-                if p not in chain and _pure(p) and not _is(p, (*COLLECTIVES, "wait_tensor")) \
+                if p not in chain and _pure(p) and not is_op(p, (*COLLECTIVES, "wait_tensor")) \
                         and p.users and all(u in chain for u in p.users):
                     chain.add(p)
                     grown = True

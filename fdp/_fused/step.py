@@ -336,6 +336,10 @@ class FusedStep:
         With Inductor (the default backend) fdp's pass schedules the graph's collectives: each
         (with its fill) issued as soon as its inputs are ready, waited right before its first
         use, in the traced order (``fdp/_comm/schedule.py``; ``schedule=False``: as traced).
+        With fully sharded params its reshard pass then gathers each unit one unit ahead of its
+        use and, with ``reshard_after_forward``, again for its backward, and keeps one
+        reduce-scatter in flight (``fdp/_comm/reshard.py``), so the gathered params are held
+        about as long as the eager step holds them.
 
         ``skip_nonfinite`` compiles (the check and the kept update are graph nodes;
         ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer

@@ -459,6 +459,35 @@ def dynamo_reset() -> None:
     torch._dynamo.reset()
 
 
+@_use("torch._inductor.config.reorder_for_peak_memory", "step.compile() issues a fully sharded step's second "
+      "gathers a unit ahead only where Inductor keeps them there (fdp/_comm/reshard.py)", checked="2.13")
+def inductor_reorders_for_memory(options: dict) -> bool:
+    """Whether Inductor, compiling with ``options`` (``torch.compile``'s ``options=``),
+    reorders the graph for its peak memory (which waits for each collective right after
+    launching it)."""
+    if "reorder_for_peak_memory" in options:
+        return bool(options["reorder_for_peak_memory"])
+    import torch._inductor.config as config
+
+    return bool(getattr(config, "reorder_for_peak_memory", False))
+
+
+@_use("torch._inductor.fx_passes.control_dependencies.preserve_node_ordering",
+      "a compiled step's collectives keep fdp's order whatever Inductor's own reordering "
+      "(reorder_for_peak_memory) makes of the rest: ranks whose graphs differ (Muon's owners) must issue them "
+      "alike (fdp/_comm/schedule.py: in_order)", checked="2.13")
+def keep_node_order(graph: Any, after: dict[Any, Any]) -> bool:
+    """Make each node of ``after`` (an FX graph's node: its key) run after the nodes its value
+    names, through Inductor's ``control_deps``. Returns False where this torch has none."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:  # pragma: no cover - a torch before 2.13
+        return False
+    preserve_node_ordering(graph, {n: OrderedSet(deps) for n, deps in after.items()})
+    return True
+
+
 @_use("torch._inductor.custom_graph_pass.CustomGraphPass, torch._inductor.config.post_grad_custom_post_pass",
       "step.compile() gives Inductor fdp's pass that issues each collective as early as its inputs allow and "
       "waits as late as its users allow (fdp/_comm/schedule.py), and with fully sharded params its reshard pass "

@@ -573,17 +573,19 @@ def _gathers_alive(gm):
 
 
 def _resharded_case(group, net, reducer_kw):
-    """The fully sharded Muon + SGD step (``net``, 3 blocks) compiled with ``aot_eager`` three
-    ways: as traced, with fdp's scheduling pass, and with it and the reshard pass
-    (``fdp/_comm/reshard.py``) run on AOTAutograd's graph; and eagerly. Returns the params of
-    each after three steps, the step graph's gather intervals per way, and its collectives."""
+    """The fully sharded Muon + SGD step (``net``, 3 blocks) compiled with ``aot_eager`` four
+    ways: as traced, with fdp's scheduling pass, with it and the reshard pass
+    (``fdp/_comm/reshard.py``) run on AOTAutograd's graph, and with the reshard pass without
+    prefetch and the collectives' order kept (``in_order``: Inductor's ``control_deps``); and
+    eagerly. Returns the params of each after three steps, the step graph's gather intervals
+    per way, and its collectives."""
     from torch._dynamo.backends.common import aot_autograd
 
     from fdp._comm.reshard import reshard_after_forward
-    from fdp._comm.schedule import COLLECTIVES, is_op, issue_early
+    from fdp._comm.schedule import COLLECTIVES, in_order, is_op, issue_early
 
     out, seen = [], {}
-    for how in ("eager", "traced", "scheduled", "resharded"):
+    for how in ("eager", "traced", "scheduled", "resharded", "ordered"):
         torch._dynamo.reset()
         model = init_(net(vocab=32, d=16, n=3), 3)
         apply, params, buffers = fdp.functionalize(model)
@@ -597,11 +599,15 @@ def _resharded_case(group, net, reducer_kw):
         def fw(gm, _, how=how, units=units):
             if how != "traced":
                 issue_early(gm.graph)
-            if how == "resharded":
-                reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward)
-            gm.recompile()
+            if how in ("resharded", "ordered"):
+                reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward,
+                                      prefetch=how == "resharded")
             seen.setdefault(how, (_gathers_alive(gm), [n.target._schema.name for n in gm.graph.nodes
                                                         if is_op(n, COLLECTIVES)]))
+            if how == "ordered":  # (each collective but the first then a control_deps node after the one before)
+                in_order(gm.graph)
+                assert sum(is_op(n, COLLECTIVES) for n in gm.graph.nodes) == 1
+            gm.recompile()
             return gm.forward
 
         run = step if how == "eager" else step.compile(backend=aot_autograd(fw_compiler=fw))
@@ -637,9 +643,10 @@ def test_the_reshard_pass_gathers_one_unit_ahead_and_again_for_the_backward_with
         units = len(traced) - roots
         assert units == 3 and most_alive(traced) == len(traced)
         again = 0 if reducer_kw.get("reshard_after_forward") is False else units  # (each block: the head is the root's)
-        assert len(resharded) == len(traced) + again
+        assert len(resharded) == len(traced) + again == len(seen["ordered"][0])
         if again:  # (kept after the forward, every unit is alive from its forward to its backward, as eagerly)
             assert most_alive(resharded) <= 2 + roots, resharded
+            assert most_alive(seen["ordered"][0]) <= 2 + roots
     assert got[0][1]["resharded"][1] == got[1][1]["resharded"][1]
 
 
@@ -671,15 +678,19 @@ def test_a_donated_fully_sharded_step_compiled_writes_the_given_slices_as_eagerl
 
 
 def _inductor_case(group):
+    import re
+
     import_compilers(inductor=True)
-    (eager, compiled), graphs = _run(group, "units", "muon_sgd", "method", steps=3,
-                                     reducer_kw={"param_dtype": torch.bfloat16}, inductor=True)
+    ((eager, compiled), graphs), codes = fdp._internals.inductor_code(lambda: _run(
+        group, "units", "muon_sgd", "method", steps=3, reducer_kw={"param_dtype": torch.bfloat16}, inductor=True))
+    issued = [m.group(1) for code in codes for m in re.finditer(r"_c10d_functional\.(\w+)\.default\(", code)
+              if m.group(1) != "wait_tensor"]
     (pe, _, _), (pc, _, _) = eager, compiled
     # bf16 compute: Inductor keeps a fused kernel's intermediates in fp32 where eager rounds
     # every op to bf16 (one bf16 ulp is 2**-8 relative), and Muon iterates in bf16
     for k in pe:
         torch.testing.assert_close(pc[k], pe[k], rtol=2e-2, atol=1e-2)
-    return graphs, pc
+    return graphs, issued
 
 
 @pytest.mark.timeout(900)
@@ -687,11 +698,17 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
     sharded step whose graph holds every collective kind fdp issues (all-gather,
     reduce-scatter, the all-to-alls of Muon's owners) and bf16 casts, lowered with fdp's
-    passes (the collectives' schedule, each unit gathered again for its backward) and run."""
+    passes (the collectives' schedule, each unit gathered again for its backward, their
+    order kept through Inductor's reordering) and run: every rank issues the same
+    collectives in the same order."""
     skip_unless_dynamo_traces_fdp()
     import_compilers(inductor=True)
     got = fdp.testing.run(_inductor_case, 2, backend="gloo", timeout=900)
     assert [g for g, _ in got] == [1, 1]
+    # Muon's owners make the ranks' graphs differ: Inductor's reordering must not change the
+    # order they issue the collectives in (fdp's in_order pass)
+    (_, mine), (_, theirs) = got
+    assert mine == theirs and {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"} <= set(mine)
 
 
 def _two_steps_case(group):

@@ -20,7 +20,9 @@ gradient bucket once reduced. This pass makes the graph do the same:
   the forward's end (the last param gather's first use), the uses after it read a second
   all-gather of the same slice (a copy of the gather's nodes and of the views they go
   through), issued right before the backward's first use of the unit before it in backward
-  order (or at the forward's end for the first) and waited right before its first use, so the
+  order (or at the forward's end for the first; with ``prefetch`` off, right before its own
+  first use: where Inductor waits for each collective right after launching it anyway, a
+  second gather issued early only holds its buffer longer) and waited right before its first use, so the
   forward's gathered buffer dies with its last forward use (a recomputation inside the
   backward, activation checkpointing, reads the second gather too);
 * **gradients**: each reduce-scatter's wait goes no later than the next reduce-scatter's
@@ -42,11 +44,12 @@ from .schedule import feeding_only, is_op
 __all__ = ["reshard_after_forward"]
 
 
-def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = True) -> None:
+def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = True, prefetch: bool = True) -> None:
     """The pass (see the module docstring), on ``graph`` (a ``torch.fx.Graph``) in place.
     ``roots``: per bucket (in the order the step gathers them), whether it is the root's (kept
-    gathered for the whole step). A graph whose param gathers are not one per bucket is left
-    as it is."""
+    gathered for the whole step). ``prefetch``: issue each second gather one unit ahead of
+    its use (else right before it). A graph whose param gathers are not one per bucket is
+    left as it is."""
     gathers = [n for n in graph.nodes if is_op(n, ("all_gather_into_tensor",))]
     if not gathers or len(gathers) != len(roots) or not all(_reads_inputs_only(g) for g in gathers):
         _bound_reduce_scatters(graph)
@@ -68,7 +71,7 @@ def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = Tr
         again.sort(key=lambda p: min(order[u] for u in p.users if order[u] > order[end]))
         issue = end
         for p in again:
-            first_back = p.regather(graph, order, end, issue)
+            first_back = p.regather(graph, order, end, issue if prefetch else None)
             issue = first_back
     # the forward's gathers, one unit ahead: each issued right before the previous one's first use
     for before, p in zip(forward, forward[1:]):
@@ -121,6 +124,8 @@ class _Gathered:
         ``issue``; returns the first of those uses."""
         late = [u for u in self.users if order[u] > order[end]]
         first = late[0]
+        if issue is None:
+            issue = first
         copies: dict[Any, Any] = {}
         with graph.inserting_before(issue):
             for n in sorted(self.chain, key=order.__getitem__):

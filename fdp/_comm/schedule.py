@@ -13,11 +13,16 @@ in the same order, also where their graphs differ, e.g. Muon's owners), with the
 after them; then each ``wait_tensor`` goes right before its first user. The graph stays in a topological order, nothing is added or removed,
 and the numbers do not change (the same ops on the same inputs); what changes is how much of
 the backward runs between a collective's launch and its wait (``python -m fdp.bench overlap``).
+
+``in_order``, run last, then chains the collectives (Inductor's ``control_deps``), so that
+Inductor's own reordering cannot issue them in another order on a rank whose graph differs.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .. import _internals
 
 __all__ = ["COLLECTIVES", "feeding_only", "is_op", "issue_early"]
 
@@ -77,3 +82,13 @@ def feeding_only(collective: Any) -> set[Any]:
                     chain.add(p)
                     grown = True
     return chain
+
+
+def in_order(graph: Any) -> None:
+    """Each collective of ``graph`` made to depend on the one before it (Inductor's
+    ``control_deps``), so that no later reordering (Inductor's ``reorder_for_peak_memory``
+    chooses among several topological orders by estimated memory, on each rank's graph)
+    changes the order every rank issues them in. Run last: the collectives are then wrapped
+    nodes, which the passes above no longer see as collectives."""
+    collectives = [n for n in graph.nodes if is_op(n, COLLECTIVES)]
+    _internals.keep_node_order(graph, {c: [before] for before, c in zip(collectives, collectives[1:])})

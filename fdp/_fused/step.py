@@ -17,7 +17,7 @@ import torch
 
 from .. import _internals, _tree
 from .._comm.reshard import reshard_after_forward
-from .._comm.schedule import issue_early
+from .._comm.schedule import in_order, issue_early
 from .._lru import LRU
 from .._plan.bucket import BucketPlan
 from .._protocols import ParamSource, template_of
@@ -62,19 +62,21 @@ eager_instead = eager.eager_only(EAGER_INSTEAD)
 
 
 @functools.cache
-def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True) -> Any:
+def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True, prefetch: bool = True) -> Any:
     """fdp's pass for Inductor (fdp/_comm/schedule.py), made once per kind (Inductor imported
-    then). ``roots`` (fully sharded params: per bucket, whether the root's) adds the memory
-    schedule of ``fdp/_comm/reshard.py`` (``regather``: ``reshard_after_forward``)."""
-    if roots is None:
-        return _internals.inductor_post_grad_pass(issue_early, "fdp.issue_early/1")
-
+    then): the collectives' schedule, then their order kept (``in_order``). ``roots`` (fully
+    sharded params: per bucket, whether the root's) adds the memory schedule of
+    ``fdp/_comm/reshard.py`` (``regather``: ``reshard_after_forward``; ``prefetch``: the
+    second gathers one unit ahead)."""
     def scheduled(graph: Any) -> None:
         issue_early(graph)
-        reshard_after_forward(graph, roots, regather)
+        if roots is not None:
+            reshard_after_forward(graph, roots, regather, prefetch)
+        in_order(graph)
 
-    key = "".join("r" if r else "u" for r in roots)
-    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+reshard/1:{key}:{int(regather)}")
+    key = "" if roots is None else (
+        "+reshard/1:" + "".join("r" if r else "u" for r in roots) + f":{int(regather)}:{int(prefetch)}")
+    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/1{key}")
 
 
 class CompiledStep:
@@ -103,12 +105,15 @@ class CompiledStep:
         if not self.schedule or options.get("backend", "inductor") != "inductor" \
                 or "post_grad_custom_post_pass" in given:
             return options
-        roots, regather = None, True
+        roots, regather, prefetch = None, True, True
         if engine.store.kind is StoreKind.UNITS:
             units = engine.store.units
             roots = tuple(u == 0 for u in units.unit_of_bucket)
             regather = units.reshard_after_forward
-        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather)
+            # (Inductor's memory reordering waits for each collective right after its launch:
+            # a gather issued a unit ahead would only hold its buffer longer)
+            prefetch = not _internals.inductor_reorders_for_memory(given)
+        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather, prefetch)
         return {**options, "options": given}
 
     def _ready(self, params: Any) -> Engine:
@@ -339,7 +344,8 @@ class FusedStep:
         With fully sharded params its reshard pass then gathers each unit one unit ahead of its
         use and, with ``reshard_after_forward``, again for its backward, and keeps one
         reduce-scatter in flight (``fdp/_comm/reshard.py``), so the gathered params are held
-        about as long as the eager step holds them.
+        about as long as the eager step holds them. Each collective is then made to follow the
+        one before it, so Inductor's own reordering keeps their order on every rank.
 
         ``skip_nonfinite`` compiles (the check and the kept update are graph nodes;
         ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer

@@ -36,6 +36,7 @@ differ per rank only in the update, Muon's owners, after all of these).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -203,8 +204,6 @@ def _views(base: Any) -> list[Any]:
 
 
 def _is_view(node: Any) -> bool:
-    import operator
-
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:

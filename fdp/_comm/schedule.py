@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import _internals
 
-__all__ = ["COLLECTIVES", "feeding_only", "is_op", "issue_early"]
+__all__ = ["COLLECTIVES", "feeding_only", "in_order", "is_op", "issue_early"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
 

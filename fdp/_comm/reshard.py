@@ -52,10 +52,14 @@ def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = Tr
     its use (else right before it). A graph whose param gathers are not one per bucket is
     left as it is."""
     gathers = [n for n in graph.nodes if is_op(n, ("all_gather_into_tensor",))]
-    if not gathers or len(gathers) != len(roots) or not all(_reads_inputs_only(g) for g in gathers):
-        _bound_reduce_scatters(graph)
-        return
-    params = [_Gathered(g, root) for g, root in zip(gathers, roots)]
+    if gathers and len(gathers) == len(roots) and all(_reads_inputs_only(g) for g in gathers):
+        _place_gathers(graph, [_Gathered(g, root) for g, root in zip(gathers, roots)], regather, prefetch)
+    _bound_reduce_scatters(graph)
+    graph.lint()
+
+
+def _place_gathers(graph: Any, params: list[_Gathered], regather: bool, prefetch: bool) -> None:
+    """The forward's gathers one unit ahead, and (``regather``) the second gathers."""
     for p in params:
         p.sink_views(graph)
     order = _order(graph)
@@ -63,7 +67,6 @@ def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = Tr
         p.locate(order)
     params = [p for p in params if p.first is not None]
     if not params:
-        _bound_reduce_scatters(graph)
         return
     forward = sorted(params, key=lambda p: order[p.first])
     end = forward[-1].first  # the forward's end: the last param gather's first use
@@ -72,13 +75,10 @@ def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = Tr
         again.sort(key=lambda p: min(order[u] for u in p.users if order[u] > order[end]))
         issue = end
         for p in again:
-            first_back = p.regather(graph, order, end, issue if prefetch else None)
-            issue = first_back
+            issue = p.regather(graph, order, end, issue if prefetch else None)
     # the forward's gathers, one unit ahead: each issued right before the previous one's first use
     for before, p in zip(forward, forward[1:]):
         p.place(before.first)
-    _bound_reduce_scatters(graph)
-    graph.lint()
 
 
 class _Gathered:

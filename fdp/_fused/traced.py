@@ -204,17 +204,16 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         verdicts.finite.copy_(ok)
         verdicts.skipped.add_((~ok).to(verdicts.skipped.dtype))
         engine.traced_last = True  # (dynamo replays this after each call of the graph)
-    if units and donate:
+    if units and donate:  # the new slices into the given ones, returned as given (no output aliases an input)
         for mine, new_slice in zip(own, out):
             mine.copy_(new_slice)
-        out = own
     if store.gathers_params:
         out = [comm.traced_all_gather(p, group) for p in out]
     state.step.add_(1 if ok is None else ok.to(state.step.device, state.step.dtype))
-    if units and donate:  # (the given object, its slices written: no graph output aliases an input)
-        new = params
+    if units:
+        new = params if donate else ShardedParams(store.units, out)
     else:
-        new = ShardedParams(store.units, out) if units else plan.views(out, treedef)
+        new = plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
 
 

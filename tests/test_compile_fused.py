@@ -547,6 +547,44 @@ def test_fdps_scheduling_pass_launches_collectives_early_in_the_same_order_with_
         assert sum(between_s) > 10 * max(1, sum(between)), (between, between_s)
 
 
+def _two_collectives():
+    """An FX graph of two all-reduces, the first with two matrix products between its launch
+    and its wait, the second with none; and its nodes by role."""
+    c10d, aten = torch.ops._c10d_functional, torch.ops.aten
+    g = torch.fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    first = g.call_function(c10d.all_reduce.default, (x, "sum", "0"))
+    mm1 = g.call_function(aten.mm.default, (w, w))
+    mm2 = g.call_function(aten.mm.default, (g.call_function(aten.add.Tensor, (mm1, w)), w))
+    wait1 = g.call_function(c10d.wait_tensor.default, (first,))
+    second = g.call_function(c10d.all_reduce.default, (mm2, "sum", "0"))
+    wait2 = g.call_function(c10d.wait_tensor.default, (second,))
+    g.output((g.call_function(aten.add.Tensor, (wait1, wait2)),))
+    names = {"first": first.name, "mm1": mm1.name, "mm2": mm2.name, "wait1": wait1.name, "second": second.name}
+    return torch.fx.GraphModule(torch.nn.Module(), g), names
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_in_order_chains_the_collectives_and_holds_each_ones_overlap(hold):
+    """``in_order`` (fdp's last pass for Inductor): the second collective depends on the first
+    (Inductor's ``control_deps``, which its memory reordering honours); with ``hold``, also the
+    first matrix product after the first launch depends on it and the first wait on the last
+    product before it; the second collective, with nothing to hide behind, gets no hold."""
+    from fdp._comm.schedule import in_order
+
+    if not fdp._internals.keep_node_order(torch.fx.Graph(), {}):
+        pytest.skip("this torch has no control_deps (torch < 2.13): in_order keeps nothing")
+    gm, n = _two_collectives()
+    in_order(gm.graph, hold=hold)
+    gm.graph.lint()
+    deps = {node.name: tuple(d.name for d in node.args[0]) for node in gm.graph.nodes
+            if node.op == "call_function" and "control_deps" in str(node.target)}
+    expected = {n["second"]: (n["first"],)}
+    if hold:
+        expected.update({n["mm1"]: (n["first"],), n["wait1"]: (n["mm2"],)})
+    assert deps == expected
+
+
 def _gathers_alive(gm):
     """Per param all-gather of ``gm`` (first gathers and second ones, in graph order): the
     interval of nodes from its launch to the last node reading its buffer (through views), and

@@ -15,7 +15,12 @@ and the numbers do not change (the same ops on the same inputs); what changes is
 the backward runs between a collective's launch and its wait (``python -m fdp.bench overlap``).
 
 ``in_order``, run last, then chains the collectives (Inductor's ``control_deps``), so that
-Inductor's own reordering cannot issue them in another order on a rank whose graph differs.
+Inductor's own reordering cannot issue them in another order on a rank whose graph differs;
+and it holds each collective's overlap: the first matrix product (or convolution) after a
+collective in the graph runs after its launch, and its wait after the last one before it (as
+Inductor's own overlap scheduler does with ``insert_overlap_deps``). Without that hold,
+Inductor's ``reorder_for_peak_memory`` (on by default) waits for each collective right after
+launching it, which costs the compiled step the overlap this pass made.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from typing import Any
 
 from .. import _internals
 
-__all__ = ["COLLECTIVES", "feeding_only", "in_order", "is_op", "issue_early"]
+__all__ = ["COLLECTIVES", "COMPUTE", "feeding_only", "in_order", "is_op", "issue_early"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
+# The ops that hide a collective: each is its own kernel (never fused away), so a dependency on
+# it costs nothing
+COMPUTE = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
 
 
 def is_op(node: Any, names: tuple[str, ...]) -> bool:
@@ -84,11 +92,39 @@ def feeding_only(collective: Any) -> set[Any]:
     return chain
 
 
-def in_order(graph: Any) -> None:
+def in_order(graph: Any, hold: bool = True) -> None:
     """Each collective of ``graph`` made to depend on the one before it (Inductor's
     ``control_deps``), so that no later reordering (Inductor's ``reorder_for_peak_memory``
     chooses among several topological orders by estimated memory, on each rank's graph)
-    changes the order every rank issues them in. Run last: the collectives are then wrapped
-    nodes, which the passes above no longer see as collectives."""
+    changes the order every rank issues them in. ``hold``: also each collective's overlap as
+    the graph has it (see ``_held``). Run last: the collectives are then wrapped nodes, which
+    the passes above no longer see as collectives."""
     collectives = [n for n in graph.nodes if is_op(n, COLLECTIVES)]
-    _internals.keep_node_order(graph, {c: [before] for before, c in zip(collectives, collectives[1:])})
+    after: dict[Any, list[Any]] = {c: [before] for before, c in zip(collectives, collectives[1:])}
+    if hold:
+        for node, deps in _held(graph, collectives).items():
+            after.setdefault(node, []).extend(deps)
+    _internals.keep_node_order(graph, after)
+
+
+def _held(graph: Any, collectives: list[Any]) -> dict[Any, list[Any]]:
+    """For each collective with compute (``COMPUTE``) between its launch and its wait in the
+    graph's order: the first of those after the launch, and the wait after the last of them."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    after: dict[Any, list[Any]] = {}
+    for c in collectives:
+        waits = [u for u in c.users if is_op(u, ("wait_tensor",))]
+        if len(waits) != 1:
+            continue
+        hiding = [n for n in nodes[order[c] + 1:order[waits[0]]] if _is_compute(n)]
+        if hiding:
+            after.setdefault(hiding[0], []).append(c)
+            after.setdefault(waits[0], []).append(hiding[-1])
+    return after
+
+
+def _is_compute(node: Any) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.name.startswith("aten::") \
+        and schema.name.split("::")[-1] in COMPUTE

@@ -585,6 +585,21 @@ def test_in_order_chains_the_collectives_and_holds_each_ones_overlap(hold):
     assert deps == expected
 
 
+def test_a_reduce_scatter_is_told_from_the_other_all_to_alls_by_its_equal_parts():
+    """On gloo fdp's traced reduce-scatter is an ``all_to_all_single`` of equal parts; the
+    reshard pass bounds those (``is_scatter``), not the unequal exchanges of Muon's owners."""
+    from fdp._comm.schedule import is_scatter
+
+    c10d = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = [g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "0")),
+             g.call_function(c10d.all_to_all_single.default, (x, [8, 8], [8, 8], "0")),
+             g.call_function(c10d.all_to_all_single.default, (x, [16, 48], [16, 16], "0")),
+             g.call_function(c10d.all_reduce.default, (x, "sum", "0"))]
+    assert [is_scatter(n) for n in nodes] == [True, True, False, False]
+
+
 def _gathers_alive(gm):
     """Per param all-gather of ``gm`` (first gathers and second ones, in graph order): the
     interval of nodes from its launch to the last node reading its buffer (through views), and
@@ -734,11 +749,11 @@ def _inductor_case(group):
 @pytest.mark.timeout(900)
 def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
-    sharded step whose graph holds every collective kind fdp issues (all-gather,
-    reduce-scatter, the all-to-alls of Muon's owners) and bf16 casts, lowered with fdp's
-    passes (the collectives' schedule, each unit gathered again for its backward, their
-    order kept through Inductor's reordering) and run: every rank issues the same
-    collectives in the same order."""
+    sharded step whose graph holds every collective kind fdp issues (all-gather, the
+    reduce-scatter, which on gloo is an all-to-all of the parts, the all-to-alls of Muon's
+    owners) and bf16 casts, lowered with fdp's passes (the collectives' schedule, each unit
+    gathered again for its backward, their order kept through Inductor's reordering) and
+    run: every rank issues the same collectives in the same order."""
     skip_unless_dynamo_traces_fdp()
     import_compilers(inductor=True)
     got = fdp.testing.run(_inductor_case, 2, backend="gloo", timeout=900)
@@ -746,7 +761,7 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     # Muon's owners make the ranks' graphs differ: Inductor's reordering must not change the
     # order they issue the collectives in (fdp's in_order pass)
     (_, mine), (_, theirs) = got
-    assert mine == theirs and {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"} <= set(mine)
+    assert mine == theirs and set(mine) == {"all_gather_into_tensor", "all_to_all_single"}, mine
 
 
 def _two_steps_case(group):

@@ -40,7 +40,7 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from .schedule import feeding_only, is_op
+from .schedule import feeding_only, is_op, is_scatter
 
 __all__ = ["reshard_after_forward"]
 
@@ -164,7 +164,7 @@ class _Gathered:
 
 def _bound_reduce_scatters(graph: Any) -> None:
     """Each reduce-scatter waited for no later than the next one's issue."""
-    scatters = [n for n in graph.nodes if is_op(n, ("reduce_scatter_tensor",))]
+    scatters = [n for n in graph.nodes if is_scatter(n)]
     for n, after in zip(scatters, scatters[1:]):
         order = _order(graph)
         waits = _waits(n)

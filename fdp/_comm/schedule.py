@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import _internals
 
-__all__ = ["COLLECTIVES", "COMPUTE", "feeding_only", "in_order", "is_op", "issue_early"]
+__all__ = ["COLLECTIVES", "COMPUTE", "feeding_only", "in_order", "is_op", "is_scatter", "issue_early"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
 # The ops that hide a collective: each is its own kernel (never fused away), so a dependency on
@@ -41,6 +41,17 @@ def is_op(node: Any, names: tuple[str, ...]) -> bool:
     schema = getattr(node.target, "_schema", None)  # (an OpOverload's)
     return (node.op == "call_function" and schema is not None and schema.name.startswith("_c10d_functional::")
             and schema.name.split("::")[-1] in names)
+
+
+def is_scatter(node: Any) -> bool:
+    """A reduce-scatter: ``reduce_scatter_tensor``, or an ``all_to_all_single`` of equal parts
+    (on gloo, fdp's traced reduce-scatter exchanges the parts: fdp/_comm/collectives.py)."""
+    if is_op(node, ("reduce_scatter_tensor",)):
+        return True
+    if not is_op(node, ("all_to_all_single",)):
+        return False
+    out_sizes, in_sizes = node.args[1], node.args[2]
+    return len(set(in_sizes)) == 1 and list(in_sizes) == list(out_sizes)
 
 
 def _pure(node: Any) -> bool:

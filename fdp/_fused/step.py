@@ -76,7 +76,7 @@ def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True, 
 
     key = "" if roots is None else (
         "+reshard/1:" + "".join("r" if r else "u" for r in roots) + f":{int(regather)}:{int(prefetch)}")
-    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/2{key}")
+    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/2+scatter/2{key}")
 
 
 class CompiledStep:

@@ -626,19 +626,20 @@ def _gathers_alive(gm):
 
 
 def _resharded_case(group, net, reducer_kw):
-    """The fully sharded Muon + SGD step (``net``, 3 blocks) compiled with ``aot_eager`` four
-    ways: as traced, with fdp's scheduling pass, with it and the reshard pass
-    (``fdp/_comm/reshard.py``) run on AOTAutograd's graph, and with the reshard pass without
-    prefetch and the collectives' order kept (``in_order``: Inductor's ``control_deps``); and
-    eagerly. Returns the params of each after three steps, the step graph's gather intervals
-    per way, and its collectives."""
+    """The fully sharded Muon + SGD step (``net``, 3 blocks) compiled with ``aot_eager`` two
+    ways: with fdp's scheduling pass and the reshard pass (``fdp/_comm/reshard.py``) run on
+    AOTAutograd's graph, and with the reshard pass without prefetch and the collectives' order
+    kept (``in_order``: Inductor's ``control_deps``); and eagerly. (The numbers of the step as
+    traced and with the scheduling pass alone are checked by the tests above.) Returns the
+    params of each after three steps, the step graph's gather intervals and its collectives
+    per way, and as traced (the first way's graph before the passes)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from fdp._comm.reshard import reshard_after_forward
     from fdp._comm.schedule import COLLECTIVES, in_order, is_op, issue_early
 
     out, seen = [], {}
-    for how in ("eager", "traced", "scheduled", "resharded", "ordered"):
+    for how in ("eager", "resharded", "ordered"):
         torch._dynamo.reset()
         model = init_(net(vocab=32, d=16, n=3), 3)
         apply, params, buffers = fdp.functionalize(model)
@@ -650,13 +651,15 @@ def _resharded_case(group, net, reducer_kw):
         units = step._engine.store.units
 
         def fw(gm, _, how=how, units=units):
-            if how != "traced":
-                issue_early(gm.graph)
-            if how in ("resharded", "ordered"):
-                reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward,
-                                      prefetch=how == "resharded")
-            seen.setdefault(how, (_gathers_alive(gm), [n.target._schema.name for n in gm.graph.nodes
-                                                        if is_op(n, COLLECTIVES)]))
+            def record(way):
+                seen.setdefault(way, (_gathers_alive(gm), [n.target._schema.name for n in gm.graph.nodes
+                                                           if is_op(n, COLLECTIVES)]))
+            if how == "resharded":
+                record("traced")
+            issue_early(gm.graph)
+            reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward,
+                                  prefetch=how == "resharded")
+            record(how)
             if how == "ordered":  # (each collective but the first then a control_deps node after the one before)
                 in_order(gm.graph)
                 assert sum(is_op(n, COLLECTIVES) for n in gm.graph.nodes) == 1

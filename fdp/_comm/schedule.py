@@ -37,9 +37,10 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", 
 COMPUTE = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
 
 
-def is_op(node: Any, names: tuple[str, ...]) -> bool:
+def is_op(node: Any, names: tuple[str, ...], namespace: str = "_c10d_functional") -> bool:
+    """A call of one of the ops ``names`` of ``namespace`` (a collective's, by default)."""
     schema = getattr(node.target, "_schema", None)  # (an OpOverload's)
-    return (node.op == "call_function" and schema is not None and schema.name.startswith("_c10d_functional::")
+    return (node.op == "call_function" and schema is not None and schema.name.startswith(f"{namespace}::")
             and schema.name.split("::")[-1] in names)
 
 
@@ -128,14 +129,8 @@ def _held(graph: Any, collectives: list[Any]) -> dict[Any, list[Any]]:
         waits = [u for u in c.users if is_op(u, ("wait_tensor",))]
         if len(waits) != 1:
             continue
-        hiding = [n for n in nodes[order[c] + 1:order[waits[0]]] if _is_compute(n)]
+        hiding = [n for n in nodes[order[c] + 1:order[waits[0]]] if is_op(n, COMPUTE, "aten")]
         if hiding:
             after.setdefault(hiding[0], []).append(c)
             after.setdefault(waits[0], []).append(hiding[-1])
     return after
-
-
-def _is_compute(node: Any) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and schema.name.startswith("aten::") \
-        and schema.name.split("::")[-1] in COMPUTE

@@ -1,19 +1,20 @@
 # Two entry points (see README): `make demo` and `make test`.
 # Both create ./.venv on first use with the pinned CPU torch wheel (constraints.txt).
-# While working: `make quick` (the suite without the slow tests: under a minute). On a quiet
-# machine: `make perf` (the tests that pass or fail on measured speed; `make test` leaves them out).
+# `make test`: the tests not marked slow (about two minutes on 2 cores); `make slow`: the rest
+# (process launches, Inductor compiles, long runs: about ten minutes); CI runs both. On a quiet
+# machine: `make perf` (the tests that pass or fail on measured speed; neither leaves them in).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fdp-installed
 NPROC  ?= 2
-# pytest workers for `make test` / `make quick` (pytest-xdist, one test file per worker at a
+# pytest workers for `make test` / `make slow` (pytest-xdist, one test file per worker at a
 # time: a file's module fixtures run once). Most tests run their ranks as threads, which hold
 # one core; two workers use both. TEST_WORKERS=0 runs in this process, one test at a time.
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: demo test quick perf lint bench clean
+.PHONY: demo test slow perf lint bench clean
 
 # -qq: the installer's errors only. (setuptools prints an "Editable installation" notice for
 # every editable install, a warning block pip shows at -q; the project's output is the tests'.)
@@ -29,10 +30,10 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_mlp.py
 
 test: $(STAMP)
-	$(PYTEST)
-
-quick: $(STAMP)
 	$(PYTEST) -m "not slow"
+
+slow: $(STAMP)
+	$(PYTEST) -m slow
 
 perf: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m perf

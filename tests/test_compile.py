@@ -80,9 +80,9 @@ def compiled_vs_eager(group, model_name, backend):
 # the functional collectives; the MLP (no buffers: sync_buffers of an empty tree) through
 # aot_eager, the same dynamo trace and AOT graph without Inductor's code generation. The
 # dynamo trace of fdp's calls is most of either (about 5 s per rank on a 2-core machine).
-@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model_name,backend", [("mlp", "aot_eager"), ("cnn", "inductor")])
+@pytest.mark.parametrize("model_name,backend", [("mlp", "aot_eager"),  # (`make test`: the plain step, about 6 s)
+                                                pytest.param("cnn", "inductor", marks=pytest.mark.slow)])
 def test_compiled_train_step_is_one_graph_and_matches_eager(model_name, backend):
     skip_unless_dynamo_traces_fdp()
     import_compilers(inductor=backend == "inductor")  # here, before the ranks fork

@@ -23,7 +23,9 @@ from models import Block, BlockNet, init_, tokens
 import fdp
 import fdp.testing
 
-pytestmark = [pytest.mark.compile, pytest.mark.slow]  # (dynamo traces: seconds each)
+pytestmark = pytest.mark.compile
+# `make test` runs one case of each step kind (clipping through SGD, aot_eager: about 10 s
+# each); every other test here is `slow` (dynamo traces, Inductor compiles: seconds to a minute)
 
 # fp32 AdamW under compile against eager, after a few steps of lr 1e-2 on these models.
 RTOL, ATOL = 1e-5, 1e-6
@@ -138,8 +140,9 @@ def _kind_case(group, kind, opt):
 
 
 # Clipping and Muon in every kind; AdamW and the schedule (compared within RTOL) in two and one.
-CASES = [(k, o) for o in ("clip_sgd", "muon_sgd") for k in sorted(KINDS)] + [
-    ("replicated", "adamw"), ("units", "adamw"), ("sliced", "masked_sgd_schedule")]
+CASES = [(k, "clip_sgd") for k in sorted(KINDS)] + [pytest.param(*case, marks=pytest.mark.slow) for case in [
+    *((k, "muon_sgd") for k in sorted(KINDS)), ("replicated", "adamw"), ("units", "adamw"),
+    ("sliced", "masked_sgd_schedule")]]
 
 
 @pytest.mark.parametrize("kind,opt", CASES)
@@ -168,6 +171,7 @@ def _accumulate_case(group, kind, how):
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("how", ["function", "method"])
+@pytest.mark.slow
 def test_accumulation_then_a_compiled_step_equals_eager_and_counts_do_not_recompile(kind, how):
     """``step.accumulate`` (eager) or ``compiled.accumulate`` (``step.compile()``'s: in a graph
     unsharded and with shard=True; eager for fully sharded params) before the compiled step."""
@@ -185,6 +189,7 @@ def _bf16_checkpointed_case(group, kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
 def test_step_compile_runs_activation_checkpointing_and_bf16_params_exactly(kind):
     """``step.compile()`` traces the loss with ``torch.autograd.grad``, so
     ``torch.utils.checkpoint`` inside it compiles (torch.func's transforms refuse its hooks);
@@ -201,6 +206,7 @@ def _three_ranks_case(group, kind):
 
 
 @pytest.mark.parametrize("kind", ["sliced", "units"])
+@pytest.mark.slow
 def test_on_three_ranks_the_compiled_sharded_steps_agree_with_eager_and_replicas_are_identical(kind):
     """Three ranks: leaves straddle slices on every rank, and a rank may own none of them (its
     exchange receives nothing it uses: the graph must keep it, or the others hang)."""
@@ -250,6 +256,7 @@ def _resume_case(group, tmp, kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
 def test_a_checkpoint_of_a_compiled_run_resumes_eagerly_and_back(kind, tmp_path):
     skip_unless_dynamo_traces_fdp()
     import_compilers()
@@ -291,6 +298,7 @@ REFUSED = {"debug": "debug=True", "uneven": "uneven=True", "loss_scale": "skips 
 
 @pytest.mark.parametrize("option,how", [(o, "method") for o in REFUSED] + [
     (o, how) for o in ("debug", "loss_scale", "inject_hyperparams") for how in ("function", "graph-break")])
+@pytest.mark.slow
 def test_options_that_cannot_be_traced_are_refused_by_name(option, how):
     """``step.compile`` refuses before compiling, naming the option in the error's first line;
     a compiled function of one's own with ``fullgraph=True`` fails with dynamo's error whose
@@ -318,6 +326,7 @@ def _unbound(group):
     return None
 
 
+@pytest.mark.slow
 def test_a_step_compiled_before_it_was_bound_says_to_call_init_first():
     skip_unless_dynamo_traces_fdp()
     import_compilers()
@@ -338,6 +347,7 @@ def _accumulate_in_graph(group):
     return None
 
 
+@pytest.mark.slow
 def test_step_accumulate_inside_a_compiled_function_gives_fdps_reason():
     skip_unless_dynamo_traces_fdp()
     import_compilers()
@@ -385,6 +395,7 @@ def _thousand_steps(group, injected):
 
 
 @pytest.mark.parametrize("injected", [False, True], ids=["schedule", "set_hyperparams"])
+@pytest.mark.slow
 def test_a_thousand_compiled_steps_with_a_changing_lr_accumulation_and_skipped_steps_do_not_recompile(injected):
     skip_unless_dynamo_traces_fdp()
     import_compilers()
@@ -421,6 +432,7 @@ def _nonfinite_case(group, kind, opt):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_skip_nonfinite_compiles_skipped_steps_keep_params_and_state_as_eagerly(kind):
     """The finite check is a graph node (every rank's, sharded), the update is kept where it
     holds: the params, the state (a clip's last norm included) and ``step.inspect``'s verdicts
@@ -473,6 +485,7 @@ def _injected_cases(group):
             _injected_case(group, "units", fdp.optim.sgd, {"momentum": (0.9, 0.5)})]
 
 
+@pytest.mark.slow
 def test_step_compile_runs_inject_hyperparams_and_a_new_lr_each_step_compiles_nothing():
     """The lr is read in the graph from the state's tensor: eight values, no recompile; a new
     betas (or momentum) is fixed in the graph: one more graph, and the old values, set again,
@@ -533,6 +546,7 @@ def _scheduled_case(group, kind):
 
 
 @pytest.mark.parametrize("kind", ["sliced", "units"])
+@pytest.mark.slow
 def test_fdps_scheduling_pass_launches_collectives_early_in_the_same_order_with_the_same_numbers(kind):
     """The pass moves each collective (and the fill feeding it) up to where its inputs are
     ready and each wait down to its first user: the first buckets' collectives then have the
@@ -565,6 +579,7 @@ def _two_collectives():
 
 
 @pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.slow
 def test_in_order_chains_the_collectives_and_holds_each_ones_overlap(hold):
     """``in_order`` (fdp's last pass for Inductor): the second collective depends on the first
     (Inductor's ``control_deps``, which its memory reordering honours); with ``hold``, also the
@@ -585,6 +600,7 @@ def test_in_order_chains_the_collectives_and_holds_each_ones_overlap(hold):
     assert deps == expected
 
 
+@pytest.mark.slow
 def test_a_reduce_scatter_is_told_from_the_other_all_to_alls_by_its_equal_parts():
     """On gloo fdp's traced reduce-scatter is an ``all_to_all_single`` of equal parts; the
     reshard pass bounds those (``is_scatter``), not the unequal exchanges of Muon's owners."""
@@ -677,6 +693,7 @@ def _resharded_case(group, net, reducer_kw):
 @pytest.mark.parametrize("net,reducer_kw", [(BlockNet, {}), (CheckpointedNet, {"param_dtype": torch.bfloat16}),
                                             (BlockNet, {"reshard_after_forward": False})],
                          ids=["fp32", "checkpointed-bf16", "kept-after-forward"])
+@pytest.mark.slow
 def test_the_reshard_pass_gathers_one_unit_ahead_and_again_for_the_backward_with_the_same_numbers(net, reducer_kw):
     """fdp's memory schedule for compiled fully sharded params: as traced, every unit's
     params are gathered at the graph's start and kept to the end of its backward (all of them
@@ -721,6 +738,7 @@ def _donated_case(group, compiled):
     return p.full(), [f.data_ptr() for f in p.flats] == given
 
 
+@pytest.mark.slow
 def test_a_donated_fully_sharded_step_compiled_writes_the_given_slices_as_eagerly():
     """``donate=True``: the compiled step writes the new slices into the given ones (no second
     copy of them in the graph's outputs) and returns them, as the eager step does."""
@@ -750,6 +768,7 @@ def _inductor_case(group):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
     sharded step whose graph holds every collective kind fdp issues (all-gather, the
@@ -778,6 +797,7 @@ def _two_steps_case(group):
     return True
 
 
+@pytest.mark.slow
 def test_two_fused_steps_compiled_in_one_process_both_trace():
     skip_unless_dynamo_traces_fdp()
     import_compilers()
@@ -791,6 +811,7 @@ def _recipe_case(group):
     return graphs
 
 
+@pytest.mark.slow
 def test_the_large_model_recipe_compiles_with_its_eager_numbers():
     """Fully sharded params, bf16 compute, activation checkpointing, clipping, Muon + SGD
     (Muon's owners), an EMA of the params, accumulation: ``step.compile()`` equals the eager
@@ -832,6 +853,7 @@ def _hf_case(group, kind):
 
 
 @pytest.mark.parametrize("kind", ["replicated", "units"])
+@pytest.mark.slow
 def test_hf_gpt2_compiled_with_bf16_params_equals_eager(kind):
     """A model nobody here wrote: HF GPT-2 (tiny config, tied head), bf16 params, clipping."""
     pytest.importorskip("transformers", reason="transformers is in the test extras; not installed here")

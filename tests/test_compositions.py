@@ -559,7 +559,7 @@ def clipped_like_torch(group, norm_type, steps=3):
 
 
 @pytest.mark.parametrize("norm_type", [pytest.param(n, marks=() if n == 2.0 else pytest.mark.slow)
-                                       for n in NORM_TYPES])  # (`make quick`: the 2-norm)
+                                       for n in NORM_TYPES])  # (`make test`: the 2-norm)
 def test_7_every_norm_type_clips_as_clip_grad_norm_with_ddp_in_the_plain_fused_and_sharded_steps(norm_type):
     results = fdp.testing.run(clipped_like_torch, 2, backend="gloo", args=(norm_type,), timeout=120)
     for rank, (want, got, norms, max_norm) in enumerate(results):

@@ -130,7 +130,7 @@ def every_optimizer(group, name, shard, steps=30):
     return p, pp, {k: v.detach() for k, v in ref.items()}, step.state_to_tree(s, p), ps, len(sets)
 
 
-# `make quick` runs AdamW's two (the others: slow)
+# `make test` runs AdamW's two (the others: slow)
 CASES = [pytest.param(n, sh, id=f"{n}-{'sharded' if sh else 'fused'}", marks=() if n == "adamw" else pytest.mark.slow)
          for n in TORCH for sh in (False, True)]
 

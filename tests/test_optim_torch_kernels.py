@@ -359,7 +359,7 @@ def assert_tracks_equal(results, what, sharded_exact=True):
 # steps run 100 steps in f32 and f64 (the long runs: the schedule's decay, RAdam's rectified
 # phase), and 30 with donation and in bf16 (a layout path and a dtype's buffers; RAdam
 # rectifies from step 6, NAdam's momentum product and the schedule move every step).
-# `make quick` runs one of them (RAdam, f32: the rectified phase, the schedule, several buckets).
+# `make test` runs one of them (RAdam, f32: the rectified phase, the schedule, several buckets).
 FUSED_CASES = [pytest.param(n, dt, donate, steps, id=f"{n}-{dt}-{'donate' if donate else 'pure'}-{steps}steps",
                             marks=() if (n, dt, donate) == ("radam", "f32", False) else pytest.mark.slow)
                for n in FUSED for dt, donate, steps in (("f32", False, STEPS), ("f32", True, 30), ("f64", False, STEPS),

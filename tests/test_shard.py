@@ -82,7 +82,7 @@ def test_more_ranks_and_a_2x2_mesh_match_the_unsharded_step_within_rounding(worl
             assert sn <= n / shard + 2 * nb * shard, f"{kind} rank {rank}: {sn} state elements of {n}"
 
 
-@pytest.mark.parametrize("world, mesh", [pytest.param(2, False, id="2"),  # (`make quick`: two ranks)
+@pytest.mark.parametrize("world, mesh", [pytest.param(2, False, id="2"),  # (`make test`: two ranks)
                                          *(pytest.param(w, m, id=i, marks=pytest.mark.slow)
                                            for w, m, i in ((3, False, "3"), (4, False, "4"), (4, True, "2x2")))])
 def test_adamw_with_decay_groups_equals_ddp_and_torch_adamw_on_gloo_ranks(world, mesh):

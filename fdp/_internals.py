@@ -506,3 +506,35 @@ def inductor_post_grad_pass(fn: Callable[[Any], None], uuid: str) -> Any:
             return uuid
 
     return Pass()
+
+
+@_use("torch._dynamo.config.optimize_ddp='python_reducer', torch._dynamo.compiled_autograd._enable, "
+      "torch._inductor.config._fuse_ddp_communication", "python -m fdp.bench loop/sharded --compiled time DDP "
+      "under compiled autograd, the peer torch documents for a whole compiled DDP step", checked="2.13")
+def ddp_compiled_autograd(module: nn.Module, process_group: Any) -> tuple[nn.Module, Callable[[], Any]]:
+    """``DistributedDataParallel(module)`` built for compiled autograd (dynamo's
+    ``optimize_ddp="python_reducer"``: its forward one graph, each gradient's all-reduce traced
+    into the compiled backward, Inductor bucketing them by DDP's cap) and a function giving the
+    context to run its forward and backward in (``torch.compile`` of the DDP module and
+    ``loss.backward()`` inside it). DDP sets the Inductor settings of its bucketing for the
+    whole process when built; they are put back here and set inside that context only, so
+    other code compiled in this process is compiled as without it."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+    from torch._dynamo import compiled_autograd
+
+    names = ("_fuse_ddp_communication", "_fuse_ddp_bucket_size")
+    before = {n: getattr(inductor, n) for n in names}
+    with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
+        ddp = nn.parallel.DistributedDataParallel(module, process_group=process_group)
+    own = {n: getattr(inductor, n) for n in names}
+    for n, v in before.items():
+        setattr(inductor, n, v)
+
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        with torch._dynamo.config.patch(optimize_ddp="python_reducer"), inductor.patch(own), \
+                compiled_autograd._enable(torch.compile):
+            yield
+
+    return ddp, running

@@ -282,3 +282,27 @@ def test_the_overlap_bench_counts_the_kernels_between_a_collective_and_its_wait(
     cpp_fused_mul_1(c)
     """
     assert schedule(code) == ([("reduce_scatter_tensor", 2), ("all_gather_into_tensor", 0)], 3)
+
+
+def _ddp_compiled_autograd_settings(group):
+    import torch._inductor.config as inductor
+
+    from fdp import _internals
+
+    before = inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size
+    ddp, running = _internals.ddp_compiled_autograd(torch.nn.Linear(4, 4), group.process_group)
+    after = inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size
+    with running():
+        inside = inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size
+    return before, after, inside, (inductor._fuse_ddp_communication, inductor._fuse_ddp_bucket_size)
+
+
+def test_ddp_under_compiled_autograd_buckets_its_own_graphs_only():
+    """DDP built for compiled autograd (the peer of `bench loop/sharded --compiled`) sets
+    Inductor's DDP bucketing for the whole process; the helper keeps it to that DDP's steps,
+    so fdp's compiled steps in the same run compile as they would without it."""
+    import fdp.testing
+
+    before, after, inside, again = fdp.testing.run(_ddp_compiled_autograd_settings, 1, backend="gloo", timeout=120)[0]
+    assert before == after == again and before[0] is False
+    assert inside == (True, 25)  # (DDP's default bucket_cap_mb)

@@ -19,7 +19,13 @@ rotates), and after the run every kind's params are compared with DDP's:
   compiled  (``--compiled``) the plain loop with its two steps (a local micro-batch, the last
             micro-batch with the all-reduce and the update) each ``torch.compile``-d;
   compiled-fused, compiled-sharded  (``--compiled``) the fused and the sharded kinds with
-            their step and accumulate each compiled as one graph (``step.compile()``).
+            their step and accumulate each compiled as one graph (``step.compile()``);
+  ddp-compiled  (``--compiled``) DDP of the model compiled (nanoGPT's ``model =
+            torch.compile(model)`` before DDP): dynamo's DDPOptimizer splits the graph at DDP's
+            bucket boundaries, DDP's hooks all-reduce between the backward graphs;
+  ddp-compiled-autograd  (``--compiled``) DDP under compiled autograd (dynamo's
+            ``optimize_ddp="python_reducer"``, the DDP module ``torch.compile``-d and each
+            backward compiled with its all-reduces), clipping and AdamW as ddp's.
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -43,11 +49,14 @@ from torch import nn
 
 import fdp
 
+from .. import _internals
 from . import zoo
 from .table import Table, ratio
 
 KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
-COMPILED = ("compiled-fused", "compiled-sharded")  # (with "compiled": --compiled)
+COMPILED = ("compiled-fused", "compiled-sharded")  # (with "compiled" and PEERS: --compiled)
+PEERS = ("ddp-compiled", "ddp-compiled-autograd")  # DDP compiled two ways
+DDPS = ("ddp", *PEERS)
 FUSED = ("fused", "fused-pure", "sharded", *COMPILED)
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
 
@@ -107,16 +116,26 @@ class Loop:
 
         self.loss_fn = loss_fn
         self.state: dict[str, list[Any]] = {}
+        # kind -> (the DDP module, its forward, its optimizer, the context of its steps)
+        self.ddps: dict[str, tuple[nn.Module, Any, torch.optim.Optimizer, Any]] = {}
         for kind in kinds:
-            if kind == "ddp":
+            if kind in DDPS:
                 model = GPT()
                 model.load_state_dict(template.state_dict())
-                self.ddp = nn.parallel.DistributedDataParallel(model, process_group=group.process_group)
+                running: Any = _null
+                if kind == "ddp-compiled-autograd":
+                    ddp, running = _internals.ddp_compiled_autograd(model, group.process_group)
+                    forward = torch.compile(ddp)
+                else:
+                    if kind == "ddp-compiled":
+                        model.compile()
+                    forward = ddp = nn.parallel.DistributedDataParallel(model, process_group=group.process_group)
                 named = list(model.named_parameters())
-                self.ddp_opt = torch.optim.AdamW(
+                opt = torch.optim.AdamW(
                     [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
                      {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],
                     lr=self.lr(0), betas=(0.9, 0.95))
+                self.ddps[kind] = (ddp, forward, opt, running)
                 continue
             _, params, _ = fdp.functionalize(template)
             params = fdp.broadcast({n: t.detach().clone() for n, t in params.items()}, group=group)
@@ -146,19 +165,20 @@ class Loop:
     def step(self, kind: str, t: int) -> None:
         k, rank, bs = self.k, self.group.rank, self.bs
         batches = [batch(t, m, rank, bs) for m in range(k)]
-        if kind == "ddp":
-            for g in self.ddp_opt.param_groups:
+        if kind in DDPS:
+            model, forward, opt, running = self.ddps[kind]
+            for g in opt.param_groups:
                 g["lr"] = self.lr(t)
-            model = self.ddp
-            for m, (x, y) in enumerate(batches):
-                ctx = model.no_sync() if m < k - 1 else _null()
-                with ctx:
-                    with self.autocast():
-                        logits = model(x)
-                    (F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1)) / k).backward()
+            with running():
+                for m, (x, y) in enumerate(batches):
+                    ctx = model.no_sync() if m < k - 1 else _null()
+                    with ctx:
+                        with self.autocast():
+                            logits = forward(x)
+                        (F.cross_entropy(logits.float().view(-1, VOCAB), y.reshape(-1)) / k).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            self.ddp_opt.step()
-            self.ddp_opt.zero_grad(set_to_none=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
             return
         st = self.state[kind]
         params, opt_state, step, reducer = st
@@ -182,8 +202,8 @@ class Loop:
         st[0], st[1] = self.compiled_last(params, opt_state, *batches[-1], acc)
 
     def params(self, kind: str) -> dict[str, torch.Tensor]:
-        if kind == "ddp":
-            return {n: p.detach().clone() for n, p in self.ddp.module.named_parameters()}
+        if kind in DDPS:
+            return {n: p.detach().clone() for n, p in self.ddps[kind][0].module.named_parameters()}
         return {n: t.detach().clone() for n, t in self.state[kind][0].items()}
 
 
@@ -234,7 +254,7 @@ def report(results: list[dict], kinds: tuple[str, ...], title: str = "nanoGPT-st
     for k in kinds:
         total, med = sum(times[k]), statistics.median(times[k]) * 1e3
         same = "" if k == "ddp" else f"{min(r['identical'][k] for r in results)}/{results[0]['leaves']}"
-        if k not in ("ddp", "compiled", *COMPILED) and results[0]["leaves"] and any(
+        if k not in ("ddp", "compiled", *COMPILED, *PEERS) and results[0]["leaves"] and any(
                 r["identical"][k] != r["leaves"] for r in results):
             ok = False
         table.row(k, f"{total:.3f}", f"{med:.2f}", ratio(total, ddp_total), same)
@@ -256,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)
-    kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED) if a.compiled else ())
+    kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED, *PEERS) if a.compiled else ())
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
            "autocast": a.autocast}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)

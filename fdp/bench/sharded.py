@@ -14,7 +14,11 @@ on the same batches:
   with ``--compiled``, each compiled with Inductor:
   zero2-compiled, zero3-compiled  the same fused steps as one graph (``step.compile()``);
   fsdp2-compiled  FSDP2 with each block's forward compiled (``block.compile()`` before
-          ``fully_shard``, torchtitan's recipe: FSDP2's hooks stay eager around the graphs).
+          ``fully_shard``, torchtitan's recipe: FSDP2's hooks stay eager around the graphs);
+  ddp-compiled  DDP of the model compiled (``model.compile()`` before DDP: dynamo's
+          DDPOptimizer splits the graph at DDP's bucket boundaries);
+  ddp-compiled-autograd  DDP under compiled autograd (``optimize_ddp="python_reducer"``: the
+          forward one graph, each backward compiled with its all-reduces).
   A compiled kind's first step (its compilation) runs before the memory phase resets the peak.
 
 Two phases:
@@ -40,6 +44,7 @@ Two phases:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -55,12 +60,18 @@ from torch import nn
 
 import fdp
 
+from .. import _internals
 from . import zoo
 from .rss import reset_peak_rss, rss
 from .table import Table, ratio, render
 
 KINDS = ("ddp", "zero2", "zero3", "fsdp2")
-COMPILED = ("zero2-compiled", "zero3-compiled", "fsdp2-compiled")
+COMPILED = ("zero2-compiled", "zero3-compiled", "fsdp2-compiled", "ddp-compiled", "ddp-compiled-autograd")
+
+
+def eager_kind(kind: str) -> str:
+    """The eager kind a compiled kind compiles."""
+    return kind.removesuffix("-autograd").removesuffix("-compiled")
 VOCAB, CONTEXT = 256, 32
 
 
@@ -81,13 +92,20 @@ class Kind:
     def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool) -> None:
         self.kind, self.group, self.clip = kind, group, clip
         compiled = kind in COMPILED
-        kind = self.base = kind.removesuffix("-compiled")
+        self.forward: Any = None
+        self.running: Any = contextlib.nullcontext
         net = model(width, layers)
         self.timeline: Any = None
+        if kind == "ddp-compiled-autograd":
+            self.module, self.running = _internals.ddp_compiled_autograd(net, group.process_group)
+            self.forward = torch.compile(self.module)
+        kind = self.base = eager_kind(kind)
         if kind in ("ddp", "fsdp2"):
-            if kind == "ddp":
+            if kind == "ddp" and self.forward is None:
+                if compiled:
+                    net.compile()
                 self.module = nn.parallel.DistributedDataParallel(net, process_group=group.process_group)
-            else:
+            elif kind == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
                 for b in net.blocks:
@@ -96,6 +114,8 @@ class Kind:
                     fully_shard(b)
                 self.module = fully_shard(net)
             self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.1)
+            if self.forward is None:
+                self.forward = self.module
             return
         apply, params, _ = fdp.functionalize(net)
         shard = {"zero2": True, "zero3": "params"}[kind]
@@ -122,7 +142,8 @@ class Kind:
     def step(self, t: int, size: int) -> None:
         x, y = batch(t, self.group.rank, size)
         if self.base in ("ddp", "fsdp2"):
-            F.cross_entropy(self.module(x).view(-1, VOCAB), y.reshape(-1)).backward()
+            with self.running():
+                F.cross_entropy(self.forward(x).view(-1, VOCAB), y.reshape(-1)).backward()
             if self.clip:
                 torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
             self.opt.step()
@@ -307,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                             "params == ddp's"], text=["params == ddp's"])
         for kind in cfg.kinds:
             same = r["same"].get(kind)
-            against = [ratio(ms[kind], ms.get(kind.removesuffix("-compiled")) if kind in COMPILED else None),
+            against = [ratio(ms[kind], ms.get(eager_kind(kind)) if kind in COMPILED else None),
                        ratio(ms[kind], ms.get("fsdp2-compiled"))] if compiled else []
             time_table.row(kind, f"{ms[kind]:.1f}", ratio(ms[kind], ms["ddp"]), ratio(ms[kind], ms.get("fsdp2")),
                            *against, "" if same is None else f"{same[0]}/{same[1]}")

@@ -62,6 +62,20 @@ def _dynamo_traces_fdp() -> tuple[bool, str]:
         torch._dynamo.reset()
 
 
+def on_thread_ranks(fn, world: int = 2, args: tuple = ()):
+    """``fn(group, *args)`` on ``world`` thread ranks (fdp.testing's threaded group), in a
+    forked process: the compiling threads start there, not in this one (see above). Returns
+    each rank's result."""
+    import_compilers()
+
+    def child(group):
+        torch.distributed.destroy_process_group()  # (the forked world of one: thread ranks need no default group)
+        torch._dynamo.reset()  # (once, before the ranks: both compile into dynamo's one cache)
+        return fdp.testing.run(fn, world, backend="threads", timeout=300, args=args)
+
+    return fdp.testing.run(child, 1, backend="gloo", timeout=600)[0]
+
+
 @functools.cache
 def dynamo_traces_fdp() -> tuple[bool, str]:
     """``(whether dynamo traces fdp here, why not)``: the probe, run once in a forked child."""

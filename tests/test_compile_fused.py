@@ -1,9 +1,9 @@
 """The fused step under torch.compile, in every step kind: one graph with the collectives
 inside (fdp/_fused/traced.py), against the same step run eagerly.
 
-Every case runs on 2 (or 3) gloo ranks, each a forked process (tests/compiling.py), and
-compiles with ``aot_eager``: dynamo's trace and AOTAutograd's graph, run with eager kernels,
-so the numbers are those of the ops the graph holds. Where the math is the same as the eager
+Every case runs on 2 (or 3) gloo ranks, each a forked process (tests/compiling.py), or on 2
+thread ranks in a forked process, and compiles with ``aot_eager``: dynamo's trace and
+AOTAutograd's graph, run with eager kernels, so the numbers are those of the ops the graph holds. Where the math is the same as the eager
 step's (SGD, Muon, clipping, bf16 params, accumulation) they are equal bit for bit; AdamW's
 kernel takes torch's tensor-step path under compile (bias corrections as tensors), a few ulps
 apart per step, and so does a scheduled lr (a tensor in the graph), so those are compared
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
-from compiling import import_compilers, skip_unless_dynamo_traces_fdp
+from compiling import import_compilers, on_thread_ranks, skip_unless_dynamo_traces_fdp
 from models import Block, BlockNet, init_, tokens
 
 import fdp
@@ -133,8 +133,8 @@ def _assert_same(eager, compiled, exact):
         assert le == lc
 
 
-def _kind_case(group, kind, opt):
-    (eager, compiled), graphs = _run(group, kind, opt, "function")
+def _kind_case(group, kind, opt, reset=True):
+    (eager, compiled), graphs = _run(group, kind, opt, "function", reset=reset)
     _assert_same(eager, compiled, exact=opt not in ("adamw", "masked_sgd_schedule"))
     return graphs, compiled[0]
 
@@ -155,6 +155,19 @@ def test_a_compiled_train_step_calling_the_fused_step_is_one_graph_with_its_eage
     skip_unless_dynamo_traces_fdp()
     import_compilers()
     got = fdp.testing.run(_kind_case, 2, backend="gloo", timeout=300, args=(kind, opt))
+    assert [g for g, _ in got] == [1, 1]
+    for k in got[0][1]:
+        assert torch.equal(got[0][1][k], got[1][1][k]), k
+
+
+@pytest.mark.parametrize("kind", [pytest.param("replicated", marks=pytest.mark.slow),
+                                  pytest.param("sliced", marks=pytest.mark.slow), "units"])
+def test_on_two_thread_ranks_a_compiled_step_is_one_graph_per_rank_with_its_eager_numbers(kind):
+    """The same as above on fdp.testing's thread ranks (one process, a threaded group): each
+    rank compiles its own graph (the functional collectives name that rank's group) and the
+    compiled run equals the eager one bit for bit; replicas identical."""
+    skip_unless_dynamo_traces_fdp()
+    got = on_thread_ranks(_kind_case, 2, args=(kind, "clip_sgd", False))  # (no rank resets dynamo under the other)
     assert [g for g, _ in got] == [1, 1]
     for k in got[0][1]:
         assert torch.equal(got[0][1][k], got[1][1][k]), k

@@ -433,14 +433,25 @@ def dynamo_traces_autograd() -> bool:
 @_use("torch._dynamo.config.patch(trace_autograd_ops=True)", "step.compile() traces the fused step with "
       "torch.autograd.grad, so activation checkpointing inside the loss compiles", checked="2.13")
 def tracing_autograd() -> Any:
-    """A context in which dynamo traces ``torch.autograd.grad`` (where this torch can; else nothing)."""
-    import contextlib
+    """A context in which dynamo traces ``torch.autograd.grad`` (where this torch can; else nothing).
 
+    Set and put back directly (dynamo's settings are per thread: each thread rank holds its
+    own), not with ``config.patch``, which makes a class on every call of a compiled step."""
     import torch._dynamo.config as config
 
     if not hasattr(config, "trace_autograd_ops"):  # pragma: no cover - torch < 2.9
         return contextlib.nullcontext()
-    return config.patch(trace_autograd_ops=True)
+    return _setting(config, "trace_autograd_ops", True)
+
+
+@contextlib.contextmanager
+def _setting(config: Any, name: str, value: Any) -> Iterator[None]:
+    before = getattr(config, name)
+    setattr(config, name, value)
+    try:
+        yield
+    finally:
+        setattr(config, name, before)
 
 
 @_use("torch._inductor.utils.run_and_get_code", "python -m fdp.bench overlap reads the code Inductor generated "

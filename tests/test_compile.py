@@ -297,3 +297,35 @@ def _fused_inside_a_compiled_function():
 def test_a_compiled_function_traces_the_fused_step_with_its_numbers():
     (eager_w, eager_v), (comp_w, comp_v) = in_child(_fused_inside_a_compiled_function)
     assert torch.equal(comp_w, eager_w) and torch.equal(comp_v, eager_v)
+
+
+def test_step_compiles_dynamo_setting_holds_in_each_thread_rank_until_it_leaves():
+    """Thread ranks call their compiled steps at once, each in its thread: the first rank back
+    must not switch off the setting the other's trace reads (fdp/_internals.py:
+    tracing_autograd; dynamo's settings are per thread)."""
+    import threading
+
+    import torch._dynamo.config as config
+
+    from fdp import _internals
+
+    before = config.trace_autograd_ops
+    entered, first_left = threading.Barrier(2), threading.Event()
+    seen = []
+
+    def rank(r):
+        with _internals.tracing_autograd():
+            entered.wait(timeout=30)
+            if r == 0:
+                return
+            first_left.wait(timeout=30)
+            seen.append(config.trace_autograd_ops)
+        seen.append(config.trace_autograd_ops)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    threads[0].join(timeout=30)
+    first_left.set()
+    threads[1].join(timeout=30)
+    assert seen == [True, False] and config.trace_autograd_ops == before is False

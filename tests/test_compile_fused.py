@@ -288,7 +288,8 @@ def _refusal(group, option, how):
 
     kw = {"debug": True} if option == "debug" else {}
     opt = {"inject_hyperparams": lambda: fdp.optim.inject_hyperparams(fdp.optim.sgd)(lr=0.1),
-           "loss_scale": lambda: fdp.optim.chain(fdp.optim.loss_scale(), fdp.optim.sgd(lr=0.1)),
+           "clip_error_if_nonfinite": lambda: fdp.optim.chain(
+               fdp.optim.clip_by_global_norm(1.0, error_if_nonfinite=True), fdp.optim.sgd(lr=0.1)),
            }.get(option, lambda: fdp.optim.sgd(lr=0.1))()
     step = fdp.Reducer(params, group, **kw).grad_and_update(loss, opt, uneven=option == "uneven")
     state = step.init(params)
@@ -306,11 +307,12 @@ def _refusal(group, option, how):
     return None
 
 
-REFUSED = {"debug": "debug=True", "uneven": "uneven=True", "loss_scale": "skips a step with an inf or a NaN"}
+REFUSED = {"debug": "debug=True", "uneven": "uneven=True",
+           "clip_error_if_nonfinite": "error_if_nonfinite=True) reads the norm on the host"}
 
 
 @pytest.mark.parametrize("option,how", [(o, "method") for o in REFUSED] + [
-    (o, how) for o in ("debug", "loss_scale", "inject_hyperparams") for how in ("function", "graph-break")])
+    (o, how) for o in ("debug", "clip_error_if_nonfinite", "inject_hyperparams") for how in ("function", "graph-break")])
 @pytest.mark.slow
 def test_options_that_cannot_be_traced_are_refused_by_name(option, how):
     """``step.compile`` refuses before compiling, naming the option in the error's first line;
@@ -461,6 +463,64 @@ def test_skip_nonfinite_compiles_skipped_steps_keep_params_and_state_as_eagerly(
         for ((pe, se, ve), (pc, sc, vc)), graphs in per_opt:
             assert graphs == 1
             assert ve == vc and [v[0] for v in ve] == [True, True, False, True, True, False, True, True], ve
+            assert all(torch.equal(pe[k], pc[k]) for k in pe)
+            assert all(torch.equal(a, b) for a, b in zip(se, sc))
+
+
+def _loss_scale_case(group, kind, clip_first, skip_nonfinite):
+    """A loss scale (GradScaler's numbers) in the chain, eagerly and through ``step.compile()``,
+    from the same params; a rank's loss made inf at steps 2 (rank 0) and 5 (rank 1). Returns
+    both runs' (params, state leaves, per step (finite, skipped, scale)) and the graphs made."""
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+
+    def loss(p, x, y, scale, bad):  # (scaler.scale(loss): the state's scale, passed in)
+        return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()) * scale * bad
+
+    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002, "skip_nonfinite": skip_nonfinite}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+    model.to("meta")
+    runs, graphs = [], []
+    for compiled in (False, True):
+        scaling, clip = fdp.optim.loss_scale(init_scale=2.0 ** 4, growth_interval=2), fdp.optim.clip_by_global_norm(0.05)
+        opt = fdp.optim.chain(*((clip, scaling) if clip_first else (scaling, clip)), fdp.optim.sgd(lr=0.1, momentum=0.9))
+        step = fdp.Reducer(params, group, **kw).grad_and_update(loss, opt)
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        run = step.compile(backend=lambda gm, ex: graphs.append(gm) or gm.forward) if compiled else step
+        seen = []
+        for i in range(7):
+            bad = torch.tensor(float("inf") if i in (2, 5) and group.rank == (i == 5) else 1.0)
+            p, state, _ = run(p, state, *tokens(group.rank, i), fdp.optim.current_loss_scale(state), bad)
+            info = step.inspect(state)
+            seen.append((info.finite, info.skipped, float(fdp.optim.current_loss_scale(state))))
+        runs.append((p.full() if kind == "units" else dict(p), fdp._tree.leaves(step.state_to_tree(state, p)), seen))
+    return runs, len(graphs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
+def test_a_loss_scale_compiles_and_skips_overflowing_steps_as_eagerly(kind):
+    """``loss_scale``'s verdict is a graph node: an overflowing step (one rank's inf) is
+    computed and not kept, the scale backs off and grows, as the eager step (and so
+    GradScaler, tests/test_loss_scale.py) does, bit for bit, in one graph; first in the chain
+    or after a clip, with and without ``skip_nonfinite`` (which, rejecting a step, shows it to
+    the first global scale only: a loss scale after a clip then does not back off)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+
+    def case(group):
+        return [_loss_scale_case(group, kind, clip_first, skip) for clip_first, skip in
+                ((False, False), (True, True))]
+
+    for per_case, backs_off in zip(zip(*fdp.testing.run(case, 2, backend="gloo", timeout=300)), (True, False)):
+        for ((pe, se, ve), (pc, sc, vc)), graphs in per_case:
+            assert graphs == 1
+            assert ve == vc and [v[0] for v in ve] == [True, True, False, True, True, False, True], ve
+            assert [v[2] for v in ve] == ([16.0, 32.0, 16.0, 16.0, 32.0, 16.0, 16.0] if backs_off else
+                                          [16.0, 32.0, 32.0, 32.0, 64.0, 64.0, 64.0]), ve
             assert all(torch.equal(pe[k], pc[k]) for k in pe)
             assert all(torch.equal(a, b) for a, b in zip(se, sc))
 

@@ -74,10 +74,10 @@ class StepMemory(NamedTuple):
 
 
 class TracedVerdicts(NamedTuple):
-    """What compiled steps with ``skip_nonfinite`` decided, written by their graphs (0-d
-    tensors on the step's device: reading one waits for the step): ``finite``, the last
-    compiled step's finite check (False: it updated nothing); ``skipped``, how many compiled
-    steps it skipped."""
+    """What compiled steps decided (``skip_nonfinite``'s check, a loss scale's), written by
+    their graphs (0-d tensors on the step's device: reading one waits for the step):
+    ``finite``, whether the last compiled step updated; ``skipped``, how many compiled steps
+    updated nothing."""
 
     finite: torch.Tensor
     skipped: torch.Tensor
@@ -124,12 +124,13 @@ class Engine:
         self.skeleton = _tree.unflatten(plan.treedef, list(range(len(plan.slots))))
         self.orders = traced_orders(self.buckets, self.parts)  # (each bucket's runs as a traced update takes them)
         self.refusal: str | None = None  # why this engine's state is refused (a failure left replicas apart)
-        # ``skip_nonfinite`` in a compiled step: its verdicts, written by the graph on the step's
-        # device (``TracedVerdicts``); ``traced_last``: the last step was a compiled one
+        # What compiled steps decided (``skip_nonfinite``, a loss scale), written by the graph on
+        # the step's device (``TracedVerdicts``; ``decided``: a compiled step has written them);
+        # ``traced_last``: the last step was a compiled one that decided
         device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
         self.verdicts = TracedVerdicts(torch.ones((), dtype=torch.bool, device=device),
-                                       torch.zeros((), dtype=torch.int64, device=device)) \
-            if config.skip_nonfinite else None
+                                       torch.zeros((), dtype=torch.int64, device=device))
+        self.decided = False
         self.traced_last = False
         self.checked: dict | None = None  # the buffers of the last state that passed the layout check
         self.acc = Accumulation()  # the micro-batches' local gradients since the last step

@@ -55,7 +55,7 @@ EAGER_INSTEAD = (
     f"{NAME}: this call of the step cannot be traced by torch.compile: the step is not bound yet (call "
     "step.init(params) eagerly first), an eager step's status is still in flight or its state is refused, or "
     "the step has an option decided on the host (uneven, accumulate=, reduce_micro_batches, a "
-    "2-D mesh, loss_scale, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
+    "2-D mesh, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
     "inject_hyperparams, which step.compile() runs); step.compile() raises naming which. Without fullgraph=True "
     "it runs eagerly here")
 eager_instead = eager.eager_only(EAGER_INSTEAD)
@@ -347,13 +347,13 @@ class FusedStep:
         about as long as the eager step holds them. Each collective is then made to follow the
         one before it, so Inductor's own reordering keeps their order on every rank.
 
-        ``skip_nonfinite`` compiles (the check and the kept update are graph nodes;
-        ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer
+        ``skip_nonfinite`` and ``fdp.optim.loss_scale`` compile (the check and the kept update
+        are graph nodes; ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer
         here: the ``lr`` is read in the graph from the state, the other values on the host
         before each call, fixed in the graph (a new ``betas`` compiles anew).
 
         Raises (on the first call): ``RuntimeError`` naming an option of the step that cannot
-        be traced (``uneven``, ``loss_scale``, ...), before anything is compiled.
+        be traced (``uneven``, ``debug``, ...), before anything is compiled.
         """
         return CompiledStep(self, {"fullgraph": True, **options}, schedule)
 
@@ -594,8 +594,8 @@ class FusedStep:
         last, engine = self._last, self._engine
         finite = None if last is None else last.finite
         skipped = self._engines.config.steps.nonfinite
-        verdicts = None if engine is None else engine.verdicts
-        if verdicts is not None:  # compiled steps' verdicts (skip_nonfinite), written by their graphs
+        if engine is not None and engine.decided:  # compiled steps' verdicts, written by their graphs
+            verdicts = engine.verdicts
             skipped += int(verdicts.skipped)
             if engine.traced_last:
                 finite = bool(verdicts.finite)

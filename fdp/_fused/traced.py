@@ -125,11 +125,12 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
 
     # skip_nonfinite: the reduced gradients' finite check (every rank's, sharded), made before
     # the transforms; the update below is computed either way and kept where it passed
-    ok = _all_finite(reduced, group if store.scatter is not None else None) if engine.verdicts is not None else None
+    ok = _all_finite(reduced, group if store.scatter is not None else None) if engine.config.skip_nonfinite else None
 
     # The chain's transforms, in the eager step's order: the prefix per bucket, the whole-tree
     # ones (a global scale's factor from every leaf's statistic, in leaf order), the suffix.
     tstates = list(state.transforms)
+    goes: list[tuple[int, torch.Tensor]] = []  # the verdicts of the scales that may skip the step, by part
     # What every all-to-all received (``_exchange_parts``): a rank may receive nothing it uses
     # (no leaf of its own crosses a slice boundary, it owns no Muon matrix), and a graph pass
     # would then drop the collective on that rank alone, leaving the others waiting for it.
@@ -144,7 +145,12 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
                 tstates[i] = _apply(t, plan, slices, b, reduced[b], tstates[i])
             continue
         stats = _leaf_stats(t, plan, store, group, reduced, received)
-        factor, tstates[i] = t.scale(stats, tstates[i])
+        verdict = getattr(t.scale, "traced", None)
+        if verdict is not None:  # a scale that may skip the step (loss_scale): its verdict a tensor
+            factor, go, tstates[i] = verdict(stats, tstates[i])
+            goes.append((i, go))
+        else:
+            factor, tstates[i] = t.scale(stats, tstates[i])
         if factor is None:
             raise RuntimeError(f"{name}: the global scale at part {i} of the chain skipped the step under "
                                "torch.compile, which cannot skip a step on the host; run this step eagerly")
@@ -153,6 +159,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     for i in program.suffix:
         for b in range(len(reduced)):
             tstates[i] = _apply(program.transforms[i], plan, slices, b, reduced[b], tstates[i])
+    ok, taken = _verdict(ok, goes, program, len(tstates))
 
     # The updates: per bucket, one kernel call per key over its spans, as the eager ``Run.update``.
     injected = program.traced  # (fdp.CompiledStep's, made for this call's values; else no injected optimizer)
@@ -196,14 +203,13 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         _to_holders(owners, out, owned, group, received)
     if received and out:  # every exchange's first byte (a zero) into the params: never dropped
         out[0] = out[0] - torch.stack([r[:1] for r in received]).to(out[0].dtype).sum()  # (x - +0.0 is x)
-    if ok is not None:  # a non-finite step keeps the params, and every state but the first global scale's
+    if ok is not None:  # a skipped step keeps the params, and each part's state as the eager step does
         out = [torch.where(ok, new, old) for new, old in zip(out, before)]
-        shown = program.prefix if program.measure is not None else None  # (its statistics are kept, as eagerly)
-        tstates = [t if i == shown else _kept(ok, t, old) for i, (t, old) in enumerate(zip(tstates, state.transforms))]
+        tstates = [_kept(keep, t, old) for keep, t, old in zip(taken, tstates, state.transforms)]
         verdicts = engine.verdicts
         verdicts.finite.copy_(ok)
         verdicts.skipped.add_((~ok).to(verdicts.skipped.dtype))
-        engine.traced_last = True  # (dynamo replays this after each call of the graph)
+        engine.traced_last = engine.decided = True  # (dynamo replays these after each call of the graph)
     if units and donate:  # the new slices into the given ones, returned as given (no output aliases an input)
         for mine, new_slice in zip(own, out):
             mine.copy_(new_slice)
@@ -324,8 +330,43 @@ def _all_finite(reduced: list[torch.Tensor], group: Any) -> torch.Tensor:
     return comm.traced_all_reduce((~ok).to(torch.float32).reshape(1), group)[0] == 0
 
 
-def _kept(ok: torch.Tensor, new: Any, old: Any) -> Any:
+def _verdict(finite: torch.Tensor | None, goes: list[tuple[int, torch.Tensor]], program: Program, parts: int
+             ) -> tuple[torch.Tensor | None, list[torch.Tensor | bool]]:
+    """Whether the step updates (None: it always does), and per part of the chain whether its
+    new state is kept (a tensor, or True), as the eager step decides them (``Run.finish``):
+    ``finite`` is ``skip_nonfinite``'s check (None: no check), ``goes`` the verdicts of the
+    scales that may skip the step, by part. The parts before the first global scale (applied
+    per bucket) and the first global scale always run. A step the check rejects runs nothing
+    else: the first global scale's new state is kept (a clip's norm: inf; a loss scale backs
+    off), and where that scale skips the step itself, the new states before it too. Otherwise
+    a scale that skips keeps its own new state and those of the parts before it; the parts
+    after it do not run."""
+    if finite is None and not goes:
+        return None, [True] * parts
+    first = program.prefix if program.measure is not None else None
+    first_go = goes[0][1] if goes and goes[0][0] == first else None
+    update = finite
+    for _, go in goes:
+        update = go if update is None else update & go
+    taken: list[torch.Tensor | bool] = []
+    for j in range(parts):
+        if j == first:
+            taken.append(True)
+        elif j < program.prefix:
+            taken.append(True if finite is None else finite if first_go is None else finite | ~first_go)
+        else:
+            keep = finite
+            for i, go in goes:
+                if i < j:
+                    keep = go if keep is None else keep & go
+            taken.append(True if keep is None else keep)
+    return update, taken
+
+
+def _kept(ok: torch.Tensor | bool, new: Any, old: Any) -> Any:
     """A transform's state: ``new`` where ``ok`` holds, else ``old`` (leaf by leaf)."""
+    if ok is True:
+        return new
     return _tree.tree_map(lambda n, o: torch.where(ok, n, o) if isinstance(n, torch.Tensor) else n, new, old)
 
 

@@ -243,6 +243,11 @@ def global_scale(init: Callable[[Any], Any], stats: Callable[[list[Tensor]], lis
 
     A factor of ``None`` skips the step (see ``GradientTransform``): ``update`` then returns
     the gradients unchanged and ``chain`` leaves params and optimizer state as they were.
+    A ``scale`` that can skip gives the fused step compiled its verdict as a tensor through
+    an attribute ``scale.traced(stats, state) -> (factor, go, new_state)`` (``go``: a 0-d
+    bool tensor, False where ``scale`` returns ``None``); one that decides on the host
+    without such a form names why in ``scale.host_decision``, and ``step.compile()`` refuses
+    it with that reason.
     """
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
         leaves, treedef = _tree.flatten(grads)

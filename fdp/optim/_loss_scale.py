@@ -78,9 +78,11 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
     skipped steps); on the plain path the optimizer's ``step`` count did not move. Call
     ``opt.update`` on every step, also where ``reducer.finite`` is False (a step you skip
     yourself never reaches the loss scale, which then never backs off); the fused step
-    hands a step its own ``skip_nonfinite`` check rejected to the loss scale too. Each
-    update reads the inf/nan verdict on the host, as ``scaler.step`` does (under
-    ``torch.compile``, a graph break).
+    hands a step its own ``skip_nonfinite`` check rejected to the loss scale too. ``opt.update``
+    reads the inf/nan verdict on the host, as ``scaler.step`` does (under ``torch.compile``,
+    a graph break); the fused step compiled (``step.compile()``) keeps it in the graph: the
+    update is computed either way and kept only where the gradients were finite, with the
+    eager step's numbers.
 
     Args:
       init_scale, growth_factor, backoff_factor, growth_interval: as ``torch.amp.GradScaler``.
@@ -134,18 +136,22 @@ def loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backof
     def stats(leaves: list[Tensor]) -> list[Tensor]:
         return tensor_norms(leaves, math.inf)
 
-    def scale(norms: list[Tensor], state: LossScaleState) -> tuple[Tensor | None, LossScaleState]:
+    def verdict(norms: list[Tensor], state: LossScaleState) -> tuple[Tensor, Tensor, LossScaleState]:
         if not isinstance(state, LossScaleState):
             raise TypeError(f"{name}: state must be a LossScaleState, got {type(state).__name__}")
         found_inf = nonfinite(norms, state.scale.device)
         inv_scale = state.scale.double().reciprocal().float()  # GradScaler.unscale_'s
         new_scale, tracker = state.scale.clone(), state.growth_tracker.clone()
         _internals.amp_update_scale(new_scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
-        new = LossScaleState(new_scale, tracker)
-        return (None if bool(found_inf) else inv_scale), new
+        return inv_scale, found_inf == 0, LossScaleState(new_scale, tracker)
 
-    # (what a traced fused step refuses by name: fdp/_fused/traced.py)
-    scale.host_decision = f"{name} skips a step with an inf or a NaN, decided on the host"
+    def scale(norms: list[Tensor], state: LossScaleState) -> tuple[Tensor | None, LossScaleState]:
+        inv_scale, go, new = verdict(norms, state)
+        return (inv_scale if bool(go) else None), new
+
+    # A traced fused step (fdp/_fused/traced.py) takes the verdict as a tensor: the update is
+    # computed either way and kept where it holds, nothing read on the host
+    scale.traced = verdict
     return global_scale(init, stats, scale)
 
 
@@ -154,6 +160,9 @@ def nonfinite(stats: list[Tensor], device: torch.device) -> Tensor:
     ``stats`` is inf or NaN, else 0.0 (C-level maps: no Python per leaf)."""
     if not stats:
         return torch.zeros((), dtype=torch.float32, device=device)
+    if _tree.compiling():  # (dynamo traces no operator.attrgetter: a comprehension there)
+        finite = torch.isfinite(torch.stack([s.to(device).double() for s in stats])).all()
+        return torch.logical_not(finite).to(torch.float32)
     if set(map(_device, stats)) != {device}:
         stats = list(map(operator.methodcaller("to", device), stats))
     finite = torch.isfinite(torch.stack(list(map(_to_double, stats)))).all()

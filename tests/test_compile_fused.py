@@ -194,6 +194,26 @@ def test_accumulation_then_a_compiled_step_equals_eager_and_counts_do_not_recomp
     assert fdp.testing.run(_accumulate_case, 2, backend="gloo", timeout=300, args=(kind, how)) == [graphs] * 2
 
 
+def _micro_reduced_case(group, kind, bf16):
+    kw = {"reduce_micro_batches": True, **({"param_dtype": torch.bfloat16} if bf16 else {})}
+    (eager, compiled), graphs = _run(group, kind, "clip_sgd", "method", steps=6, accumulate=((1, 2), (2, 1), (4, 3)),
+                                     reducer_kw=kw)
+    _assert_same(eager, compiled, exact=True)
+    return graphs
+
+
+@pytest.mark.parametrize("kind,bf16", [("sliced", False), ("units", True)], ids=["sliced", "units-bf16"])
+@pytest.mark.slow
+def test_micro_batches_reduced_as_they_go_then_a_compiled_step_equal_eager(kind, bf16):
+    """``reduce_micro_batches=True``: the micro-batches reduce-scatter eagerly as they go
+    (``compiled.accumulate`` runs ``step.accumulate``), and the compiled step adds its own
+    reduced slice to their sum in the graph, in the order the eager step (and FSDP2) adds
+    them: bit for bit, two graphs (with and without micro-batches), whatever the count."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    assert fdp.testing.run(_micro_reduced_case, 2, backend="gloo", timeout=300, args=(kind, bf16)) == [2, 2]
+
+
 def _bf16_checkpointed_case(group, kind):
     (eager, compiled), graphs = _run(group, kind, "muon_sgd", "method", net=CheckpointedNet,
                                      reducer_kw={"param_dtype": torch.bfloat16})

@@ -58,8 +58,6 @@ def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool, compil
         return "uneven=True counts the active ranks on the host"
     if accumulate is not None:
         return "accumulate= adds a gradient tree built outside the step"
-    if engine.acc.slices is not None:
-        return "reduce_micro_batches=True keeps the micro-batches' sharded sums, reduced by eager calls"
     if program.injected is not None and program.traced is None and not compiled_step:
         return ("inject_hyperparams reads some values on the host before each step (betas, eps, momentum: a new "
                 "value compiles the step anew); compile the step with step.compile(), which reads them, or give "
@@ -105,8 +103,12 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         leaves, treedef, inputs = _whole_inputs(plan, store, params, f"{name} params")
     grads, value = _grad_and_value(_loss_of(fn, treedef, rest, kwargs), has_aux, inputs, name)
     acc = engine.acc
-    if acc.count:  # step.accumulate's micro-batches (eager calls before this one): added before the mean
-        grads = [g + a for g, a in zip(grads, acc.grads)]
+    sums = None
+    if acc.count:  # step.accumulate's micro-batches (eager calls before this one)
+        if acc.slices is not None:  # reduce_micro_batches: this rank's slices of their reduced sum, added below
+            sums, acc.slices = acc.slices, None
+        else:  # their local sum, added before the mean
+            grads = [g + a for g, a in zip(grads, acc.grads)]
         acc.count = 0
 
     scale = machine.scale_for(engine.group.size)
@@ -121,7 +123,10 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             got = comm.traced_reduce_scatter(flat, group)
         else:
             got = hook.traced(flat, group)
-        reduced.append(got.to(bucket.dtype))
+        got = got.to(bucket.dtype)
+        if sums is not None:  # (the micro-batches' sum first, as the eager step adds them: FSDP2's order)
+            got = sums[b] + got
+        reduced.append(got)
 
     # skip_nonfinite: the reduced gradients' finite check (every rank's, sharded), made before
     # the transforms; the update below is computed either way and kept where it passed

@@ -1,14 +1,15 @@
 """The fused step under torch.compile, in every step kind: one graph with the collectives
 inside (fdp/_fused/traced.py), against the same step run eagerly.
 
-Every case runs on 2 (or 3) gloo ranks, each a forked process (tests/compiling.py), or on 2
-thread ranks in a forked process, and compiles with ``aot_eager``: dynamo's trace and
-AOTAutograd's graph, run with eager kernels, so the numbers are those of the ops the graph holds. Where the math is the same as the eager
-step's (SGD, Muon, clipping, bf16 params, accumulation) they are equal bit for bit; AdamW's
+Every case runs on 2 (3, or 4 for a 2-D mesh) gloo ranks, each a forked process
+(tests/compiling.py), or on 2 thread ranks in a forked process, and compiles with
+``aot_eager``: dynamo's trace and AOTAutograd's graph, run with eager kernels, so the numbers
+are those of the ops the graph holds. Where the math is the same as the eager step's (SGD,
+Muon, clipping, bf16 params, accumulation, a loss scale) they are equal bit for bit; AdamW's
 kernel takes torch's tensor-step path under compile (bias corrections as tensors), a few ulps
 apart per step, and so does a scheduled lr (a tensor in the graph), so those are compared
-within ``RTOL``; with 3 ranks a reduce-scatter sums in
-gloo's order, not the eager step's rank order, and the params agree within rounding.
+within ``RTOL``. With 3 ranks the sharded steps agree bit for bit too: on gloo the traced
+reduce-scatter adds the parts in the eager step's order.
 """
 
 import os
@@ -214,6 +215,45 @@ def test_micro_batches_reduced_as_they_go_then_a_compiled_step_equal_eager(kind,
     assert fdp.testing.run(_micro_reduced_case, 2, backend="gloo", timeout=300, args=(kind, bf16)) == [2, 2]
 
 
+def _mesh_case(group, kind, opt):
+    """The sharded step of ``kind`` over a 2x2 (replicate, shard) mesh, eagerly and through
+    ``step.compile()``; returns whether they agree bit for bit, and the compiled params."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+    model.to("meta")
+    out = []
+    for compiled in (False, True):
+        step = fdp.Reducer(params, mesh, **kw).grad_and_update(_token_loss(apply, buffers), _opt(opt))
+        state = step.init(params)
+        p = step.shard(params) if kind == "units" else params
+        run = step.compile(backend="aot_eager") if compiled else step
+        for i in range(4):
+            p, state, _ = run(p, state, *tokens(group.rank, i))
+        out.append(p.full() if kind == "units" else dict(p))
+    return all(torch.equal(out[0][k], out[1][k]) for k in out[0]), out[1]
+
+
+@pytest.mark.parametrize("kind,opt", [("sliced", "clip_sgd"), ("units", "muon_sgd")])
+@pytest.mark.slow  # (4 ranks)
+def test_on_a_2x2_mesh_the_compiled_sharded_steps_equal_eager(kind, opt):
+    """HSDP: each slice reduce-scattered over the shard group, then summed over the replicas
+    (one all-reduce in the graph, gloo's sum as the eager step's), the params gathered over the
+    shard group: bit for bit the eager step on 4 ranks; every rank holds the same params."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    got = fdp.testing.run(_mesh_case, 4, backend="gloo", timeout=600, args=(kind, opt))
+    assert [same for same, _ in got] == [True] * 4
+    for _, params in got[1:]:
+        assert all(torch.equal(params[k], got[0][1][k]) for k in params)
+
+
 def _bf16_checkpointed_case(group, kind):
     (eager, compiled), graphs = _run(group, kind, "muon_sgd", "method", net=CheckpointedNet,
                                      reducer_kw={"param_dtype": torch.bfloat16})
@@ -234,7 +274,7 @@ def test_step_compile_runs_activation_checkpointing_and_bf16_params_exactly(kind
 
 def _three_ranks_case(group, kind):
     (eager, compiled), _ = _run(group, kind, "clip_sgd", "function")
-    _assert_same(eager, compiled, exact=False)
+    _assert_same(eager, compiled, exact=True)
     return compiled[0]
 
 
@@ -242,7 +282,8 @@ def _three_ranks_case(group, kind):
 @pytest.mark.slow
 def test_on_three_ranks_the_compiled_sharded_steps_agree_with_eager_and_replicas_are_identical(kind):
     """Three ranks: leaves straddle slices on every rank, and a rank may own none of them (its
-    exchange receives nothing it uses: the graph must keep it, or the others hang)."""
+    exchange receives nothing it uses: the graph must keep it, or the others hang); bit for
+    bit the eager step (the traced reduce-scatter adds the parts in its order)."""
     skip_unless_dynamo_traces_fdp()
     import_compilers()
     got = fdp.testing.run(_three_ranks_case, 3, backend="gloo", timeout=300, args=(kind,))

@@ -54,8 +54,8 @@ eager_only = eager.eager_only(EAGER_ONLY)
 EAGER_INSTEAD = (
     f"{NAME}: this call of the step cannot be traced by torch.compile: the step is not bound yet (call "
     "step.init(params) eagerly first), an eager step's status is still in flight or its state is refused, or "
-    "the step has an option decided on the host (uneven, accumulate=, a "
-    "2-D mesh, clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
+    "the step has an option decided on the host (uneven, accumulate=, "
+    "clip_by_global_norm(error_if_nonfinite=True), debug, a comm hook without a traced form; "
     "inject_hyperparams, which step.compile() runs); step.compile() raises naming which. Without fullgraph=True "
     "it runs eagerly here")
 eager_instead = eager.eager_only(EAGER_INSTEAD)

@@ -50,8 +50,6 @@ def refusal(engine: Any, program: Program, accumulate: Any, uneven: bool, compil
     """Why this step cannot be traced (None: it can); ``compiled_step``: asked by
     ``fdp.CompiledStep``, which reads an injected optimizer's host values itself."""
     config = engine.config
-    if engine.mesh.replicate is not None:
-        return "a 2-D mesh sums each slice over the replicas after its reduce-scatter, point to point"
     if config.debug:
         return "debug=True compares fingerprints of the buckets on the host"
     if uneven:
@@ -121,6 +119,8 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             if pad:
                 flat = torch.cat([flat, flat.new_zeros(pad)])
             got = comm.traced_reduce_scatter(flat, group)
+            if engine.mesh.replicate is not None:  # a 2-D mesh: the slice summed over the replicas, as eagerly
+                got = comm.traced_all_reduce(got, engine.mesh.replicate)
         else:
             got = hook.traced(flat, group)
         got = got.to(bucket.dtype)

@@ -254,6 +254,53 @@ def test_on_a_2x2_mesh_the_compiled_sharded_steps_equal_eager(kind, opt):
         assert all(torch.equal(params[k], got[0][1][k]) for k in params)
 
 
+def _lost_cycle_case(group, kind):
+    """Two micro-batches, then an eager closing step that fails on rank 1 (its forward); then
+    the compiled step alone; then the whole cycle again, compiled. Returns what each call did."""
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+    model.to("meta")
+    step = fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("clip_sgd"))
+    state = step.init(params)
+    p = step.shard(params) if kind == "units" else params
+    compiled = step.compile(backend="aot_eager")
+    x, y = tokens(group.rank, 2)
+    out = []
+    for j in range(2):
+        step.accumulate(p, *tokens(group.rank, j))
+    try:
+        p, state, _ = step(p, state, x.float() if group.rank == 1 else x, y)  # (the embedding refuses floats)
+    except Exception as e:  # noqa: BLE001 - the outcome is the result
+        out.append(type(e).__name__)
+    for cycle in ((), range(2)):
+        try:
+            for j in cycle:
+                compiled.accumulate(p, *tokens(group.rank, j))
+            p, state, _ = compiled(p, state, x, y)
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["replicated", "units"])
+@pytest.mark.slow
+def test_a_compiled_step_after_a_failed_cycle_refuses_as_the_eager_step_until_the_cycle_is_redone(kind):
+    """An eager closing step that failed took the micro-batches with it on every rank: the
+    compiled step called alone then refuses on every rank with the eager step's reason (it
+    would average a gradient without them), and the cycle redone compiled goes on."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for rank, out in enumerate(fdp.testing.run(_lost_cycle_case, 2, backend="gloo", timeout=300, args=(kind,))):
+        assert out[0] in ("RuntimeError", "CollectiveError"), (rank, out)
+        assert "Redo the whole cycle" in out[1] and "summed 2 micro-batch(es)" in out[1], (rank, out)
+        assert out[2] == "ok", (rank, out)
+
+
 def _bf16_checkpointed_case(group, kind):
     (eager, compiled), graphs = _run(group, kind, "muon_sgd", "method", net=CheckpointedNet,
                                      reducer_kw={"param_dtype": torch.bfloat16})

@@ -131,7 +131,10 @@ class CompiledStep:
         return step._engine
 
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
-        self._ready(params)
+        engine = self._ready(params)
+        lost, engine.acc.lost = engine.acc.lost, None
+        if lost is not None:  # (an eager step took step.accumulate's micro-batches with it, on every rank)
+            raise RuntimeError(lost)
         program = self.step._program
         if program.injected is None:
             with _internals.tracing_autograd():

@@ -65,6 +65,20 @@ def _opt(name):
     }[name]()
 
 
+def _block_net(kind, net=BlockNet, **reducer_kw):
+    """A tied-embedding block net functionalized, its module moved to the meta device (as a
+    user drops the module's copy: the tied head must stay tied in the graph), and the
+    Reducer's keywords for ``kind`` (small caps: several buckets). Returns ``(apply, params,
+    buffers, kw)``."""
+    model = init_(net(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    kw = {**KINDS[kind], **reducer_kw, "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
+    if kind == "units":
+        kw["units"] = fdp.units(model, Block)
+    model.to("meta")
+    return apply, params, buffers, kw
+
+
 def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None, inductor=False,
          reset=True):
     """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net (its module
@@ -76,13 +90,8 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
     number of graphs dynamo made."""
     if reset:
         torch._dynamo.reset()
-    model = init_(net(vocab=32, d=16, n=2), 3)
-    apply, params, buffers = fdp.functionalize(model)
+    apply, params, buffers, kw = _block_net(kind, net, **(reducer_kw or {}))
     loss = _token_loss(apply, buffers)
-    kw = {**KINDS[kind], **(reducer_kw or {}), "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
-    if kind == "units":
-        kw["units"] = fdp.units(model, Block)
-    model.to("meta")  # (as a user drops the module's copy: the tied head must stay tied in the graph)
     out, graphs = [], [0]
 
     def count(gm, example_inputs):
@@ -222,12 +231,7 @@ def _mesh_case(group, kind, opt):
 
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
-    apply, params, buffers = fdp.functionalize(model)
-    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
-    if kind == "units":
-        kw["units"] = fdp.units(model, Block)
-    model.to("meta")
+    apply, params, buffers, kw = _block_net(kind)
     out = []
     for compiled in (False, True):
         step = fdp.Reducer(params, mesh, **kw).grad_and_update(_token_loss(apply, buffers), _opt(opt))
@@ -258,12 +262,7 @@ def _lost_cycle_case(group, kind):
     """Two micro-batches, then an eager closing step that fails on rank 1 (its forward); then
     the compiled step alone; then the whole cycle again, compiled. Returns what each call did."""
     torch._dynamo.reset()
-    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
-    apply, params, buffers = fdp.functionalize(model)
-    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}
-    if kind == "units":
-        kw["units"] = fdp.units(model, Block)
-    model.to("meta")
+    apply, params, buffers, kw = _block_net(kind)
     step = fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("clip_sgd"))
     state = step.init(params)
     p = step.shard(params) if kind == "units" else params
@@ -580,16 +579,10 @@ def _loss_scale_case(group, kind, clip_first, skip_nonfinite):
     from the same params; a rank's loss made inf at steps 2 (rank 0) and 5 (rank 1). Returns
     both runs' (params, state leaves, per step (finite, skipped, scale)) and the graphs made."""
     torch._dynamo.reset()
-    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
-    apply, params, buffers = fdp.functionalize(model)
+    apply, params, buffers, kw = _block_net(kind, skip_nonfinite=skip_nonfinite)
 
     def loss(p, x, y, scale, bad):  # (scaler.scale(loss): the state's scale, passed in)
         return F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()) * scale * bad
-
-    kw = {**KINDS[kind], "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002, "skip_nonfinite": skip_nonfinite}
-    if kind == "units":
-        kw["units"] = fdp.units(model, Block)
-    model.to("meta")
     runs, graphs = [], []
     for compiled in (False, True):
         scaling, clip = fdp.optim.loss_scale(init_scale=2.0 ** 4, growth_interval=2), fdp.optim.clip_by_global_norm(0.05)

@@ -20,12 +20,9 @@ rotates), and after the run every kind's params are compared with DDP's:
             micro-batch with the all-reduce and the update) each ``torch.compile``-d;
   compiled-fused, compiled-sharded  (``--compiled``) the fused and the sharded kinds with
             their step and accumulate each compiled as one graph (``step.compile()``);
-  ddp-compiled  (``--compiled``) DDP of the model compiled (nanoGPT's ``model =
-            torch.compile(model)`` before DDP): dynamo's DDPOptimizer splits the graph at DDP's
-            bucket boundaries, DDP's hooks all-reduce between the backward graphs;
-  ddp-compiled-autograd  (``--compiled``) DDP under compiled autograd (dynamo's
-            ``optimize_ddp="python_reducer"``, the DDP module ``torch.compile``-d and each
-            backward compiled with its all-reduces), clipping and AdamW as ddp's.
+  ddp-compiled, ddp-compiled-autograd  (``--compiled``) DDP compiled two ways (of the model
+            compiled: DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``), clipping
+            and AdamW as ddp's.
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -49,14 +46,14 @@ from torch import nn
 
 import fdp
 
-from .. import _internals
+from . import ddp as ddp_kinds
 from . import zoo
 from .table import Table, ratio
 
 KINDS = ("ddp", "fused", "fused-pure", "sharded", "plain")
 COMPILED = ("compiled-fused", "compiled-sharded")  # (with "compiled" and PEERS: --compiled)
-PEERS = ("ddp-compiled", "ddp-compiled-autograd")  # DDP compiled two ways
-DDPS = ("ddp", *PEERS)
+DDPS = ddp_kinds.KINDS
+PEERS = DDPS[1:]  # DDP compiled two ways
 FUSED = ("fused", "fused-pure", "sharded", *COMPILED)
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS = 32, 32, 64, 2, 4
 
@@ -122,14 +119,7 @@ class Loop:
             if kind in DDPS:
                 model = GPT()
                 model.load_state_dict(template.state_dict())
-                running: Any = _null
-                if kind == "ddp-compiled-autograd":
-                    ddp, running = _internals.ddp_compiled_autograd(model, group.process_group)
-                    forward = torch.compile(ddp)
-                else:
-                    if kind == "ddp-compiled":
-                        model.compile()
-                    forward = ddp = nn.parallel.DistributedDataParallel(model, process_group=group.process_group)
+                ddp, forward, running = ddp_kinds.build(kind, model, group.process_group)
                 named = list(model.named_parameters())
                 opt = torch.optim.AdamW(
                     [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},

@@ -15,10 +15,8 @@ on the same batches:
   zero2-compiled, zero3-compiled  the same fused steps as one graph (``step.compile()``);
   fsdp2-compiled  FSDP2 with each block's forward compiled (``block.compile()`` before
           ``fully_shard``, torchtitan's recipe: FSDP2's hooks stay eager around the graphs);
-  ddp-compiled  DDP of the model compiled (``model.compile()`` before DDP: dynamo's
-          DDPOptimizer splits the graph at DDP's bucket boundaries);
-  ddp-compiled-autograd  DDP under compiled autograd (``optimize_ddp="python_reducer"``: the
-          forward one graph, each backward compiled with its all-reduces).
+  ddp-compiled, ddp-compiled-autograd  DDP compiled two ways (of the model compiled:
+          DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``).
   A compiled kind's first step (its compilation) runs before the memory phase resets the peak.
 
 Two phases:
@@ -56,11 +54,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import fdp
 
-from .. import _internals
+from . import ddp as ddp_kinds
 from . import zoo
 from .rss import reset_peak_rss, rss
 from .table import Table, ratio, render
@@ -92,30 +89,22 @@ class Kind:
     def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool) -> None:
         self.kind, self.group, self.clip = kind, group, clip
         compiled = kind in COMPILED
-        self.forward: Any = None
         self.running: Any = contextlib.nullcontext
         net = model(width, layers)
         self.timeline: Any = None
-        if kind == "ddp-compiled-autograd":
-            self.module, self.running = _internals.ddp_compiled_autograd(net, group.process_group)
-            self.forward = torch.compile(self.module)
+        if kind in ddp_kinds.KINDS:
+            self.module, self.forward, self.running = ddp_kinds.build(kind, net, group.process_group)
         kind = self.base = eager_kind(kind)
         if kind in ("ddp", "fsdp2"):
-            if kind == "ddp" and self.forward is None:
-                if compiled:
-                    net.compile()
-                self.module = nn.parallel.DistributedDataParallel(net, process_group=group.process_group)
-            elif kind == "fsdp2":
+            if kind == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
                 for b in net.blocks:
                     if compiled:
                         b.compile()
                     fully_shard(b)
-                self.module = fully_shard(net)
+                self.module = self.forward = fully_shard(net)
             self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-3, weight_decay=0.1)
-            if self.forward is None:
-                self.forward = self.module
             return
         apply, params, _ = fdp.functionalize(net)
         shard = {"zero2": True, "zero3": "params"}[kind]

@@ -270,6 +270,41 @@ def functional_collectives() -> Any:
     return funcol
 
 
+@_use("torch._C._distributed_c10d.{PythonCallbackWork, _register_work}", "fdp's point-to-point collectives in "
+      "a compiled graph (fdp/_comm/inplace.py) are waited for by torch's wait_tensor, which reads this registry",
+      checked="2.13")
+def register_work(out: torch.Tensor, wait: Callable[[Any], bool]) -> None:
+    """``wait_tensor(out)`` calls ``wait(timeout)`` (once)."""
+    from torch._C._distributed_c10d import PythonCallbackWork, _register_work
+
+    _register_work(out, PythonCallbackWork(wait))
+
+
+@_use("torch._inductor.lowering.register_lowering, torch._inductor.ir._CollectiveKernel.create_out_of_place",
+      "Inductor lowers fdp's point-to-point collectives (fdp/_comm/inplace.py) as its own: their inputs are held, "
+      "never reused or written, until their wait_tensor", checked="2.13")
+def lower_as_collective(ops: list[Any]) -> None:
+    """Register Inductor's lowering of torch's out-of-place collectives for each op of ``ops``
+    (each an ``OpOverloadPacket`` whose output is a new tensor, waited with ``wait_tensor``)."""
+    from torch._inductor import ir
+    from torch._inductor.lowering import register_lowering
+
+    for op in ops:
+        def lower(*args: Any, _op: Any = op.default) -> Any:
+            return ir.TensorBox.create(ir._CollectiveKernel.create_out_of_place(_op, *args))
+
+        register_lowering(op)(lower)
+
+
+@_use("torch.distributed.distributed_c10d._resolve_process_group", "a compiled graph names its process group "
+      "(fdp/_comm/traced.py's ops find theirs)", checked="2.13")
+def process_group_named(name: str) -> Any:
+    """The process group named ``name``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
 @_use("ProcessGroup._get_backend(device).options._timeout", "the timeout a process group was made with")
 def backend_timeout(pg: Any, device: torch.device) -> timedelta | None:
     """The timeout ``pg``'s backend for ``device`` was made with (None: it does not say)."""
@@ -410,15 +445,24 @@ class _Watcher(MetaPathFinder):
                               stacklevel=2)
 
 
-_DYNAMO = _Watcher("torch._dynamo")
-_constant("a sys.meta_path watcher that wraps torch._dynamo's loader's exec_module once", "when_dynamo_imported",
-          "the fused step's torch.compiler.disable is made right after torch._dynamo's import, not at import fdp "
-          "(about a second per process), and keeps its reason")
+_WATCHERS: dict[str, _Watcher] = {}
+_WATCHERS_LOCK = threading.Lock()
+_constant("a sys.meta_path watcher that wraps a torch module's loader's exec_module once", "when_imported",
+          "the fused step's torch.compiler.disable is made right after torch._dynamo's import, and fdp's "
+          "collectives' Inductor lowering right after torch._inductor.lowering's, not at import fdp (about a "
+          "second per process)")
+
+
+def when_imported(module: str, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once ``module`` is imported (at once if it already is)."""
+    with _WATCHERS_LOCK:
+        watcher = _WATCHERS.setdefault(module, _Watcher(module))
+    watcher.when_imported(callback)
 
 
 def when_dynamo_imported(callback: Callable[[], None]) -> None:
     """Run ``callback`` once torch._dynamo is imported (at once if it already is)."""
-    _DYNAMO.when_imported(callback)
+    when_imported("torch._dynamo", callback)
 
 
 @_use("torch._dynamo.config.trace_autograd_ops", "the traced fused step differentiates with torch.autograd.grad "

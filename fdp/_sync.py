@@ -16,6 +16,7 @@ from . import _tree, kernels
 from ._comm import collectives as comm
 from ._comm.agree import Meta, digest, tree_meta, verify_digest, verify_layout
 from ._comm.group import Group, resolve
+from ._comm.traced import traced_all_reduce, traced_broadcast
 from ._lru import LRU
 from ._plan.bucket import BucketPlan, MiB, contiguous_strides
 
@@ -227,9 +228,9 @@ def _sync_buffers_traced(buffers: Any, mode: str, src: int, g: Group) -> Any:
     for dtype, idx in by_dtype.items():
         flat = torch.cat([leaves[i].reshape(-1) for i in idx])
         if mode == "mean" and dtype.is_floating_point:
-            flat = comm.traced_all_reduce(flat * (1.0 / g.size), g)
+            flat = traced_all_reduce(flat * (1.0 / g.size), g)
         else:
-            flat = comm.traced_broadcast(flat, src, g)
+            flat = traced_broadcast(flat, src, g)
         for i, part in zip(idx, torch.split(flat, [leaves[i].numel() for i in idx])):
             out[i] = part.view(leaves[i].shape)
     return _tree.unflatten(treedef, out)

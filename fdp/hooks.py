@@ -39,6 +39,7 @@ import torch
 from . import _internals
 from ._comm import collectives as comm
 from ._comm.group import Group
+from ._comm.traced import traced_all_reduce
 from ._plan.bucket import Bucket
 
 HookFn = Callable[[Bucket, torch.Tensor, Group], Any]
@@ -191,16 +192,16 @@ def _noop(bucket: Bucket, flat: torch.Tensor, group: Group) -> torch.futures.Fut
     return comm.completed(flat)
 
 
-allreduce = CommHook(_sum_in_place, name="allreduce", in_place=True, traced=comm.traced_all_reduce)
+allreduce = CommHook(_sum_in_place, name="allreduce", in_place=True, traced=traced_all_reduce)
 allreduce.__doc__ = "Sum the prescaled buckets: the mean over ranks (the default)."
 
 fp16_compress = CommHook(_sum_in_place, dtype=torch.float16, name="fp16_compress", in_place=True,
-                         traced=comm.traced_all_reduce)
+                         traced=traced_all_reduce)
 fp16_compress.__doc__ = """Fill buckets in fp16 (scale and cast fused, rounded once), sum in fp16, decompress into
 the gradients' dtype. Halves the bytes on the wire (DDP's ``fp16_compress_hook``)."""
 
 bf16_compress = CommHook(_sum_in_place, dtype=torch.bfloat16, name="bf16_compress", in_place=True,
-                         traced=comm.traced_all_reduce)
+                         traced=traced_all_reduce)
 bf16_compress.__doc__ = """Like ``fp16_compress`` with bfloat16: fp32's range, 8 bits of mantissa.
 
 DDP's ``bf16_compress_hook``, which fdp also allows on gloo and the CPU.

@@ -774,20 +774,27 @@ def test_in_order_chains_the_collectives_and_holds_each_ones_overlap(hold):
     assert deps == expected
 
 
-@pytest.mark.slow
-def test_a_reduce_scatter_is_told_from_the_other_all_to_alls_by_its_equal_parts():
-    """On gloo fdp's traced reduce-scatter is an ``all_to_all_single`` of equal parts; the
-    reshard pass bounds those (``is_scatter``), not the unequal exchanges of Muon's owners."""
-    from fdp._comm.schedule import is_scatter
+def test_the_passes_see_fdps_gloo_collectives_as_the_ones_they_stand_for():
+    """On gloo fdp's traced all-gather and reduce-scatter are its own point-to-point ops
+    (``fdp/_comm/traced.py``); the passes treat them as torch's: collectives (issued early, kept
+    in order), param gathers (reshard) and reduce-scatters (bounded one at a time), while an
+    ``all_to_all_single`` (Muon's owners, a leaf's exchange) is no reduce-scatter, equal parts
+    or not."""
+    from fdp._comm.schedule import COLLECTIVES, is_op, is_scatter
 
-    c10d = torch.ops._c10d_functional
+    c10d, ours = torch.ops._c10d_functional, torch.ops.fdp
     g = torch.fx.Graph()
     x = g.placeholder("x")
     nodes = [g.call_function(c10d.reduce_scatter_tensor.default, (x, "sum", 2, "0")),
+             g.call_function(ours.reduce_scatter_tensor.default, (x, "sum", 2, "0", 0)),
              g.call_function(c10d.all_to_all_single.default, (x, [8, 8], [8, 8], "0")),
-             g.call_function(c10d.all_to_all_single.default, (x, [16, 48], [16, 16], "0")),
-             g.call_function(c10d.all_reduce.default, (x, "sum", "0"))]
-    assert [is_scatter(n) for n in nodes] == [True, True, False, False]
+             g.call_function(c10d.all_reduce.default, (x, "sum", "0")),
+             g.call_function(ours.all_gather_into_tensor.default, (x, 2, "0", 1)),
+             g.call_function(torch.ops.aten.mm.default, (x, x))]
+    assert [is_scatter(n) for n in nodes] == [True, True, False, False, False, False]
+    assert [is_op(n, COLLECTIVES) for n in nodes] == [True] * 5 + [False]
+    assert [is_op(n, ("all_gather_into_tensor",)) for n in nodes] == [False] * 4 + [True, False]
+    assert is_op(nodes[-1], ("mm",), "aten") and not is_op(nodes[-1], ("mm",))
 
 
 def _gathers_alive(gm):
@@ -931,7 +938,7 @@ def _inductor_case(group):
     import_compilers(inductor=True)
     ((eager, compiled), graphs), codes = fdp._internals.inductor_code(lambda: _run(
         group, "units", "muon_sgd", "method", steps=3, reducer_kw={"param_dtype": torch.bfloat16}, inductor=True))
-    issued = [m.group(1) for code in codes for m in re.finditer(r"_c10d_functional\.(\w+)\.default\(", code)
+    issued = [m.group(1) for code in codes for m in re.finditer(r"(?:_c10d_functional|fdp)\.(\w+)\.default\(", code)
               if m.group(1) != "wait_tensor"]
     (pe, _, _), (pc, _, _) = eager, compiled
     # bf16 compute: Inductor keeps a fused kernel's intermediates in fp32 where eager rounds
@@ -945,9 +952,9 @@ def _inductor_case(group):
 @pytest.mark.slow
 def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     """One Inductor compile (the rest of the file checks traces with aot_eager): a fully
-    sharded step whose graph holds every collective kind fdp issues (all-gather, the
-    reduce-scatter, which on gloo is an all-to-all of the parts, the all-to-alls of Muon's
-    owners) and bf16 casts, lowered with fdp's passes (the collectives' schedule, each unit
+    sharded step whose graph holds every collective kind fdp issues (all-gather and
+    reduce-scatter, on gloo fdp's point-to-point ops, the all-to-alls of Muon's owners) and
+    bf16 casts, lowered with fdp's passes (the collectives' schedule, each unit
     gathered again for its backward, their order kept through Inductor's reordering) and
     run: every rank issues the same collectives in the same order."""
     skip_unless_dynamo_traces_fdp()
@@ -957,7 +964,7 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     # Muon's owners make the ranks' graphs differ: Inductor's reordering must not change the
     # order they issue the collectives in (fdp's in_order pass)
     (_, mine), (_, theirs) = got
-    assert mine == theirs and set(mine) == {"all_gather_into_tensor", "all_to_all_single"}, mine
+    assert mine == theirs and set(mine) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"}, mine
 
 
 def _two_steps_case(group):

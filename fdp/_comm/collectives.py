@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _internals
 from .._errors import CollectiveError
 from .._log import debug_mode
 from .group import Group, pg_timeout
@@ -271,65 +270,3 @@ def wait_future(fut: torch.futures.Future, group: Group, what: str) -> Any:
         return fut.wait()
     except Exception as e:
         raise collective_error(group, what, e) from e
-
-
-# ---------------------------------------------------------------------------- traced (torch.compile)
-# Functional collectives are the graph-visible form torch.compile traces (and Inductor can
-# reorder for overlap); the eager path above uses c10d's work handles, which dynamo cannot
-# trace. Both are torch's public-by-convention distributed APIs as of 2.13.
-
-
-def traced_all_reduce(flat: torch.Tensor, group: Group) -> torch.Tensor:
-    """SUM all-reduce as graph nodes (``all_reduce -> wait``); the identity in a world of one."""
-    if group.process_group is None:
-        return flat
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_reduce(flat, "sum", group.process_group))
-
-
-def traced_broadcast(flat: torch.Tensor, src: int, group: Group) -> torch.Tensor:
-    """Broadcast from group rank ``src`` as graph nodes; the identity in a world of one."""
-    if group.process_group is None:
-        return flat
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.broadcast(flat, src, group.process_group))
-
-
-
-
-def traced_reduce_scatter(flat: torch.Tensor, group: Group) -> torch.Tensor:
-    """SUM reduce-scatter of ``flat`` (a multiple of the group's size) into this rank's equal
-    part, as graph nodes; the identity in a world of one.
-
-    On gloo, whose ``reduce_scatter_tensor`` is a whole all-reduce and a copy (a 12 MiB bucket
-    on 2 ranks: 17 ms, as long as its all-reduce), the parts are exchanged instead, one
-    ``all_to_all_single`` (10 ms), and added here: this rank's own part first, then the
-    peers' in rank order, as the eager step's point-to-point exchange adds them (its bits)."""
-    if group.process_group is None:
-        return flat
-    funcol = _internals.functional_collectives()
-    if group.backend != "gloo":
-        return funcol.wait_tensor(funcol.reduce_scatter_tensor(flat, "sum", 0, group.process_group))
-    n = flat.numel() // group.size
-    parts = traced_all_to_all(flat, [n] * group.size, [n] * group.size, group).view(group.size, n)
-    out = parts[group.rank]
-    for j in range(group.size):
-        if j != group.rank:
-            out = out + parts[j]
-    return out
-
-
-def traced_all_gather(flat: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's ``flat``, concatenated in rank order, as graph nodes; the identity in a
-    world of one."""
-    if group.process_group is None:
-        return flat
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_gather_tensor(flat, 0, group.process_group))
-
-
-def traced_all_to_all(flat: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Group) -> torch.Tensor:
-    """``all_to_all_single`` as graph nodes: ``in_sizes[j]`` elements of ``flat`` to rank ``j``,
-    ``out_sizes[k]`` from rank ``k``, received in rank order."""
-    funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_to_all_single(flat, out_sizes, in_sizes, group.process_group))

@@ -6,7 +6,8 @@ gradients are in: the fill of a bucket (its gradients concatenated, scaled, cast
 collective follow the whole backward in the graph, although the backward produces the last
 bucket's gradients first. Inductor's own reordering (``reorder_for_compute_comm_overlap``)
 moves a collective but not the fill that feeds it. This pass moves both: for every collective
-(``torch.ops._c10d_functional``'s all_reduce, reduce_scatter, all_gather, all_to_all) the pure
+(``torch.ops._c10d_functional``'s all_reduce, reduce_scatter, all_gather, all_to_all, and fdp's
+own on gloo) the pure
 nodes that feed only it (its *chain*) go, in their order, right after the last node they read
 from outside the chain (and after the collective before it: the ranks issue their collectives
 in the same order, also where their graphs differ, e.g. Muon's owners), with the collective
@@ -28,31 +29,30 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _internals
+from .traced import NAMESPACE
 
 __all__ = ["COLLECTIVES", "COMPUTE", "feeding_only", "in_order", "is_op", "is_scatter", "issue_early"]
 
+COLLECTIVE_NAMESPACES = ("_c10d_functional", NAMESPACE)
 COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")
 # The ops that hide a collective: each is its own kernel (never fused away), so a dependency on
 # it costs nothing
 COMPUTE = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
 
 
-def is_op(node: Any, names: tuple[str, ...], namespace: str = "_c10d_functional") -> bool:
-    """A call of one of the ops ``names`` of ``namespace`` (a collective's, by default)."""
+def is_op(node: Any, names: tuple[str, ...], namespace: str | None = None) -> bool:
+    """A call of one of the ops ``names`` of ``namespace``; by default, a collective's: of
+    ``_c10d_functional``, or fdp's own that stand for them on gloo (``fdp/_comm/traced.py``)."""
     schema = getattr(node.target, "_schema", None)  # (an OpOverload's)
-    return (node.op == "call_function" and schema is not None and schema.name.startswith(f"{namespace}::")
-            and schema.name.split("::")[-1] in names)
+    if node.op != "call_function" or schema is None:
+        return False
+    space, _, name = schema.name.partition("::")
+    return name in names and (space in COLLECTIVE_NAMESPACES if namespace is None else space == namespace)
 
 
 def is_scatter(node: Any) -> bool:
-    """A reduce-scatter: ``reduce_scatter_tensor``, or an ``all_to_all_single`` of equal parts
-    (on gloo, fdp's traced reduce-scatter exchanges the parts: fdp/_comm/collectives.py)."""
-    if is_op(node, ("reduce_scatter_tensor",)):
-        return True
-    if not is_op(node, ("all_to_all_single",)):
-        return False
-    out_sizes, in_sizes = node.args[1], node.args[2]
-    return len(set(in_sizes)) == 1 and list(in_sizes) == list(out_sizes)
+    """A reduce-scatter (torch's, or fdp's on gloo)."""
+    return is_op(node, ("reduce_scatter_tensor",))
 
 
 def _pure(node: Any) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import _internals, _tree
-from .._comm import collectives as comm
+from .._comm import traced as comm
 from .._plan.bucket import BucketPlan
 from .._slices.geometry import Slices
 from .._step.traced import traced_fill
@@ -91,7 +91,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         fulls = []
         for b in range(len(plan.buckets)):
             mine = own[b].detach().to(store.units.fulls[b].dtype)
-            fulls.append(comm.traced_all_gather(mine, group) if store.scatter is not None else mine)
+            fulls.append(comm.traced_all_gather(mine, group, tag=2 * b + 1) if store.scatter is not None else mine)
         # (dynamo replaces optree's specs: the params' structure is flattened inside the trace,
         # from the plan's tree of leaf indices, made eagerly with the engine)
         treedef = _tree.structure(engine.skeleton)
@@ -118,7 +118,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             pad = slices.padded[b] - bucket.numel
             if pad:
                 flat = torch.cat([flat, flat.new_zeros(pad)])
-            got = comm.traced_reduce_scatter(flat, group)
+            got = comm.traced_reduce_scatter(flat, group, tag=2 * b)
             if engine.mesh.replicate is not None:  # a 2-D mesh: the slice summed over the replicas, as eagerly
                 got = comm.traced_all_reduce(got, engine.mesh.replicate)
         else:
@@ -219,7 +219,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         for mine, new_slice in zip(own, out):
             mine.copy_(new_slice)
     if store.gathers_params:
-        out = [comm.traced_all_gather(p, group) for p in out]
+        out = [comm.traced_all_gather(p, group, tag=2 * b + 1) for b, p in enumerate(out)]
     state.step.add_(1 if ok is None else ok.to(state.step.device, state.step.dtype))
     if units:
         new = params if donate else ShardedParams(store.units, out)

@@ -514,19 +514,6 @@ def dynamo_reset() -> None:
     torch._dynamo.reset()
 
 
-@_use("torch._inductor.config.reorder_for_peak_memory", "step.compile() issues a fully sharded step's second "
-      "gathers a unit ahead only where Inductor keeps them there (fdp/_comm/reshard.py)", checked="2.13")
-def inductor_reorders_for_memory(options: dict) -> bool:
-    """Whether Inductor, compiling with ``options`` (``torch.compile``'s ``options=``),
-    reorders the graph for its peak memory (which waits for each collective right after
-    launching it)."""
-    if "reorder_for_peak_memory" in options:
-        return bool(options["reorder_for_peak_memory"])
-    import torch._inductor.config as config
-
-    return bool(getattr(config, "reorder_for_peak_memory", False))
-
-
 @_use("torch._inductor.fx_passes.control_dependencies.preserve_node_ordering",
       "a compiled step's collectives keep fdp's order whatever Inductor's own reordering "
       "(reorder_for_peak_memory) makes of the rest: ranks whose graphs differ (Muon's owners) must issue them "

@@ -105,15 +105,12 @@ class CompiledStep:
         if not self.schedule or options.get("backend", "inductor") != "inductor" \
                 or "post_grad_custom_post_pass" in given:
             return options
-        roots, regather, prefetch = None, True, True
-        if engine.store.kind is StoreKind.UNITS:
+        roots, regather = None, True
+        if engine.store.kind is StoreKind.UNITS:  # (the second gathers a unit ahead, as eagerly: docs/compile.md)
             units = engine.store.units
             roots = tuple(u == 0 for u in units.unit_of_bucket)
             regather = units.reshard_after_forward
-            # (Inductor's memory reordering waits for each collective right after its launch:
-            # a gather issued a unit ahead would only hold its buffer longer)
-            prefetch = not _internals.inductor_reorders_for_memory(given)
-        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather, prefetch)
+        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather)
         return {**options, "options": given}
 
     def _ready(self, params: Any) -> Engine:

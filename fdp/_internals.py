@@ -280,6 +280,16 @@ def register_work(out: torch.Tensor, wait: Callable[[Any], bool]) -> None:
     _register_work(out, PythonCallbackWork(wait))
 
 
+def registers_works() -> bool:
+    """Whether this torch has what ``register_work`` uses (2.13 has; older ones may not: fdp's
+    compiled steps on gloo then issue torch's own collectives)."""
+    try:
+        from torch._C._distributed_c10d import PythonCallbackWork, _register_work  # noqa: F401
+    except ImportError:  # pragma: no cover - an older torch
+        return False
+    return True
+
+
 @_use("torch._inductor.lowering.register_lowering, torch._inductor.ir._CollectiveKernel.create_out_of_place",
       "Inductor lowers fdp's point-to-point collectives (fdp/_comm/inplace.py) as its own: their inputs are held, "
       "never reused or written, until their wait_tensor", checked="2.13")

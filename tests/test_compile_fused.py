@@ -904,29 +904,38 @@ def test_the_reshard_pass_gathers_one_unit_ahead_and_again_for_the_backward_with
     assert got[0][1]["resharded"][1] == got[1][1]["resharded"][1]
 
 
-def _donated_case(group, compiled):
+def _donated_case(group, kind, compiled):
+    """Three donated steps; the params after them, and whether the given ones were written:
+    fully sharded, the given slices hold the new ones (their memory); else the given tensors
+    (re-pointed by the eager step at its own buffers, written in place by the compiled one)
+    hold the new params."""
     torch._dynamo.reset()
     model = init_(BlockNet(vocab=32, d=16, n=2), 3)
     apply, params, buffers = fdp.functionalize(model)
-    step = fdp.Reducer(params, group, shard="params", units=fdp.units(model, Block), bucket_cap_mb=0.004).grad_and_update(
+    units = {"units": fdp.units(model, Block)} if kind == "units" else {}
+    step = fdp.Reducer(params, group, bucket_cap_mb=0.004, **KINDS[kind], **units).grad_and_update(
         _token_loss(apply, buffers), _opt("clip_sgd"), donate=True)
     state = step.init(params)
-    p = step.shard(params)
+    p = step.shard(params) if kind == "units" else params
     run = step.compile(backend="aot_eager") if compiled else step
-    given = [f.data_ptr() for f in p.flats]
+    given = [f.data_ptr() for f in p.flats] if kind == "units" else None
     for i in range(3):
         p, state, _ = run(p, state, *tokens(group.rank, i))
-    return p.full(), [f.data_ptr() for f in p.flats] == given
+    if kind == "units":
+        return p.full(), [f.data_ptr() for f in p.flats] == given
+    return {k: v.clone() for k, v in p.items()}, all(torch.equal(params[k], p[k]) for k in p)
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.slow
-def test_a_donated_fully_sharded_step_compiled_writes_the_given_slices_as_eagerly():
-    """``donate=True``: the compiled step writes the new slices into the given ones (no second
-    copy of them in the graph's outputs) and returns them, as the eager step does."""
+def test_a_donated_step_compiled_writes_the_given_params_as_eagerly(kind):
+    """``donate=True``: the compiled step writes the new params (fully sharded: the new slices)
+    into the given tensors (no second copy of them in the graph's outputs), so the caller's
+    tensors hold them, as after the eager step; the numbers are the eager step's."""
     skip_unless_dynamo_traces_fdp()
     import_compilers()
-    eager = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(False,))
-    compiled = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(True,))
+    eager = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(kind, False))
+    compiled = fdp.testing.run(_donated_case, 2, backend="gloo", timeout=300, args=(kind, True))
     for (pe, same_e), (pc, same_c) in zip(eager, compiled):
         assert same_e and same_c
         assert all(torch.equal(pe[k], pc[k]) for k in pe)

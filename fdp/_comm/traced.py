@@ -99,8 +99,12 @@ def traced_all_to_all(flat: torch.Tensor, out_sizes: list[int], in_sizes: list[i
 
 
 def _point_to_point(flat: torch.Tensor, group: Group) -> bool:
-    """Whether ``flat`` goes through fdp's ops (gloo, CPU tensors)."""
-    return group.backend == "gloo" and flat.device.type == "cpu"
+    """Whether ``flat`` goes through fdp's ops (gloo, CPU tensors, a torch whose
+    ``wait_tensor`` can wait for them)."""
+    return group.backend == "gloo" and flat.device.type == "cpu" and _REGISTERS_WORKS
+
+
+_REGISTERS_WORKS = _internals.registers_works()
 
 
 # ---------------------------------------------------------------------------- fdp's ops (gloo)

@@ -10,6 +10,7 @@ Where an API may be missing on a supported torch, its function says what fdp doe
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import sys
 import threading
@@ -561,7 +562,8 @@ def inductor_post_grad_pass(fn: Callable[[Any], None], uuid: str) -> Any:
 
 
 @_use("torch._dynamo.config.optimize_ddp='python_reducer', torch._dynamo.compiled_autograd._enable, "
-      "torch._inductor.config._fuse_ddp_communication", "python -m fdp.bench loop/sharded --compiled time DDP "
+      "torch._inductor.config._fuse_ddp_communication, the logger torch._dynamo.variables.ctx_manager",
+      "python -m fdp.bench loop/sharded --compiled time DDP "
       "under compiled autograd, the peer torch documents for a whole compiled DDP step", checked="2.13")
 def ddp_compiled_autograd(module: nn.Module, process_group: Any) -> tuple[nn.Module, Callable[[], Any]]:
     """``DistributedDataParallel(module)`` built for compiled autograd (dynamo's
@@ -589,4 +591,15 @@ def ddp_compiled_autograd(module: nn.Module, process_group: Any) -> tuple[nn.Mod
                 compiled_autograd._enable(torch.compile):
             yield
 
+    # (dynamo notes once per process that it ignores the record_function DDP's forward opens:
+    # nothing the benchmarks report, so not said in their output)
+    logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(_RECORD_FUNCTION_NOTE)
     return ddp, running
+
+
+class _NoRecordFunctionNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Profiler record function")
+
+
+_RECORD_FUNCTION_NOTE = _NoRecordFunctionNote()

@@ -74,8 +74,8 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
                      ) -> tuple[Any, FusedState, Any]:
     """One fused step as graph nodes (see the module docstring): ``(params, state, value)``;
     ``donate``: the new params (with fully sharded params, the new slices) are written into the
-    given ones, which the step returns (as the eager step writes them), so the step holds no
-    second copy of them."""
+    given ones, which the step returns (as the eager step writes them): no second copy of them
+    outlives the step."""
     plan, store, bk = engine.plan, engine.store, engine.buckets
     name = engine.name
     layout.check(state)  # (under compile without the layout tensor's host comparison)
@@ -224,7 +224,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     state.step.add_(1 if ok is None else ok.to(state.step.device, state.step.dtype))
     if units:
         new = params if donate else ShardedParams(store.units, out)
-    elif donate:  # the new params into the given leaves, each bucket's as it is made (no second set held)
+    elif donate:  # the new params into the given leaves (no second set lives on between steps)
         for b, bucket in enumerate(plan.buckets):
             for i, view in zip(bucket.leaves, _views(out[b], bucket)):
                 leaves[i].copy_(view)

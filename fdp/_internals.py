@@ -272,7 +272,7 @@ def functional_collectives() -> Any:
 
 
 @_use("torch._C._distributed_c10d.{PythonCallbackWork, _register_work}", "fdp's point-to-point collectives in "
-      "a compiled graph (fdp/_comm/inplace.py) are waited for by torch's wait_tensor, which reads this registry",
+      "a compiled graph (fdp/_comm/traced.py) are waited for by torch's wait_tensor, which reads this registry",
       checked="2.13")
 def register_work(out: torch.Tensor, wait: Callable[[Any], bool]) -> None:
     """``wait_tensor(out)`` calls ``wait(timeout)`` (once)."""
@@ -292,7 +292,7 @@ def registers_works() -> bool:
 
 
 @_use("torch._inductor.lowering.register_lowering, torch._inductor.ir._CollectiveKernel.create_out_of_place",
-      "Inductor lowers fdp's point-to-point collectives (fdp/_comm/inplace.py) as its own: their inputs are held, "
+      "Inductor lowers fdp's point-to-point collectives (fdp/_comm/traced.py) as its own: their inputs are held, "
       "never reused or written, until their wait_tensor", checked="2.13")
 def lower_as_collective(ops: list[Any]) -> None:
     """Register Inductor's lowering of torch's out-of-place collectives for each op of ``ops``

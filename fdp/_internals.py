@@ -561,6 +561,18 @@ def inductor_post_grad_pass(fn: Callable[[Any], None], uuid: str) -> Any:
     return Pass()
 
 
+@_use("torch._inductor.config.cpp_wrapper", "python -m fdp.bench loop/sharded --cpp-wrapper compile every "
+      "compiled kind, fdp's and the peers', with Inductor's C++ wrapper (users pass "
+      "options={'cpp_wrapper': True} to torch.compile or step.compile)", checked="2.13")
+def inductor_cpp_wrapper() -> None:
+    """Every graph Inductor compiles from now on in this process has its wrapper (the code that
+    calls the kernels) compiled to C++ instead of run as Python: what ``torch.compile(...,
+    options={"cpp_wrapper": True})`` does for one function, for all of them."""
+    import torch._inductor.config as inductor
+
+    inductor.cpp_wrapper = True
+
+
 @_use("torch._dynamo.config.optimize_ddp='python_reducer', torch._dynamo.compiled_autograd._enable, "
       "torch._inductor.config._fuse_ddp_communication, the logger torch._dynamo.variables.ctx_manager",
       "python -m fdp.bench loop/sharded --compiled time DDP "

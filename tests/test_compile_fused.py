@@ -80,14 +80,14 @@ def _block_net(kind, net=BlockNet, **reducer_kw):
 
 
 def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, reducer_kw=None, inductor=False,
-         reset=True):
+         reset=True, options=None):
     """``steps`` steps of the fused step of ``kind`` on a tied-embedding block net (its module
     moved to the meta device), eagerly and
     compiled (``compile_how``: "function" compiles a train step that calls the step,
     "method" uses ``step.compile``), from the same params; ``accumulate``: the steps before
     which micro-batches go through ``step.accumulate`` (eagerly, as they must), how many.
     Returns both runs' (params as whole tensors, optimizer state as a tree, losses) and the
-    number of graphs dynamo made."""
+    number of graphs dynamo made. ``options``: ``step.compile``'s (with ``inductor``)."""
     if reset:
         torch._dynamo.reset()
     apply, params, buffers, kw = _block_net(kind, net, **(reducer_kw or {}))
@@ -110,7 +110,7 @@ def _run(group, kind, opt, compile_how, steps=4, accumulate=(), net=BlockNet, re
         if compiled and compile_how == "method" and inductor:  # (Inductor with fdp's passes, as users get it)
             from torch._dynamo.utils import counters
             before = counters["stats"]["unique_graphs"]
-            run = step.compile()
+            run = step.compile(**(options or {}))
         elif compiled and compile_how == "method":
             run = step.compile(backend=count)
         elif compiled:
@@ -974,6 +974,34 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
     # order they issue the collectives in (fdp's in_order pass)
     (_, mine), (_, theirs) = got
     assert mine == theirs and set(mine) == {"all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"}, mine
+
+
+def _cpp_wrapper_case(group, kind):
+    import_compilers(inductor=True)
+    ((eager, compiled), _), codes = fdp._internals.inductor_code(lambda: _run(
+        group, kind, "clip_sgd", "method", steps=3, accumulate=((1, 2),), inductor=True,
+        options={"options": {"cpp_wrapper": True}}))
+    _assert_same(eager, compiled, exact=False)
+    return sum("inductor_entry_impl" in code for code in codes), len(codes)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_inductors_cpp_wrapper_compiles_the_fused_steps_with_their_eager_numbers(kind):
+    """``step.compile(options={"cpp_wrapper": True})``, docs/compile.md's advice for CPU runs:
+    the step's graphs (and the compiled accumulate's) get a C++ wrapper, also around fdp's own
+    gloo collectives (ops the wrapper calls through the dispatcher), clipping's norms and the
+    all-reduce, and the steps agree with eager. ``shard=True`` with clipping met two torch
+    2.13 bugs of the wrapper, both worked around: torch's ``all_to_all_single`` (the
+    statistics of leaves that straddle slices) has a schema it cannot call (fdp's own
+    all-to-all on gloo now), and it read a one-tensor ``_foreach_norm``'s list as a tensor
+    (SIGSEGV; fdp's traced norms never ask for one alone)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    got = fdp.testing.run(_cpp_wrapper_case, 2, backend="gloo", timeout=900, args=(kind,))
+    for in_cpp, graphs in got:
+        assert graphs >= 1 and in_cpp == graphs, (in_cpp, graphs)
 
 
 def _two_steps_case(group):

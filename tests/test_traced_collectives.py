@@ -1,5 +1,5 @@
 """The collectives of a compiled step on gloo (``fdp/_comm/traced.py``): fdp's point-to-point
-all-gather and reduce-scatter, against torch's own collectives on the same data.
+all-gather, reduce-scatter and all-to-all, against torch's own collectives on the same data.
 
 They give what torch's give (the gather bit for bit; the reduce-scatter the sum of the parts
 in the eager step's order: this rank's own part, then the peers' in rank order), eagerly, in
@@ -12,7 +12,7 @@ import torch
 from compiling import import_compilers
 
 import fdp
-from fdp._comm.traced import traced_all_gather, traced_reduce_scatter
+from fdp._comm.traced import traced_all_gather, traced_all_to_all, traced_reduce_scatter
 
 pytestmark = pytest.mark.compile
 
@@ -64,6 +64,33 @@ def test_fdps_gloo_gather_and_reduce_scatter_give_what_torchs_give(world, dtype)
     the reduce-scatter is the sum in the eager step's order; the input is left as it was."""
     for got in fdp.testing.run(_eager_case, world, backend="gloo", timeout=120, args=(dtype,)):
         assert got == (True, True, True, True)
+
+
+def _all_to_all_case(group, dtype):
+    """Uneven parts, one of them empty (rank 0 sends rank 1 nothing), against torch's
+    ``all_to_all_single`` on the same data."""
+    import torch.distributed as dist
+
+    w, me = group.size, group.rank
+    sizes = [[(i + 2 * j + 1) % 4 for j in range(w)] for i in range(w)]  # sizes[i][j]: from rank i to rank j
+    sizes[0][1] = 0
+    in_sizes, out_sizes = sizes[me], [sizes[i][me] for i in range(w)]
+    g = torch.Generator().manual_seed(7 + me)
+    flat = torch.randn(sum(in_sizes), generator=g).to(dtype)
+    got = traced_all_to_all(flat, out_sizes, in_sizes, group)
+    expected = flat.new_empty(sum(out_sizes))
+    dist.all_to_all_single(expected, flat, out_sizes, in_sizes, group=group.process_group)
+    return torch.equal(got, expected), got.dtype == dtype, got.numel() == sum(out_sizes)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fdps_gloo_all_to_all_gives_what_torchs_gives(world, dtype):
+    """fdp's all-to-all (clipping's straddling leaves, Muon's owners in a compiled step on
+    gloo: an op Inductor's C++ wrapper can call, which torch's cannot) is torch's, bit for bit,
+    with uneven and empty parts."""
+    for got in fdp.testing.run(_all_to_all_case, world, backend="gloo", timeout=120, args=(dtype,)):
+        assert got == (True, True, True)
 
 
 def _compiled_case(group, backend):

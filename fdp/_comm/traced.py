@@ -19,7 +19,13 @@ compiled step these buffers are most of what it holds at its peak. The ops:
 * ``fdp::reduce_scatter_tensor(input, reduce_op, group_size, group_name, tag)``: this rank's
   part of the sum: its own part, then each peer's added in rank order, as the eager step adds
   them (the same bits); the first peer's part is received into the output itself, so with
-  two ranks nothing but the output is allocated.
+  two ranks nothing but the output is allocated;
+* ``fdp::all_to_all_single(input, output_split_sizes, input_split_sizes, group_size,
+  group_name, tag)``: each rank's part of ``input`` sent to it, each peer's received into its
+  place of the output (clipping's statistics of leaves that straddle slices, Muon's whole
+  matrices to and from their owners). torch's own has a schema (``Any group_name``) that
+  Inductor's C++ wrapper cannot call (torch 2.13: "arg type Any is not yet supported by
+  custom_op_wrapper"), which made ``options={"cpp_wrapper": True}`` fail on such steps.
 
 Each has the signature and meaning of the ``_c10d_functional`` op it stands for, plus the
 point-to-point ``tag``, and is used as they are: ``wait_tensor`` of its output before reading
@@ -93,9 +99,13 @@ def traced_all_gather(flat: torch.Tensor, group: Group, tag: int = 0) -> torch.T
 
 def traced_all_to_all(flat: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group: Group) -> torch.Tensor:
     """``all_to_all_single``: ``in_sizes[j]`` elements of ``flat`` to rank ``j``, ``out_sizes[k]``
-    from rank ``k``, received in rank order."""
+    from rank ``k``, received in rank order (on gloo, ``fdp::all_to_all_single``, point to point
+    with ``ALL_TO_ALL_TAG``)."""
     funcol = _internals.functional_collectives()
-    return funcol.wait_tensor(funcol.all_to_all_single(flat, out_sizes, in_sizes, group.process_group))
+    if not _point_to_point(flat, group):
+        return funcol.wait_tensor(funcol.all_to_all_single(flat, out_sizes, in_sizes, group.process_group))
+    return funcol.wait_tensor(torch.ops.fdp.all_to_all_single(flat, out_sizes, in_sizes, group.size,
+                                                               group.process_group.group_name, ALL_TO_ALL_TAG))
 
 
 def _point_to_point(flat: torch.Tensor, group: Group) -> bool:
@@ -105,12 +115,17 @@ def _point_to_point(flat: torch.Tensor, group: Group) -> bool:
 
 
 _REGISTERS_WORKS = _internals.registers_works()
+# The point-to-point tag of the all-to-alls (the buckets' gathers and reduce-scatters use 2b and
+# 2b + 1): every rank issues them in the same order, so each pair matches them in that order.
+ALL_TO_ALL_TAG = 1 << 24
 
 
 # ---------------------------------------------------------------------------- fdp's ops (gloo)
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 _LIB.define("all_gather_into_tensor(Tensor shard, int group_size, str group_name, int tag) -> Tensor")
 _LIB.define("reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str group_name, int tag) -> Tensor")
+_LIB.define("all_to_all_single(Tensor input, int[] output_split_sizes, int[] input_split_sizes, int group_size, "
+            "str group_name, int tag) -> Tensor")
 
 # The fdp Group of each process group the ops ran on, by name (made from the process group:
 # its ranks, its timeout), with the process group it was made from (a name is reused by a
@@ -179,6 +194,35 @@ def _scatter(flat: torch.Tensor, reduce_op: str, group_size: int, group_name: st
     return out
 
 
+def _all_to_all(flat: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_size: int,
+                group_name: str, tag: int) -> torch.Tensor:
+    group = _group(group_name, group_size)
+    src = flat.contiguous().view(-1)
+    me = group.rank
+    ins, outs = _offsets(input_split_sizes), _offsets(output_split_sizes)
+    out = src.new_empty(outs[-1])
+    out[outs[me]:outs[me + 1]].copy_(src[ins[me]:ins[me + 1]])
+    peers = [j for j in range(group_size) if j != me]
+    what = f"all-to-all of a compiled step's parts (tag {tag})"
+    # (a part of no elements is neither sent nor received: its size is the same on both sides)
+    works = [exchange([(src[ins[j]:ins[j + 1]], j) for j in peers if input_split_sizes[j]],
+                      [(out[outs[j]:outs[j + 1]], j) for j in peers if output_split_sizes[j]], group, what, tag)]
+
+    def done(timeout: Any) -> bool:
+        wait(works.pop(), group, what)
+        return True
+
+    _internals.register_work(out, done)
+    return out
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
 def _gather_fake(shard: torch.Tensor, group_size: int, group_name: str, tag: int) -> torch.Tensor:
     return shard.new_empty(group_size * shard.numel())
 
@@ -189,10 +233,14 @@ def _scatter_fake(flat: torch.Tensor, reduce_op: str, group_size: int, group_nam
 
 _LIB.impl("all_gather_into_tensor", _gather, "CPU")
 _LIB.impl("reduce_scatter_tensor", _scatter, "CPU")
+_LIB.impl("all_to_all_single", _all_to_all, "CPU")
 torch.library.register_fake(f"{NAMESPACE}::all_gather_into_tensor", _gather_fake, lib=_LIB)
 torch.library.register_fake(f"{NAMESPACE}::reduce_scatter_tensor", _scatter_fake, lib=_LIB)
+torch.library.register_fake(f"{NAMESPACE}::all_to_all_single",
+                            lambda flat, output_split_sizes, *_: flat.new_empty(sum(output_split_sizes)), lib=_LIB)
 # (issued on every rank even where a rank's graph does not use the value: the peers wait for it)
 torch.fx.node.has_side_effect(torch.ops.fdp.all_gather_into_tensor.default)
 torch.fx.node.has_side_effect(torch.ops.fdp.reduce_scatter_tensor.default)
+torch.fx.node.has_side_effect(torch.ops.fdp.all_to_all_single.default)
 _internals.when_imported("torch._inductor.lowering", lambda: _internals.lower_as_collective(
-    [torch.ops.fdp.all_gather_into_tensor, torch.ops.fdp.reduce_scatter_tensor]))
+    [torch.ops.fdp.all_gather_into_tensor, torch.ops.fdp.reduce_scatter_tensor, torch.ops.fdp.all_to_all_single]))

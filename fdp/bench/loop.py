@@ -23,6 +23,8 @@ rotates), and after the run every kind's params are compared with DDP's:
   ddp-compiled, ddp-compiled-autograd  (``--compiled``) DDP compiled two ways (of the model
             compiled: DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``), clipping
             and AdamW as ddp's.
+  ``--cpp-wrapper``: every compiled kind with Inductor's C++ wrapper (the code calling the
+  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``).
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -46,6 +48,7 @@ from torch import nn
 
 import fdp
 
+from .. import _internals
 from . import ddp as ddp_kinds
 from . import zoo
 from .table import Table, ratio
@@ -208,6 +211,8 @@ class _null:
 def run(group: fdp.Group, cfg: dict) -> dict:
     """Every kind's step times and params after ``cfg["steps"]`` steps (warm-up excluded)."""
     torch.set_num_threads(1)
+    if cfg.get("cpp_wrapper"):
+        _internals.inductor_cpp_wrapper()
     kinds = tuple(cfg["kinds"])
     loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False))
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -264,16 +269,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--compiled", action="store_true", help="add the compiled kinds (plain loop, fused, sharded)")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="every compiled kind (fdp's and DDP's) with Inductor's C++ wrapper (options={'cpp_wrapper': True})")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)
     kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED, *PEERS) if a.compiled else ())
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
-           "autocast": a.autocast}
+           "autocast": a.autocast, "cpp_wrapper": a.cpp_wrapper}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)
     table, ok = report(results, kinds, (
         f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
         f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
-        f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else "")))
+        f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else "")
+        + (", Inductor's C++ wrapper" if a.cpp_wrapper else "")))
     print(table)
     if a.json:
         with open(a.json, "w") as f:

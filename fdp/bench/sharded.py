@@ -18,6 +18,8 @@ on the same batches:
   ddp-compiled, ddp-compiled-autograd  DDP compiled two ways (of the model compiled:
           DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``).
   A compiled kind's first step (its compilation) runs before the memory phase resets the peak.
+  ``--cpp-wrapper``: every compiled kind with Inductor's C++ wrapper (the code calling the
+  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``).
 
 Two phases:
 
@@ -31,6 +33,10 @@ Two phases:
   Reported per kind: the peak resident memory over the steps minus the process's memory
   before the model was built (the largest of the ranks'), and its ratio to DDP's; for zero3
   also the bound ``(params + grads + state) / world + the two largest units + the root``.
+  With ``--tensors`` also, from a second world per kind, the peak of the live tensors over
+  the same steps, counted from the profiler's allocation events since the kind was built
+  (what ``torch.cuda.max_memory_allocated`` reads on a GPU: no compiled code, interpreter
+  heap or allocator pages in it).
 * **time** (``--width``/``--layers``): one world, every kind's replica, the kinds interleaved
   step by step (the order rotates), warm-up excluded; the median step per kind and its ratio
   to DDP's and to FSDP2's; zero3's exposed all-gather time (``Timeline.exposed_gather``).
@@ -57,6 +63,7 @@ import torch.nn.functional as F
 
 import fdp
 
+from .. import _internals
 from . import ddp as ddp_kinds
 from . import zoo
 from .rss import reset_peak_rss, rss
@@ -188,8 +195,14 @@ def _compiler_warmed(group: fdp.Group, kind: str, clip: bool) -> None:
     gc.collect()
 
 
+def _compiler(cfg: argparse.Namespace) -> None:
+    if cfg.cpp_wrapper:
+        _internals.inductor_cpp_wrapper()
+
+
 def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     torch.set_num_threads(cfg.threads)
+    _compiler(cfg)
     _map_each_tensor()
     _warm(group)
     if kind in COMPILED:
@@ -221,8 +234,42 @@ def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     return out
 
 
+STEPS_MARK = "fdp.bench.sharded: the steps"
+
+
+def tensor_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
+    """``--tensors``: the peak of this rank's live tensors over the memory phase's steps, what
+    ``torch.cuda.max_memory_allocated`` reads on a GPU (a compiled kind's code and guards, the
+    interpreter's heap, the allocator's free pages are not tensors): the profiler's allocation
+    events (``profile_memory``) from the moment the kind is built, through its sharding and
+    compilation, summed in time order; the peak taken over the steps."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.set_num_threads(cfg.threads)
+    _compiler(cfg)
+    _warm(group)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
+        first = 0
+        if kind in COMPILED:
+            k.step(0, cfg.batch)
+            first = 1
+        with record_function(STEPS_MARK):
+            for t in range(first, first + cfg.mem_steps):
+                k.step(t, cfg.batch)
+    events = prof.profiler.kineto_results.events()
+    start = min(e.start_ns() for e in events if e.name() == STEPS_MARK)
+    live = peak = 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        if e.start_ns() >= start:
+            peak = max(peak, live)
+    return {"tensor_mib": peak / 2**20}
+
+
 def time_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
     torch.set_num_threads(cfg.threads)
+    _compiler(cfg)
     kinds = {kind: Kind(kind, group, cfg.width, cfg.layers, cfg.clip) for kind in cfg.kinds}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     exposed: list[float] = []
@@ -267,7 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--compiled", action="store_true",
                    help="add the compiled kinds not in --kinds (Inductor; minutes to compile)")
+    p.add_argument("--cpp-wrapper", action="store_true",
+                   help="every compiled kind (fdp's and the peers') with Inductor's C++ wrapper "
+                        "(options={'cpp_wrapper': True})")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--tensors", action="store_true",
+                   help="also each kind's peak of live tensors over the memory phase's steps (profiler "
+                        "allocation events, a second world per kind): what a GPU's max_memory_allocated reads")
     p.add_argument("--no-time", action="store_true")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=1800)
@@ -288,12 +341,17 @@ def main(argv: list[str] | None = None) -> int:
                                        args=(cfg, kind))
             peaks = [r["peak_mib"] for r in per_rank]
             mem[kind] = {**per_rank[0], "peak_mib": None if None in peaks else max(peaks)}
+            if cfg.tensors:
+                mem[kind]["tensor_mib"] = max(r["tensor_mib"] for r in fdp.testing.run(
+                    tensor_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg, kind)))
         os.environ.pop("FDP_MALLOC", None)
         results["memory"] = mem
         params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
         mem_table = Table(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and "
-                          f"AdamW state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}",
-                          ["kind", "peak MiB", "x ddp", "bound MiB", "gathered MiB"])
+                          f"AdamW state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}"
+                          + (", Inductor's C++ wrapper" if cfg.cpp_wrapper else ""),
+                          ["kind", "peak MiB", "x ddp", *(["tensors MiB"] if cfg.tensors else []), "bound MiB",
+                           "gathered MiB"])
         ddp_peak = mem["ddp"]["peak_mib"]
         for kind in cfg.kinds:
             m = mem[kind]
@@ -302,9 +360,13 @@ def main(argv: list[str] | None = None) -> int:
                 mem_table.note(f"({kind}: no /proc/self/clear_refs here)")
                 continue
             bound = ("", "") if "bound_mib" not in m else (f"{m['bound_mib']:.0f}", f"{m['gathered_mib']:.0f}")
-            mem_table.row(kind, f"{m['peak_mib']:.0f}", ratio(m["peak_mib"], ddp_peak), *bound)
+            tensors = [f"{m['tensor_mib']:.0f}"] if cfg.tensors else []
+            mem_table.row(kind, f"{m['peak_mib']:.0f}", ratio(m["peak_mib"], ddp_peak), *tensors, *bound)
         if any("bound_mib" in mem[k] for k in cfg.kinds):
             mem_table.note("(bound: state/world + 2 units + root; gathered: the most params held gathered at once)")
+        if cfg.tensors:
+            mem_table.note("(tensors: the peak of live tensors over the steps, from the kind's building on, the "
+                           "profiler's allocation events: a GPU's max_memory_allocated; the largest of the ranks')")
         tables.append(mem_table)
     if not cfg.no_time:
         r = fdp.testing.run(time_rank, cfg.world_size, backend="gloo", timeout=cfg.timeout, args=(cfg,))[0]
@@ -312,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = r["ms"]
         compiled = any(k in COMPILED for k in cfg.kinds)
         time_table = Table(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
-                           f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)",
+                           f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)"
+                           + (", Inductor's C++ wrapper" if cfg.cpp_wrapper else ""),
                            ["kind", "ms", "x ddp", "x fsdp2", *(["x eager", "x fsdp2-compiled"] if compiled else []),
                             "params == ddp's"], text=["params == ddp's"])
         for kind in cfg.kinds:

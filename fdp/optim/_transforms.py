@@ -65,7 +65,7 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
     stacks = []
     for (device, _), ([group], _) in _internals.group_by_device_and_dtype([leaves]).items():
         if _internals.has_foreach_support(group, device):
-            norms = torch._foreach_norm(group, norm_type)
+            norms = _foreach_norm(group, norm_type)
         else:
             norms = [torch.linalg.vector_norm(g, norm_type) for g in group]
         stacks.append(torch.stack(norms).to(first))
@@ -76,6 +76,17 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
             "so it cannot be clipped. To disable this error and scale the gradients by the "
             "non-finite norm anyway, set `error_if_nonfinite=False`")
     return total
+
+
+def _foreach_norm(group: list[Tensor], norm_type: float) -> Any:
+    """``torch._foreach_norm(group, norm_type)``. Traced with one tensor, the norms of it and a
+    one-element zero tensor (an empty one has no inf norm), the first kept: Inductor's C++ wrapper (``options={"cpp_wrapper": True}``,
+    torch 2.13) reads the result of a one-tensor ``_foreach_norm`` it calls back into Python
+    as one tensor, not a list, and the compiled step crashes (SIGSEGV in ``assert_size_stride``).
+    Each tensor's norm is computed alone, so the first is the same."""
+    if len(group) == 1 and torch.compiler.is_compiling():
+        return torch._foreach_norm([group[0], group[0].new_zeros(1)], norm_type)[:1]
+    return torch._foreach_norm(group, norm_type)
 
 
 def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
@@ -90,13 +101,13 @@ def tensor_norms(tensors: list[Tensor], norm_type: float = 2.0) -> list[Tensor]:
     if len(grouped) == 1:
         ((device, _), ([group], _)), = grouped.items()
         if _internals.has_foreach_support(group, device):
-            return list(torch._foreach_norm(group, norm_type))
+            return list(_foreach_norm(group, norm_type))
         return list(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
     norms: list[Tensor] = []
     order: list[int] = []
     for (device, _), ([group], indices) in grouped.items():
         if _internals.has_foreach_support(group, device):
-            norms.extend(torch._foreach_norm(group, norm_type))
+            norms.extend(_foreach_norm(group, norm_type))
         else:  # (map over a C partial: no Python per tensor)
             norms.extend(map(functools.partial(torch.linalg.vector_norm, ord=norm_type), group))
         order.extend(indices)

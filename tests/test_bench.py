@@ -179,6 +179,23 @@ def test_sharded_benchmark_prints_memory_and_time_of_every_kind(capsys):
         a, b = row[-1].split("/")
         assert a == b, row
 @pytest.mark.slow
+def test_sharded_benchmarks_tensor_peaks_show_fully_sharded_params_holding_less(capsys):
+    """``--tensors``: each kind's peak of live tensors (the profiler's allocation events, a
+    GPU's max_memory_allocated) beside its RSS; ZeRO-3 on 2 ranks holds well under DDP's
+    params, gradients and AdamW state, and every peak is at least the kind's own params."""
+    from fdp.bench import sharded
+
+    code = sharded.main(["--kinds", "ddp,zero3", "--mem-width", "256", "--mem-layers", "4", "--mem-steps", "1",
+                         "--batch", "1", "--no-time", "--tensors"])
+    text = capsys.readouterr().out
+    assert code == 0 and "tensors MiB" in text, text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith("  ") and line.split()}
+    ddp, zero3 = float(rows["ddp"][3]), float(rows["zero3"][3])
+    params_mib = sum(p.numel() for p in sharded.model(256, 4).parameters()) * 4 / 2**20
+    assert 4 * params_mib <= ddp and params_mib / 2 <= zero3 < 0.75 * ddp, text
+
+
+@pytest.mark.slow
 def test_large_model_benchmark_prints_memory_and_time_and_equals_fsdp2_without_muon_and_clipping(capsys):
     """The recipe (meta init, fully sharded, bf16, checkpointing, accumulation 2, EMA) beside
     FSDP2's and DDP: every kind's row; without Muon and clipping (where FSDP2 rounds its own

@@ -41,6 +41,7 @@ so each pair of ranks matches its sends and receives in that order.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -199,7 +200,7 @@ def _all_to_all(flat: torch.Tensor, output_split_sizes: list[int], input_split_s
     group = _group(group_name, group_size)
     src = flat.contiguous().view(-1)
     me = group.rank
-    ins, outs = _offsets(input_split_sizes), _offsets(output_split_sizes)
+    ins, outs = (list(itertools.accumulate(sizes, initial=0)) for sizes in (input_split_sizes, output_split_sizes))
     out = src.new_empty(outs[-1])
     out[outs[me]:outs[me + 1]].copy_(src[ins[me]:ins[me + 1]])
     peers = [j for j in range(group_size) if j != me]
@@ -213,13 +214,6 @@ def _all_to_all(flat: torch.Tensor, output_split_sizes: list[int], input_split_s
         return True
 
     _internals.register_work(out, done)
-    return out
-
-
-def _offsets(sizes: list[int]) -> list[int]:
-    out = [0]
-    for n in sizes:
-        out.append(out[-1] + n)
     return out
 
 

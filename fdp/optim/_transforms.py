@@ -80,10 +80,11 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
 
 def _foreach_norm(group: list[Tensor], norm_type: float) -> Any:
     """``torch._foreach_norm(group, norm_type)``. Traced with one tensor, the norms of it and a
-    one-element zero tensor (an empty one has no inf norm), the first kept: Inductor's C++ wrapper (``options={"cpp_wrapper": True}``,
-    torch 2.13) reads the result of a one-tensor ``_foreach_norm`` it calls back into Python
-    as one tensor, not a list, and the compiled step crashes (SIGSEGV in ``assert_size_stride``).
-    Each tensor's norm is computed alone, so the first is the same."""
+    one-element zero tensor (an empty one has no inf norm), the first kept: Inductor's C++
+    wrapper (``options={"cpp_wrapper": True}``, torch 2.13) reads the result of a one-tensor
+    ``_foreach_norm`` it calls back into Python as one tensor, not a list, and the compiled
+    step crashes (SIGSEGV in ``assert_size_stride``). Each tensor's norm is computed alone, so
+    the first is the same."""
     if len(group) == 1 and torch.compiler.is_compiling():
         return torch._foreach_norm([group[0], group[0].new_zeros(1)], norm_type)[:1]
     return torch._foreach_norm(group, norm_type)

@@ -896,12 +896,81 @@ def test_the_reshard_pass_gathers_one_unit_ahead_and_again_for_the_backward_with
         traced, resharded = seen["traced"][0], seen["resharded"][0]
         units = len(traced) - roots
         assert units == 3 and most_alive(traced) == len(traced)
-        again = 0 if reducer_kw.get("reshard_after_forward") is False else units  # (each block: the head is the root's)
+        # (each block but the forward's last, kept into its backward, which comes next; the head is the root's)
+        again = 0 if reducer_kw.get("reshard_after_forward") is False else units - 1
         assert len(resharded) == len(traced) + again == len(seen["ordered"][0])
         if again:  # (kept after the forward, every unit is alive from its forward to its backward, as eagerly)
             assert most_alive(resharded) <= 2 + roots, resharded
             assert most_alive(seen["ordered"][0]) <= 2 + roots
     assert got[0][1]["resharded"][1] == got[1][1]["resharded"][1]
+
+
+def _reduced_case(group):
+    """The fully sharded AdamW step (3 blocks) eagerly, and compiled with ``aot_eager`` as
+    traced and with fdp's scheduling and reshard passes: the params after three steps of each,
+    and per reduce-scatter in the passes' graph (graph order) the position of its issue and
+    of the last node that reads its reduced slice (through views; the graph's output aside)."""
+    import operator
+
+    from torch._dynamo.backends.common import aot_autograd
+
+    from fdp._comm.reshard import reshard_after_forward
+    from fdp._comm.schedule import is_op, is_scatter, issue_early
+
+    out, seen = {}, []
+    for how in ("eager", "traced", "scheduled"):
+        torch._dynamo.reset()
+        model = init_(BlockNet(vocab=32, d=16, n=3), 3)
+        apply, params, buffers = fdp.functionalize(model)
+        step = fdp.Reducer(params, group, shard="params", bucket_cap_mb=0.004, first_bucket_cap_mb=0.002,
+                           units=fdp.units(model, Block)).grad_and_update(_token_loss(apply, buffers), _opt("adamw"))
+        state = step.init(params)
+        p = step.shard(params)
+        units = step._engine.store.units
+
+        def fw(gm, _, how=how, units=units):
+            if how == "scheduled":
+                issue_early(gm.graph)
+                reshard_after_forward(gm.graph, [u == 0 for u in units.unit_of_bucket], units.reshard_after_forward)
+                nodes = list(gm.graph.nodes)
+                at = {n: i for i, n in enumerate(nodes)}
+                for c in (n for n in nodes if is_scatter(n)):
+                    last, todo = at[c], [c]
+                    while todo:
+                        for u in todo.pop().users:
+                            if u.op != "output":
+                                last = max(last, at[u])
+                                if is_op(u, ("wait_tensor",)) or u.target is operator.getitem \
+                                        or getattr(u.target, "is_view", False):
+                                    todo.append(u)
+                    seen.append((at[c], last))
+                gm.recompile()
+            return gm.forward
+
+        run = step if how == "eager" else step.compile(backend=aot_autograd(fw_compiler=fw))
+        for i in range(3):
+            p, state, _ = run(p, state, *tokens(group.rank, i))
+        out[how] = p.full()
+    return out, seen
+
+
+@pytest.mark.slow
+def test_the_reshard_pass_updates_each_bucket_once_reduced_with_the_same_numbers():
+    """Compiled fully sharded params: each bucket's update runs as soon as its reduce-scatter
+    is waited for (as the eager step updates a bucket from the backward's hooks), so its
+    reduced slice is read for the last time before the next reduce-scatter is issued: one
+    reduced slice at a time, where the traced step updates every bucket after the last
+    reduce-scatter (all of them alive at once). The numbers are the traced step's bit for bit
+    (the eager step's within float32's rounding: the traced AdamW rounds its own way)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for out, seen in fdp.testing.run(_reduced_case, 2, backend="gloo", timeout=300):
+        assert all(torch.equal(out["traced"][k], out["scheduled"][k]) for k in out["eager"])
+        for k in out["eager"]:
+            torch.testing.assert_close(out["scheduled"][k], out["eager"][k], rtol=1e-5, atol=1e-6)
+        assert len(seen) >= 4, seen  # (the three blocks' buckets and the root's)
+        for (_, last), (issue, _) in zip(seen, seen[1:]):
+            assert last < issue, seen
 
 
 def _donated_case(group, kind, compiled):
@@ -1002,6 +1071,58 @@ def test_inductors_cpp_wrapper_compiles_the_fused_steps_with_their_eager_numbers
     got = fdp.testing.run(_cpp_wrapper_case, 2, backend="gloo", timeout=900, args=(kind,))
     for in_cpp, graphs in got:
         assert graphs >= 1 and in_cpp == graphs, (in_cpp, graphs)
+
+
+def _unit_buffers_case(group, kind):
+    """The most buffers of a unit's size (its params gathered, its flat gradient bucket) alive
+    at once over one step of the bench's GPT (width 256, 4 blocks) fully sharded, ``kind``
+    ``zero3`` (eager) or ``zero3-compiled`` (Inductor): the profiler's allocation events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    from fdp.bench import sharded
+
+    import_compilers(inductor=True)
+    torch._dynamo.reset()
+    k = sharded.Kind(kind, group, 256, 4, False)
+    store = k.step_fn._engine.store
+    unit_bytes = {store.slices.padded[b] * 4 for b, u in enumerate(store.units.unit_of_bucket) if u != 0}
+    for t in range(2):
+        k.step(t, 2)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        k.step(2, 2)
+    events = []
+
+    def walk(node):
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        for child in node.children:
+            walk(child)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root)
+    live, most = set(), 0
+    for _, ptr, size in sorted(events):
+        if abs(size) in unit_bytes:
+            (live.add if size > 0 else live.discard)(ptr)
+            most = max(most, len(live))
+    return most
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_a_compiled_fully_sharded_step_holds_two_units_and_two_gradient_buckets_at_most():
+    """The compiled fully sharded step's memory schedule (``fdp/_comm/reshard.py``), as
+    Inductor runs it: at most two units gathered (the one computing, the next one prefetched)
+    and two flat gradient buckets (one in its reduce-scatter, one being filled) alive at once;
+    the eager step holds two units (its gradient bucket is allocated once, for good). Without
+    the fills kept after their unit's second gather, Inductor computes a bias's gradient (a sum
+    of the residual stream's) one unit early, into a third bucket: five at once."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    eager = fdp.testing.run(_unit_buffers_case, 2, backend="gloo", timeout=900, args=("zero3",))
+    compiled = fdp.testing.run(_unit_buffers_case, 2, backend="gloo", timeout=900, args=("zero3-compiled",))
+    assert eager == [2, 2] and compiled == [4, 4], (eager, compiled)
 
 
 def _two_steps_case(group):

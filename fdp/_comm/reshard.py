@@ -16,8 +16,10 @@ gradient bucket once reduced. This pass makes the graph do the same:
   right before the first use of the one before it (one unit of prefetch) and waited right
   before its own first use; the views of the gathered buffer sink to their first users;
 * **backward** (unless ``regather`` is off: ``reshard_after_forward=False``): for each unit
-  bucket (not the root's, which the eager step keeps gathered too) used both before and after
-  the forward's end (the last param gather's first use), the uses after it read a second
+  bucket (not the root's, which the eager step keeps gathered too, nor the forward's last
+  unit's, whose backward comes next: kept gathered, it saves a gather and holds nothing longer
+  that matters, as FSDP2 users set ``reshard_after_forward=False`` on the last block) used
+  both before and after the forward's end (the last param gather's first use), the uses after it read a second
   all-gather of the same slice (a copy of the gather's nodes and of the views they go
   through), issued right before the backward's first use of the unit before it in backward
   order (or at the forward's end for the first; with ``prefetch`` off, right before its own
@@ -26,10 +28,21 @@ gradient bucket once reduced. This pass makes the graph do the same:
   forward's gathered buffer dies with its last forward use (a recomputation inside the
   backward, activation checkpointing, reads the second gather too);
 * **gradients**: each reduce-scatter's wait goes no later than the next reduce-scatter's
-  issue, so one flat gradient bucket is in flight at a time (its input is held until its wait).
+  issue, so one flat gradient bucket is in flight at a time (its input is held until its wait);
+  a bucket's fill (the nodes that feed only its reduce-scatter) runs after its unit's second
+  gather (Inductor writes the fill's parts straight into the flat bucket, allocated at the first
+  write, and would compute a bias's gradient, a sum of the residual stream's, one unit early:
+  a third bucket alive), kept there by Inductor's ``control_deps`` (``schedule.in_order``);
+* **updates**: each bucket's update right after its reduce-scatter's wait, as early as what it
+  reads allows, so its reduced slice dies before the next reduce-scatter is issued (as traced,
+  every update follows the last reduce-scatter and every reduced slice lives until then).
 
-The numbers do not change: a second all-gather of the same slice gives the same bits, and
-nothing else is added. Every rank runs the same forward and backward, so every rank issues the
+On the bench's GPT (``python -m fdp.bench sharded --tensors``) the step then holds at most two
+units gathered and two flat gradient buckets at once, and its peak of live tensors is the eager
+step's (which keeps one flat bucket and one staging slice for good instead).
+
+The numbers do not change: a second all-gather of the same slice gives the same bits, nothing
+else is added, and the nodes that move compute what they did. Every rank runs the same forward and backward, so every rank issues the
 param gathers, the second gathers and the reduce-scatters in the same order (the graphs may
 differ per rank only in the update, Muon's owners, after all of these).
 """
@@ -40,22 +53,28 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
-from .schedule import feeding_only, is_op, is_scatter
+from .schedule import COLLECTIVES, feeding_only, is_op, is_scatter
 
 __all__ = ["reshard_after_forward"]
 
 
-def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = True, prefetch: bool = True) -> None:
+def reshard_after_forward(graph: Any, roots: Sequence[bool], regather: bool = True, prefetch: bool = True
+                          ) -> dict[Any, list[Any]]:
     """The pass (see the module docstring), on ``graph`` (a ``torch.fx.Graph``) in place.
     ``roots``: per bucket (in the order the step gathers them), whether it is the root's (kept
     gathered for the whole step). ``prefetch``: issue each second gather one unit ahead of
     its use (else right before it). A graph whose param gathers are not one per bucket is
     left as it is."""
     gathers = [n for n in graph.nodes if is_op(n, ("all_gather_into_tensor",))]
+    params: list[_Gathered] = []
     if gathers and len(gathers) == len(roots) and all(_reads_inputs_only(g) for g in gathers):
-        _place_gathers(graph, [_Gathered(g, root) for g, root in zip(gathers, roots)], regather, prefetch)
+        params = [_Gathered(g, root) for g, root in zip(gathers, roots)]
+        _place_gathers(graph, params, regather, prefetch)
     _bound_reduce_scatters(graph)
+    _updates_early(graph)
+    after = _fills_after_regathers(graph, params)
     graph.lint()
+    return after
 
 
 def _place_gathers(graph: Any, params: list[_Gathered], regather: bool, prefetch: bool) -> None:
@@ -71,7 +90,10 @@ def _place_gathers(graph: Any, params: list[_Gathered], regather: bool, prefetch
     forward = sorted(params, key=lambda p: order[p.first])
     end = forward[-1].first  # the forward's end: the last param gather's first use
     if regather:
-        again = [p for p in forward[:-1] if not p.root and any(order[u] > order[end] for u in p.users)]
+        units = [p for p in forward if not p.root]
+        # (the forward's last unit stays gathered into its backward, which comes next: FSDP2 users'
+        # reshard_after_forward=False on the last block)
+        again = [p for p in units[:-1] if any(order[u] > order[end] for u in p.users)]
         again.sort(key=lambda p: min(order[u] for u in p.users if order[u] > order[end]))
         issue = end
         for p in again:
@@ -92,6 +114,7 @@ class _Gathered:
         self.views = _views(self.waits[-1] if self.waits else gather)
         self.users: list[Any] = []
         self.first: Any = None
+        self.again: Any = None  # the second gather's (waited) result, once made
 
     def sink_views(self, graph: Any) -> None:
         """Each view right before its first user (so the gather may move down to its use)."""
@@ -135,6 +158,7 @@ class _Gathered:
             for w in self.waits:
                 copies[w] = graph.node_copy(w, lambda a: copies.get(a, a))
         gathered = self.waits[-1] if self.waits else self.gather
+        self.again = copies[gathered]
 
         def again(v: Any) -> Any:  # the view ``v`` of the second gather (made once, before ``first``)
             if v is gathered:
@@ -171,6 +195,74 @@ def _bound_reduce_scatters(graph: Any) -> None:
         if waits and order[waits[0]] > order[after]:
             for w in waits:
                 after.prepend(w)
+
+
+def _updates_early(graph: Any) -> None:
+    """Each node computed from a reduce-scatter's result (the update) moved up to right after
+    the last node it reads, in graph order; a write into an input (the optimizer's state, the
+    donated slices) also after every other reader of that input (or of a view of it).
+    Collectives and their waits stay where they are. As traced, every bucket's update follows
+    the last reduce-scatter, so every bucket's reduced slice stays alive until then; the eager
+    step updates each bucket from the backward's hooks as soon as its slice is reduced."""
+    waits = [w for n in graph.nodes if is_scatter(n) for w in _waits(n)[-1:]]
+    if not waits:
+        return
+    down = set(waits)
+    order = _order(graph)
+    for n in list(graph.nodes):
+        if n in down or order[n] < order[waits[0]]:
+            continue
+        if any(a in down for a in n.all_input_nodes):
+            down.add(n)
+    nodes = [n for n in graph.nodes if n in down and n not in waits]
+    for n in nodes:
+        if n.op != "call_function" or is_op(n, (*COLLECTIVES, "wait_tensor")):
+            continue
+        order = _order(graph)
+        deps = list(n.all_input_nodes)
+        if _mutates(n) and n.args and hasattr(n.args[0], "users"):  # (after every reader of what it writes)
+            target = n.args[0]
+            deps += [u for v in (target, *_views(target)) for u in v.users if u is not n]
+        if not deps:
+            continue
+        anchor = max(deps, key=order.__getitem__)
+        if order[anchor] + 1 < order[n]:
+            anchor.append(n)
+
+
+def _fills_after_regathers(graph: Any, params: list[_Gathered]) -> dict[Any, list[Any]]:
+    """A bucket's gradient fill (the nodes that feed only its reduce-scatter) after its unit's
+    second gather: Inductor writes the fill's parts straight into the flat bucket, which it
+    allocates at the first write, and a part computed early (a bias's gradient, a sum of the
+    residual stream's, is ready one unit ahead) would hold a third flat bucket beside the one
+    in flight and the one being filled. Moved in the graph, and returned as the nodes each
+    must follow (Inductor fuses across the graph's order: see ``in_order``)."""
+    scatters = [n for n in graph.nodes if is_scatter(n)]
+    if len(scatters) != len(params):
+        return {}
+    after: dict[Any, list[Any]] = {}
+    for p, scatter in zip(params, scatters):
+        if p.again is None:
+            continue
+        order = _order(graph)
+        chain = feeding_only(scatter) - {scatter}
+        ready: dict[Any, int] = {}  # how early each could run: after what it reads outside the chain
+        for n in sorted(chain, key=order.__getitem__):
+            ready[n] = max((ready[a] if a in chain else order[a] for a in n.all_input_nodes), default=-1)
+        early = [n for n in sorted(chain, key=order.__getitem__) if order[n] < order[p.again]]
+        anchor = p.again
+        for n in early:
+            anchor.append(n)
+            anchor = n
+        for n in chain:
+            if ready[n] < order[p.again] and not _is_view(n):
+                after[n] = [p.again]
+    return after
+
+
+def _mutates(node: Any) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _reads_inputs_only(gather: Any) -> bool:

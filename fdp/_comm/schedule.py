@@ -104,19 +104,22 @@ def feeding_only(collective: Any) -> set[Any]:
     return chain
 
 
-def in_order(graph: Any, hold: bool = True) -> None:
+def in_order(graph: Any, hold: bool = True, after: dict[Any, list[Any]] | None = None) -> None:
     """Each collective of ``graph`` made to depend on the one before it (Inductor's
     ``control_deps``), so that no later reordering (Inductor's ``reorder_for_peak_memory``
     chooses among several topological orders by estimated memory, on each rank's graph)
     changes the order every rank issues them in. ``hold``: also each collective's overlap as
     the graph has it (see ``_held``). Run last: the collectives are then wrapped nodes, which
-    the passes above no longer see as collectives."""
+    the passes above no longer see as collectives. ``after``: more nodes to keep after others
+    (node: the nodes it follows)."""
     collectives = [n for n in graph.nodes if is_op(n, COLLECTIVES)]
-    after: dict[Any, list[Any]] = {c: [before] for before, c in zip(collectives, collectives[1:])}
+    deps: dict[Any, list[Any]] = {c: [before] for before, c in zip(collectives, collectives[1:])}
     if hold:
-        for node, deps in _held(graph, collectives).items():
-            after.setdefault(node, []).extend(deps)
-    _internals.keep_node_order(graph, after)
+        for node, held in _held(graph, collectives).items():
+            deps.setdefault(node, []).extend(held)
+    for node, held in (after or {}).items():
+        deps.setdefault(node, []).extend(held)
+    _internals.keep_node_order(graph, deps)
 
 
 def _held(graph: Any, collectives: list[Any]) -> dict[Any, list[Any]]:

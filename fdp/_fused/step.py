@@ -70,13 +70,12 @@ def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True, 
     second gathers one unit ahead)."""
     def scheduled(graph: Any) -> None:
         issue_early(graph)
-        if roots is not None:
-            reshard_after_forward(graph, roots, regather, prefetch)
-        in_order(graph)
+        after = reshard_after_forward(graph, roots, regather, prefetch) if roots is not None else None
+        in_order(graph, after=after)
 
     key = "" if roots is None else (
-        "+reshard/1:" + "".join("r" if r else "u" for r in roots) + f":{int(regather)}:{int(prefetch)}")
-    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/2+scatter/2{key}")
+        "+reshard/2:" + "".join("r" if r else "u" for r in roots) + f":{int(regather)}:{int(prefetch)}")
+    return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/3+scatter/2{key}")
 
 
 class CompiledStep:

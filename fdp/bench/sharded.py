@@ -254,6 +254,7 @@ def tensor_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
         if kind in COMPILED:
             k.step(0, cfg.batch)
             first = 1
+        gc.collect()  # (what compiling left in reference cycles is not the step's: as memory_rank's _trim)
         with record_function(STEPS_MARK):
             for t in range(first, first + cfg.mem_steps):
                 k.step(t, cfg.batch)

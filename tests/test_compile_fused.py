@@ -1125,6 +1125,35 @@ def test_a_compiled_fully_sharded_step_holds_two_units_and_two_gradient_buckets_
     assert eager == [2, 2] and compiled == [4, 4], (eager, compiled)
 
 
+GLOBAL_NORM_UNDER_CPP_WRAPPER = """
+import torch, fdp
+def norm(a, b):
+    return fdp.optim.global_norm({"a": a, "b": b})
+a, b = torch.randn(10), torch.randn(5, dtype=torch.float64)  # (each dtype group one leaf)
+got = torch.compile(norm, options={"cpp_wrapper": True}, fullgraph=True)(a, b)
+print(torch.equal(got, norm(a, b)), got.dtype)
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_global_norm_compiles_with_the_cpp_wrapper_when_a_dtype_has_one_leaf():
+    """``fdp.optim.global_norm`` inside a user's ``torch.compile`` with Inductor's C++ wrapper:
+    torch's ``get_total_norm`` (what it calls eagerly on torch >= 2.6) asks ``_foreach_norm``
+    for a (device, dtype) group of one leaf, which the wrapper reads back as a tensor instead
+    of a list (torch 2.13: SIGSEGV); traced, fdp computes the same norm its own way, with no
+    one-tensor ``_foreach_norm``. Run in a process of its own (a crash is a failed test, not a
+    lost worker)."""
+    import subprocess
+    import sys
+
+    import_compilers(inductor=True)
+    done = subprocess.run([sys.executable, "-c", GLOBAL_NORM_UNDER_CPP_WRAPPER], capture_output=True, text=True,
+                          timeout=540, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and done.stdout.split() == ["True", "torch.float64"], (done.returncode, done.stdout,
+                                                                                       done.stderr[-2000:])
+
+
 def _two_steps_case(group):
     """Two fused steps compiled in one process: the second compile of the step's code makes
     dynamo treat the ints that differ between them (the runs' offsets) as symbolic; the

@@ -53,11 +53,13 @@ def global_norm(grads: Any, norm_type: float = 2.0, *, error_if_nonfinite: bool 
       tensor(5.)
     """
     leaves = _tree.leaves(grads)
-    if _get_total_norm is not None:
+    if _get_total_norm is not None and not torch.compiler.is_compiling():
         return _get_total_norm(leaves, norm_type, error_if_nonfinite)
-    # torch < 2.6: torch.nn.utils.clip_grad_norm_'s own steps (per-tensor norms grouped by
-    # (device, dtype) in first-seen order, then the norm of their stack), with no Python per
-    # leaf: the grouping is one C++ call, the norms one _foreach_norm per group.
+    # torch < 2.6, or traced: torch.nn.utils.clip_grad_norm_'s own steps (per-tensor norms
+    # grouped by (device, dtype) in first-seen order, then the norm of their stack), with no
+    # Python per leaf: the grouping is one C++ call, the norms one _foreach_norm per group.
+    # (Traced, torch's get_total_norm would call a one-tensor _foreach_norm for a group of one
+    # leaf, which Inductor's C++ wrapper reads back wrong: see _foreach_norm.)
     if not leaves:
         return torch.tensor(0.0)
     norm_type = float(norm_type)

@@ -1125,6 +1125,29 @@ def test_a_compiled_fully_sharded_step_holds_two_units_and_two_gradient_buckets_
     assert eager == [2, 2] and compiled == [4, 4], (eager, compiled)
 
 
+def _rescheduled_case(group, opt, reducer_kw):
+    import_compilers(inductor=True)
+    (eager, compiled), _ = _run(group, "units", opt, "method", steps=4, reducer_kw=reducer_kw, inductor=True)
+    _assert_same(eager, compiled, exact=False)
+    return True
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.parametrize("opt,reducer_kw", [("adamw", {}), ("masked_sgd_schedule", {"skip_nonfinite": True}),
+                                            ("clip_sgd", {"reshard_after_forward": False})],
+                         ids=["adamw", "schedule-mask-skip_nonfinite", "clip-kept-after-forward"])
+def test_the_fully_sharded_step_under_inductor_with_its_memory_schedule_has_its_eager_numbers(opt, reducer_kw):
+    """``step.compile()`` of fully sharded params under Inductor, where fdp's passes move each
+    bucket's update (its writes into the state, the step count, the verdict of
+    ``skip_nonfinite``) up to its reduce-scatter's wait, keep the forward's last unit gathered
+    and each fill after its unit's second gather: the params and state are the eager step's
+    over four steps (within float32's rounding: Inductor fuses the update)."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    assert fdp.testing.run(_rescheduled_case, 2, backend="gloo", timeout=900, args=(opt, reducer_kw)) == [True, True]
+
+
 GLOBAL_NORM_UNDER_CPP_WRAPPER = """
 import torch, fdp
 def norm(a, b):

@@ -19,14 +19,14 @@ gradient bucket once reduced. This pass makes the graph do the same:
   bucket (not the root's, which the eager step keeps gathered too, nor the forward's last
   unit's, whose backward comes next: kept gathered, it saves a gather and holds nothing longer
   that matters, as FSDP2 users set ``reshard_after_forward=False`` on the last block) used
-  both before and after the forward's end (the last param gather's first use), the uses after it read a second
-  all-gather of the same slice (a copy of the gather's nodes and of the views they go
-  through), issued right before the backward's first use of the unit before it in backward
-  order (or at the forward's end for the first; with ``prefetch`` off, right before its own
-  first use: where Inductor waits for each collective right after launching it anyway, a
-  second gather issued early only holds its buffer longer) and waited right before its first use, so the
-  forward's gathered buffer dies with its last forward use (a recomputation inside the
-  backward, activation checkpointing, reads the second gather too);
+  both before and after the forward's end (the last param gather's first use), the uses after
+  it read a second all-gather of the same slice (a copy of the gather's nodes and of the views
+  they go through), issued right before the backward's first use of the unit before it in
+  backward order (or at the forward's end for the first; with ``prefetch`` off, right before
+  its own first use: where Inductor waits for each collective right after launching it anyway,
+  a second gather issued early only holds its buffer longer) and waited right before its first
+  use, so the forward's gathered buffer dies with its last forward use (a recomputation inside
+  the backward, activation checkpointing, reads the second gather too);
 * **gradients**: each reduce-scatter's wait goes no later than the next reduce-scatter's
   issue, so one flat gradient bucket is in flight at a time (its input is held until its wait);
   a bucket's fill (the nodes that feed only its reduce-scatter) runs after its unit's second
@@ -42,9 +42,10 @@ units gathered and two flat gradient buckets at once, and its peak of live tenso
 step's (which keeps one flat bucket and one staging slice for good instead).
 
 The numbers do not change: a second all-gather of the same slice gives the same bits, nothing
-else is added, and the nodes that move compute what they did. Every rank runs the same forward and backward, so every rank issues the
-param gathers, the second gathers and the reduce-scatters in the same order (the graphs may
-differ per rank only in the update, Muon's owners, after all of these).
+else is added, and the nodes that move compute what they did. Every rank runs the same
+forward and backward, so every rank issues the param gathers, the second gathers and the
+reduce-scatters in the same order (the graphs may differ per rank only in the update, Muon's
+owners, after all of these).
 """
 
 from __future__ import annotations

@@ -215,8 +215,7 @@ def _updates_early(graph: Any) -> None:
             continue
         if any(a in down for a in n.all_input_nodes):
             down.add(n)
-    nodes = [n for n in graph.nodes if n in down and n not in waits]
-    for n in nodes:
+    for n in [n for n in graph.nodes if n in down]:
         if n.op != "call_function" or is_op(n, (*COLLECTIVES, "wait_tensor")):
             continue
         order = _order(graph)

@@ -337,10 +337,14 @@ def test_on_three_ranks_the_compiled_sharded_steps_agree_with_eager_and_replicas
         assert torch.equal(got[0][k], got[1][k]) and torch.equal(got[0][k], got[2][k]), k
 
 
-def _resume_case(group, tmp, kind):
+def _resume_case(group, tmp, kind, inductor=False):
     """Two compiled steps, a sharded checkpoint, two eager steps from it; and the other way;
-    against four eager steps."""
+    against four eager steps (``inductor``: ``step.compile()`` with fdp's passes, else
+    ``aot_eager``)."""
     torch._dynamo.reset()
+    if inductor:
+        import_compilers(inductor=True)
+    options = {} if inductor else {"backend": "aot_eager"}
     model = init_(BlockNet(vocab=32, d=16, n=2), 3)
     apply, params, buffers = fdp.functionalize(model)
     kw = {**KINDS[kind], "bucket_cap_mb": 0.004}
@@ -358,7 +362,7 @@ def _resume_case(group, tmp, kind):
         step = make()
         p, s = start(step)
         for i in range(2):
-            p, s, _ = (step.compile(backend="aot_eager") if first == "compiled" else step)(p, s, *tokens(group.rank, i))
+            p, s, _ = (step.compile(**options) if first == "compiled" else step)(p, s, *tokens(group.rank, i))
         d = os.path.join(tmp, f"{first}-{second}")
         saved = p.shards() if kind == "units" else p
         fdp.save_sharded(d, {"params": saved, "opt": step.state_to_shards(s, p)}, group=group)
@@ -368,7 +372,7 @@ def _resume_case(group, tmp, kind):
                                    "opt": step.state_to_shards(s0, p0)}, group=group)
         p = step.shard(got["params"]) if kind == "units" else got["params"]
         s = step.state_from_shards(got["opt"], p)
-        run = step.compile(backend="aot_eager") if second == "compiled" else step
+        run = step.compile(**options) if second == "compiled" else step
         for i in range(2, 4):
             p, s, _ = run(p, s, *tokens(group.rank, i))
         results.append(p.full() if kind == "units" else dict(p))
@@ -384,6 +388,22 @@ def test_a_checkpoint_of_a_compiled_run_resumes_eagerly_and_back(kind, tmp_path)
     for straight, compiled_first, compiled_second in got:
         for k in straight:
             assert torch.equal(straight[k], compiled_first[k]) and torch.equal(straight[k], compiled_second[k]), k
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_a_checkpoint_of_a_fully_sharded_run_under_inductor_resumes_eagerly_and_back(tmp_path):
+    """The same round trip with ``step.compile()`` under Inductor and fdp's passes (the
+    updates moved up to their reduce-scatters, the units gathered again for the backward):
+    the state saved from a compiled run is the one an eager run continues from, and back,
+    within float32's rounding of Inductor's fused update."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    got = fdp.testing.run(_resume_case, 2, backend="gloo", timeout=900, args=(str(tmp_path), "units", True))
+    for straight, compiled_first, compiled_second in got:
+        for k in straight:
+            torch.testing.assert_close(compiled_first[k], straight[k], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(compiled_second[k], straight[k], rtol=RTOL, atol=ATOL)
 
 
 def _refusal(group, option, how):
@@ -1125,27 +1145,35 @@ def test_a_compiled_fully_sharded_step_holds_two_units_and_two_gradient_buckets_
     assert eager == [2, 2] and compiled == [4, 4], (eager, compiled)
 
 
-def _rescheduled_case(group, opt, reducer_kw):
+def _rescheduled_case(group, opt, reducer_kw, net=BlockNet, accumulate=()):
     import_compilers(inductor=True)
-    (eager, compiled), _ = _run(group, "units", opt, "method", steps=4, reducer_kw=reducer_kw, inductor=True)
+    (eager, compiled), _ = _run(group, "units", opt, "method", steps=4, reducer_kw=reducer_kw, inductor=True,
+                                net=net, accumulate=accumulate)
     _assert_same(eager, compiled, exact=False)
     return True
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.slow
-@pytest.mark.parametrize("opt,reducer_kw", [("adamw", {}), ("masked_sgd_schedule", {"skip_nonfinite": True}),
-                                            ("clip_sgd", {"reshard_after_forward": False})],
-                         ids=["adamw", "schedule-mask-skip_nonfinite", "clip-kept-after-forward"])
-def test_the_fully_sharded_step_under_inductor_with_its_memory_schedule_has_its_eager_numbers(opt, reducer_kw):
+@pytest.mark.parametrize("opt,reducer_kw,net,accumulate", [
+    ("adamw", {}, BlockNet, ()), ("masked_sgd_schedule", {"skip_nonfinite": True}, BlockNet, ()),
+    ("clip_sgd", {"reshard_after_forward": False}, BlockNet, ()),
+    ("clip_sgd", {}, CheckpointedNet, ((1, 2),))],
+    ids=["adamw", "schedule-mask-skip_nonfinite", "clip-kept-after-forward", "checkpointed-accumulate"])
+def test_the_fully_sharded_step_under_inductor_with_its_memory_schedule_has_its_eager_numbers(
+        opt, reducer_kw, net, accumulate):
     """``step.compile()`` of fully sharded params under Inductor, where fdp's passes move each
     bucket's update (its writes into the state, the step count, the verdict of
     ``skip_nonfinite``) up to its reduce-scatter's wait, keep the forward's last unit gathered
     and each fill after its unit's second gather: the params and state are the eager step's
-    over four steps (within float32's rounding: Inductor fuses the update)."""
+    over four steps (within float32's rounding: Inductor fuses the update). With activation
+    checkpointing the backward recomputes each block from its gathered params (the pass's
+    second gathers are what it reads), with micro-batches before a step (Muon under Inductor:
+    ``test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16``)."""
     skip_unless_dynamo_traces_fdp()
     import_compilers(inductor=True)
-    assert fdp.testing.run(_rescheduled_case, 2, backend="gloo", timeout=900, args=(opt, reducer_kw)) == [True, True]
+    assert fdp.testing.run(_rescheduled_case, 2, backend="gloo", timeout=900,
+                           args=(opt, reducer_kw, net, accumulate)) == [True, True]
 
 
 GLOBAL_NORM_UNDER_CPP_WRAPPER = """

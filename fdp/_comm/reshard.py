@@ -119,12 +119,12 @@ class _Gathered:
 
     def sink_views(self, graph: Any) -> None:
         """Each view right before its first user (so the gather may move down to its use)."""
-        order = _order(graph)
+        order = _Positions(graph)
         for v in sorted(self.views, key=order.__getitem__, reverse=True):
             if v.users:
                 first = min(v.users, key=order.__getitem__)
                 first.prepend(v)
-                order = _order(graph)
+                order.moved(v)
 
     def locate(self, order: dict) -> None:
         """The nodes that compute with the gathered params (not views), and the first of them."""
@@ -190,12 +190,13 @@ class _Gathered:
 def _bound_reduce_scatters(graph: Any) -> None:
     """Each reduce-scatter waited for no later than the next one's issue."""
     scatters = [n for n in graph.nodes if is_scatter(n)]
+    order = _Positions(graph)
     for n, after in zip(scatters, scatters[1:]):
-        order = _order(graph)
         waits = _waits(n)
         if waits and order[waits[0]] > order[after]:
             for w in waits:
                 after.prepend(w)
+                order.moved(w)
 
 
 def _updates_early(graph: Any) -> None:
@@ -209,7 +210,7 @@ def _updates_early(graph: Any) -> None:
     if not waits:
         return
     down = set(waits)
-    order = _order(graph)
+    order = _Positions(graph)
     for n in list(graph.nodes):
         if n in down or order[n] < order[waits[0]]:
             continue
@@ -218,16 +219,16 @@ def _updates_early(graph: Any) -> None:
     for n in [n for n in graph.nodes if n in down]:
         if n.op != "call_function" or is_op(n, (*COLLECTIVES, "wait_tensor")):
             continue
-        order = _order(graph)
         deps = list(n.all_input_nodes)
         if _mutates(n) and n.args and hasattr(n.args[0], "users"):  # (after every reader of what it writes)
             target = n.args[0]
-            deps += [u for v in (target, *_views(target)) for u in v.users if u is not n]
+            deps += [u for v in (target, *_views(target, order)) for u in v.users if u is not n]
         if not deps:
             continue
         anchor = max(deps, key=order.__getitem__)
-        if order[anchor] + 1 < order[n]:
+        if order[anchor] < order[n] and anchor.next is not n:
             anchor.append(n)
+            order.moved(n)
 
 
 def _fills_after_regathers(graph: Any, params: list[_Gathered]) -> dict[Any, list[Any]]:
@@ -241,10 +242,10 @@ def _fills_after_regathers(graph: Any, params: list[_Gathered]) -> dict[Any, lis
     if len(scatters) != len(params):
         return {}
     after: dict[Any, list[Any]] = {}
+    order = _Positions(graph)
     for p, scatter in zip(params, scatters):
         if p.again is None:
             continue
-        order = _order(graph)
         chain = feeding_only(scatter) - {scatter}
         ready: dict[Any, int] = {}  # how early each could run: after what it reads outside the chain
         for n in sorted(chain, key=order.__getitem__):
@@ -253,6 +254,7 @@ def _fills_after_regathers(graph: Any, params: list[_Gathered]) -> dict[Any, lis
         anchor = p.again
         for n in early:
             anchor.append(n)
+            order.moved(n)
             anchor = n
         for n in chain:
             if ready[n] < order[p.again] and not _is_view(n):
@@ -282,8 +284,9 @@ def _waits(collective: Any) -> list[Any]:
         n = w[0]
 
 
-def _views(base: Any) -> list[Any]:
-    """The nodes that only look at ``base``'s memory (views of it, of them, ...), in graph order."""
+def _views(base: Any, order: Any = None) -> list[Any]:
+    """The nodes that only look at ``base``'s memory (views of it, of them, ...), in graph order
+    (``order``: the graph's, if the caller keeps one)."""
     out, todo = [], [base]
     while todo:
         n = todo.pop()
@@ -291,7 +294,8 @@ def _views(base: Any) -> list[Any]:
             if u not in out and _is_view(u):
                 out.append(u)
                 todo.append(u)
-    order = _order_of(base)
+    if order is None:
+        order = _order_of(base)
     return sorted(out, key=order.__getitem__)
 
 
@@ -305,6 +309,38 @@ def _is_view(node: Any) -> bool:
 
 def _order(graph: Any) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
+
+
+class _Positions:
+    """Each node's place in ``graph``, kept as the pass moves nodes one at a time: a moved node
+    is numbered between its new neighbours (the graph is numbered with gaps, and numbered
+    again only when a gap is used up), so a pass that moves every node of the update does
+    not count the whole graph again after each move (quadratic in the graph's size)."""
+
+    GAP = 1 << 16
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self._number()
+
+    def _number(self) -> None:
+        self.at = {n: i * self.GAP for i, n in enumerate(self.graph.nodes)}
+        self.end = len(self.at) * self.GAP
+
+    def __getitem__(self, node: Any) -> int:
+        return self.at[node]
+
+    def moved(self, node: Any) -> None:
+        """``node`` was just moved (or inserted) in the graph."""
+        lo = self.at.get(node.prev, -self.GAP)  # (the graph's root, before the first node and after the last, has no place)
+        hi = self.at.get(node.next, self.end)
+        if node.next not in self.at and lo >= self.end - 1:
+            self.end += self.GAP
+            hi = self.end
+        if hi - lo < 2:
+            self._number()
+        else:
+            self.at[node] = (lo + hi) // 2
 
 
 def _order_of(node: Any) -> dict:

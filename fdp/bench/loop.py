@@ -5,7 +5,8 @@ AdamW with weight decay on the 2-D weights only, a linear warm-up then cosine de
 set every step from nanoGPT's ``get_lr``), gradient clipping at norm 1.0, and 4 micro-batches
 per step, the first 3 without communication. On 2 gloo ranks, each kind trains its own
 replica from the same start on the same batches, interleaved step by step (the order
-rotates), and after the run every kind's params are compared with DDP's:
+rotates; the ranks start each step together), and after the run every kind's params are
+compared with DDP's:
 
   ddp       ``DistributedDataParallel`` with ``no_sync()`` for the first micro-batches,
             ``clip_grad_norm_``, ``torch.optim.AdamW`` with two param groups;
@@ -220,6 +221,9 @@ def run(group: fdp.Group, cfg: dict) -> dict:
     for t in range(cfg["warmup"] + cfg["steps"]):
         order = kinds[t % len(kinds):] + kinds[:t % len(kinds)]  # rotate: no kind always runs first
         for kind in order:
+            # every rank starts each kind's step together (as ``bench sharded``): a rank's lag
+            # at the end of one kind's step is not timed as the next kind's wait
+            fdp.pmean({"x": torch.zeros(1)}, loop.group)
             t0 = time.perf_counter()
             loop.step(kind, t)
             if t >= cfg["warmup"]:

@@ -406,6 +406,53 @@ def test_a_checkpoint_of_a_fully_sharded_run_under_inductor_resumes_eagerly_and_
             torch.testing.assert_close(compiled_second[k], straight[k], rtol=RTOL, atol=ATOL)
 
 
+def _module_guards_case(group, skip):
+    """Two steps, then the first block's LayerNorm given another ``eps``, then a third step:
+    eagerly with and without the change, and compiled (``aot_eager``) with dynamo's guards on
+    the model's modules kept (the default) or skipped (``skip``)."""
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+    loss = _token_loss(apply, buffers)
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if skip else {}
+    out = {}
+    norm = model.blocks[0].ln
+    for how in ("eager", "eager-unchanged", "compiled"):
+        step = fdp.Reducer(params, group).grad_and_update(loss, _opt("clip_sgd"))
+        p, s = params, step.init(params)
+        run = step.compile(backend="aot_eager", options=options) if how == "compiled" else step
+        for i in range(2):
+            p, s, _ = run(p, s, *tokens(group.rank, i))
+        if how != "eager-unchanged":
+            norm.eps = 0.5
+        p, s, _ = run(p, s, *tokens(group.rank, 2))
+        norm.eps = 1e-5
+        out[how] = dict(p)
+
+    def same(a, b):
+        return all(torch.equal(out[a][k], out[b][k]) for k in out[a])
+    return same("compiled", "eager"), same("compiled", "eager-unchanged")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"),
+                    reason="torch.compiler.skip_guard_on_all_nn_modules_unsafe is new in torch 2.9")
+def test_the_modules_guards_see_a_change_to_the_model_and_skipping_them_is_the_users_call():
+    """``step.compile(options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})``
+    reaches dynamo (docs/compile.md, "Each call's cost"): the same numbers as the eager step, and
+    fewer checks a call; the cost, shown: an attribute of the model changed after the first call
+    (a LayerNorm's ``eps``) is seen by the default compiled step (it compiles anew, and equals
+    the eager step) and not by the one without the modules' guards (it runs the graph traced
+    before the change). (A forward hook added later is seen by neither: dynamo does not guard
+    on hooks by default, ``torch._dynamo.config.skip_nnmodule_hook_guards``.)"""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    kept = fdp.testing.run(_module_guards_case, 2, backend="gloo", timeout=300, args=(False,))
+    skipped = fdp.testing.run(_module_guards_case, 2, backend="gloo", timeout=300, args=(True,))
+    assert kept == [(True, False), (True, False)]
+    assert skipped == [(False, True), (False, True)]
+
+
 def _refusal(group, option, how):
     torch._dynamo.reset()
     params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}

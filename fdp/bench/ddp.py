@@ -23,13 +23,16 @@ from .. import _internals
 KINDS = ("ddp", "ddp-compiled", "ddp-compiled-autograd")
 
 
-def build(kind: str, model: nn.Module, process_group: Any) -> tuple[nn.Module, Any, Any]:
+def build(kind: str, model: nn.Module, process_group: Any, options: dict | None = None
+          ) -> tuple[nn.Module, Any, Any]:
     """``(the DDP module, the forward to call, a function giving the context to run its
-    forward and backward in)`` for ``kind`` (one of ``KINDS``)."""
+    forward and backward in)`` for ``kind`` (one of ``KINDS``); ``options``: ``torch.compile``'s
+    ``options=`` for the compiled kinds."""
+    given = {"options": dict(options)} if options else {}
     if kind == "ddp-compiled-autograd":
         ddp, running = _internals.ddp_compiled_autograd(model, process_group)
-        return ddp, torch.compile(ddp), running
+        return ddp, torch.compile(ddp, **given), running
     if kind == "ddp-compiled":
-        model.compile()
+        model.compile(**given)
     ddp = nn.parallel.DistributedDataParallel(model, process_group=process_group)
     return ddp, ddp, contextlib.nullcontext

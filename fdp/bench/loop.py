@@ -26,6 +26,9 @@ compared with DDP's:
             and AdamW as ddp's.
   ``--cpp-wrapper``: every compiled kind with Inductor's C++ wrapper (the code calling the
   kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``).
+  ``--skip-module-guards``: every compiled kind compiled with
+  ``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}``: dynamo
+  does not check the model's modules before each call (docs/compile.md, "Each call's cost").
 
 Reported: per kind, the total time of the timed steps, the median step, the ratio of totals
 to DDP's, and how many of the params are bit-identical with DDP's after the run (compiled
@@ -98,7 +101,7 @@ class Loop:
     """One replica per kind of the same model, trained on the same batches."""
 
     def __init__(self, group: fdp.Group, kinds: tuple[str, ...], micro: int, batch_size: int, steps: int,
-                 autocast: bool = False) -> None:
+                 autocast: bool = False, compile_options: dict | None = None) -> None:
         self.group, self.kinds, self.k, self.bs = group, kinds, micro, batch_size
         # bf16 autocast of the forward (params, gradients and AdamW stay fp32), on both sides
         self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else _null
@@ -123,7 +126,7 @@ class Loop:
             if kind in DDPS:
                 model = GPT()
                 model.load_state_dict(template.state_dict())
-                ddp, forward, running = ddp_kinds.build(kind, model, group.process_group)
+                ddp, forward, running = ddp_kinds.build(kind, model, group.process_group, compile_options)
                 named = list(model.named_parameters())
                 opt = torch.optim.AdamW(
                     [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
@@ -136,7 +139,8 @@ class Loop:
             reducer = fdp.Reducer(params, group, shard=kind in ("sharded", "compiled-sharded"))
             if kind in FUSED:
                 step = reducer.grad_and_update(loss_fn, self.opt, donate=kind != "fused-pure")
-                run = step.compile() if kind in COMPILED else step
+                run = step.compile(**({"options": dict(compile_options)} if compile_options else {})) \
+                    if kind in COMPILED else step
                 self.state[kind] = [params, step.init(params), run, reducer]
             else:
                 self.state[kind] = [params, self.opt.init(params), None, reducer]
@@ -153,8 +157,9 @@ class Loop:
                 g = reducer.all_reduce({n: acc[n] + g[n] for n in g})
                 return opt.update(g, opt_state, params)
 
-            self.compiled_local = torch.compile(local)
-            self.compiled_last = torch.compile(last)
+            given = {"options": dict(compile_options)} if compile_options else {}
+            self.compiled_local = torch.compile(local, **given)
+            self.compiled_last = torch.compile(last, **given)
 
     def step(self, kind: str, t: int) -> None:
         k, rank, bs = self.k, self.group.rank, self.bs
@@ -215,7 +220,9 @@ def run(group: fdp.Group, cfg: dict) -> dict:
     if cfg.get("cpp_wrapper"):
         _internals.inductor_cpp_wrapper()
     kinds = tuple(cfg["kinds"])
-    loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False))
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} \
+        if cfg.get("skip_module_guards") else None
+    loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False), options)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     first: dict[str, float] = {}  # each kind's first step (a compiled kind's compilation)
     for t in range(cfg["warmup"] + cfg["steps"]):
@@ -275,17 +282,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
     p.add_argument("--cpp-wrapper", action="store_true",
                    help="every compiled kind (fdp's and DDP's) with Inductor's C++ wrapper (options={'cpp_wrapper': True})")
+    p.add_argument("--skip-module-guards", action="store_true",
+                   help="every compiled kind (fdp's and DDP's) compiled with options={'guard_filter_fn': "
+                        "torch.compiler.skip_guard_on_all_nn_modules_unsafe}: dynamo does not check the model's "
+                        "modules before each call")
     p.add_argument("--json", default=None, help="also write the raw results here")
     a = p.parse_args(argv)
+    if a.skip_module_guards and not hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):
+        p.error(f"--skip-module-guards: torch {torch.__version__} has no "
+                "torch.compiler.skip_guard_on_all_nn_modules_unsafe (torch 2.9 and later have it)")
     kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED, *PEERS) if a.compiled else ())
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
-           "autocast": a.autocast, "cpp_wrapper": a.cpp_wrapper}
+           "autocast": a.autocast, "cpp_wrapper": a.cpp_wrapper, "skip_module_guards": a.skip_module_guards}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)
     table, ok = report(results, kinds, (
         f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
         f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
         f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else "")
-        + (", Inductor's C++ wrapper" if a.cpp_wrapper else "")))
+        + (", Inductor's C++ wrapper" if a.cpp_wrapper else "")
+        + (", the modules' guards skipped" if a.skip_module_guards else "")))
     print(table)
     if a.json:
         with open(a.json, "w") as f:

@@ -103,6 +103,7 @@ class Loop:
     def __init__(self, group: fdp.Group, kinds: tuple[str, ...], micro: int, batch_size: int, steps: int,
                  autocast: bool = False, compile_options: dict | None = None) -> None:
         self.group, self.kinds, self.k, self.bs = group, kinds, micro, batch_size
+        given = {"options": dict(compile_options)} if compile_options else {}  # (torch.compile's, each compiled kind)
         # bf16 autocast of the forward (params, gradients and AdamW stay fp32), on both sides
         self.autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else _null
         torch.manual_seed(0)
@@ -139,8 +140,7 @@ class Loop:
             reducer = fdp.Reducer(params, group, shard=kind in ("sharded", "compiled-sharded"))
             if kind in FUSED:
                 step = reducer.grad_and_update(loss_fn, self.opt, donate=kind != "fused-pure")
-                run = step.compile(**({"options": dict(compile_options)} if compile_options else {})) \
-                    if kind in COMPILED else step
+                run = step.compile(**given) if kind in COMPILED else step
                 self.state[kind] = [params, step.init(params), run, reducer]
             else:
                 self.state[kind] = [params, self.opt.init(params), None, reducer]
@@ -157,7 +157,6 @@ class Loop:
                 g = reducer.all_reduce({n: acc[n] + g[n] for n in g})
                 return opt.update(g, opt_state, params)
 
-            given = {"options": dict(compile_options)} if compile_options else {}
             self.compiled_local = torch.compile(local, **given)
             self.compiled_last = torch.compile(last, **given)
 

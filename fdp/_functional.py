@@ -175,8 +175,13 @@ class Apply:
             view = units_of(params)
             if view is not None:  # fully sharded params: gathered unit by unit (fdp/_units)
                 return self._call_units(view, buffers, args, kwargs)
-        _check("params", params, self._param_shapes)
-        _check("buffers", buffers, self._buffer_shapes)
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # (checked at trace time against this Apply's shapes taken as constants)
+            _traced_check(self, "params", params)
+            _traced_check(self, "buffers", buffers)
+        else:
+            _check("params", params, self._param_shapes)
+            _check("buffers", buffers, self._buffer_shapes)
         if self._cast and self._probe is not None:
             dtype = params[self._probe[0]].dtype
             if dtype != self._probe[1]:
@@ -184,11 +189,11 @@ class Apply:
         new_buffers = {k: v.clone() for k, v in buffers.items()}
         if self._forward.training != self.training or self.module.training != self.training:
             self._forward.train(self.training)
-        if torch.compiler.is_compiling():  # dynamo knows functional_call; keep to it there
+        if compiling:  # dynamo knows functional_call; keep to it there
             # Every other name of a tied tensor given too: functional_call ties only what the
             # module still ties, and ``model.to("meta")`` unties (the head would be its meta copy).
             ties = {name: params[f] if f in params else new_buffers[f]
-                    for name, f in self._home.first.items() if name != f and (f in params or f in new_buffers)}
+                    for name, f in _ties(self._home) if f in params or f in new_buffers}
             out = functional_call(
                 self._forward, (params, ties, new_buffers, self._constants), args, kwargs,
                 tie_weights=True, strict=False,
@@ -678,6 +683,25 @@ def _slots(module: nn.Module) -> tuple[dict[str, list[tuple[dict, str]]], dict[s
             held = _internals.tensor_dicts(module.get_submodule(owner))[buffers]  # (params', or buffers')
             slots.setdefault(id(t), []).append((held, key))
     return {first[i]: s for i, s in slots.items()}, alias
+
+
+def _traced_check(apply: Apply, what: str, tree: Any) -> None:
+    """``_check`` inside a trace, against ``apply``'s shapes taken as constants (``_shape_table``):
+    dynamo guards on the tree, not on each of the shapes."""
+    _check(what, tree, dict(_shape_table(apply, what)))
+
+
+@_internals.trace_constant
+def _shape_table(apply: Apply, what: str) -> tuple[tuple[str, torch.Size], ...]:
+    """``apply``'s ``(key, shape)`` of its params (``what="params"``) or buffers; in a trace, a constant."""
+    return tuple((apply._param_shapes if what == "params" else apply._buffer_shapes).items())
+
+
+@_internals.trace_constant
+def _ties(home: _Home) -> tuple[tuple[str, str], ...]:
+    """Every other name of a tied tensor with the name it is given under: at trace time, a
+    constant of the graph."""
+    return tuple((name, f) for name, f in home.first.items() if name != f)
 
 
 def _check(what: str, tree: Any, shapes: dict[str, torch.Size]) -> None:

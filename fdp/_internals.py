@@ -10,6 +10,7 @@ Where an API may be missing on a supported torch, its function says what fdp doe
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 import sys
@@ -412,6 +413,7 @@ class _Watcher(MetaPathFinder):
         self.module = module
         self.callbacks: list[Callable[[], None]] = []
         self.lock = threading.Lock()
+        self.finding = threading.local()  # (another finder like this one asks the others too: not us again)
 
     def when_imported(self, callback: Callable[[], None]) -> None:
         with self.lock:
@@ -423,14 +425,18 @@ class _Watcher(MetaPathFinder):
         callback()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
-        if fullname != self.module:
+        if fullname != self.module or getattr(self.finding, "now", False):
             return None
         spec = None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
+        self.finding.now = True
+        try:
+            for finder in sys.meta_path:
+                if finder is not self and hasattr(finder, "find_spec"):
+                    spec = finder.find_spec(fullname, path, target)
+                    if spec is not None:
+                        break
+        finally:
+            self.finding.now = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         loader, run = spec.loader, spec.loader.exec_module
@@ -497,6 +503,37 @@ def tracing_autograd() -> Any:
     if not hasattr(config, "trace_autograd_ops"):  # pragma: no cover - torch < 2.9
         return contextlib.nullcontext()
     return _setting(config, "trace_autograd_ops", True)
+
+
+# Whether dynamo takes an object argument of an ``assume_constant_result`` function by its
+# identity (torch 2.13 does; the earlier torch versions fdp compiles on were not checked)
+_CONSTANT_OBJECTS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2] if x.isdigit()) >= (2, 13)
+
+
+@_use("torch._dynamo.assume_constant_result (its mark, the function's _dynamo_marked_constant)",
+      "fdp's own immutable bookkeeping (a plan's leaf shapes, an engine's update orders) read inside a traced "
+      "step without a guard per value, which dynamo would check before every call of the compiled step; "
+      "torch >= 2.13 (which takes an object argument by identity), elsewhere the reads are guarded as before",
+      checked="2.13")
+def trace_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` marked as dynamo's ``assume_constant_result`` (without importing dynamo): inside
+    a trace dynamo calls it at trace time and takes its result as a constant, guarding only on
+    its arguments (an object argument by identity), not on anything the result is read for."""
+    if _CONSTANT_OBJECTS:
+        fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@trace_constant
+def frozen(owner: Any, attr: str) -> Any:
+    """A copy of ``owner.attr``. Inside a trace (torch >= 2.13) it is taken once as a constant:
+    before each call of the compiled function dynamo checks only that ``owner`` is the same
+    object, not every value read from the copy (a copy: dynamo would otherwise guard through
+    the attribute wherever the traced code also reads it). For fdp's own bookkeeping that never
+    changes once made (a bucket plan, an engine's update orders); never for anything that holds
+    tensors or state a call changes. (Where it is not a constant, the attribute itself.)"""
+    value = getattr(owner, attr)
+    return copy.deepcopy(value) if _CONSTANT_OBJECTS else value
 
 
 @contextlib.contextmanager

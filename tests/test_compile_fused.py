@@ -453,6 +453,79 @@ def test_the_modules_guards_see_a_change_to_the_model_and_skipping_them_is_the_u
     assert skipped == [(False, True), (False, True)]
 
 
+# What fdp's own bookkeeping would guard on, per number, if the traced step read it as dynamo
+# does by default: a plan's shapes and buckets, an engine's update orders, an Apply's shapes
+# and ties, a state layout's sizes (fdp/_internals.py, ``trace_constant``).
+BOOKKEEPING = ("._shapes", "._dtypes", ".plan.buckets", ".plan.slots", ".orders", "._param_shapes",
+               "._buffer_shapes", "._home.first", ".mine.sizes")
+
+
+def _guards_and_errors_case(group, kind):
+    """Two compiled steps (``aot_eager``, a micro-batch accumulated before the second) of the
+    block net in ``kind``; every guard's source dynamo made for them; then the errors of the
+    compiled step given params with one leaf of another shape, params without a leaf, the
+    state of another optimizer and that of a step with other buckets."""
+    torch._dynamo.reset()
+    apply, params, buffers, kw = _block_net(kind)
+    names = []
+
+    def seen(entries):
+        names.extend(e.name for e in entries)
+        return [True] * len(entries)
+
+    step = fdp.Reducer(params, group, **kw).grad_and_update(_token_loss(apply, buffers), _opt("clip_sgd"))
+    state = step.init(params)
+    p = step.shard(params) if kind == "units" else params
+    compiled = step.compile(backend="aot_eager", options={"guard_filter_fn": seen})
+    p, state, _ = compiled(p, state, *tokens(group.rank, 0))
+    compiled.accumulate(p, *tokens(group.rank, 1))
+    p, state, _ = compiled(p, state, *tokens(group.rank, 2))
+    counted = list(names)  # (the calls below compile graphs that raise fdp's errors: their guards are not counted)
+    errors = []
+    if kind != "units":  # (fully sharded params are step.shard's, never the user's tree)
+        wrong = {**p, "ln.bias": torch.zeros(7)}
+        fewer = {k: v for k, v in p.items() if k != "ln.bias"}
+        for bad in (wrong, fewer):
+            try:
+                compiled(bad, state, *tokens(group.rank, 3))
+            except Exception as e:  # noqa: BLE001 - the message is what is checked
+                errors.append(str(e))
+    others = [{"opt": "adamw"}] + ([{"bucket_cap_mb": 25, "first_bucket_cap_mb": 1}] if kind != "units" else [])
+    for other in others:  # (a state of another optimizer; of other buckets: units make the buckets)
+        opt = _opt(other.pop("opt", "clip_sgd"))
+        made = fdp.Reducer(params, group, **{**kw, **other}).grad_and_update(_token_loss(apply, buffers), opt)
+        try:
+            compiled(p, made.init(params), *tokens(group.rank, 3))
+        except Exception as e:  # noqa: BLE001
+            errors.append(str(e))
+    return counted, errors
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
+def test_the_compiled_step_checks_fdps_bookkeeping_once_at_trace_time_not_before_every_call(kind):
+    """The compiled step's checks of its inputs against fdp's own bookkeeping (the plan's leaf
+    shapes, the Apply's, the state layout's sizes) and what its graph is built from (the
+    buckets, the update orders) are made at trace time with the bookkeeping a constant: dynamo
+    guards on the inputs, not on each number fdp keeps, before every call (a per-leaf cost on
+    every call of a compiled step: docs/compile.md, "Each call's cost"). A wrong input still
+    gets fdp's error, naming the leaf."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    for names, errors in fdp.testing.run(_guards_and_errors_case, 2, backend="gloo", timeout=300, args=(kind,)):
+        assert names, "no guards seen"
+        assert not [n for n in names if any(b in n for b in BOOKKEEPING)], [
+            n for n in names if any(b in n for b in BOOKKEEPING)][:5]
+        if kind != "units":
+            # (a shape that changed after the first call is a symbol in dynamo's retrace: "(s91,)")
+            assert "leaf ['ln.bias'] has shape (" in errors[0] and "the plan expects (16,)" in errors[0], errors[0]
+            assert "does not match the bucket plan's structure: missing leaf ['ln.bias']" in errors[1], errors[1]
+            assert "opt_state.buffers['momentum_buffer'] does not match this step's" in errors[3], errors[3]
+        fields = errors[2 if kind != "units" else 0]
+        assert "opt_state has fields ['exp_avg', 'exp_avg_sq'] and 0 transform states; this optimizer keeps " \
+               "['momentum_buffer'] and 1" in fields, fields
+
+
 def _refusal(group, option, how):
     torch._dynamo.reset()
     params = {"w": torch.ones(4, 3), "b": torch.zeros(4)}

@@ -112,6 +112,17 @@ class FusedState(NamedTuple):
         return None
 
 
+@_internals.trace_constant
+def _expected(layout: StateLayout) -> tuple[tuple[str, ...], int, tuple[tuple[str, tuple], ...]]:
+    """What ``layout.check`` compares a state with: the fields, how many transform states, and
+    per field each flat tensor's ``(numel, dtype, device)``. In a trace, a constant: dynamo
+    guards on the state's tensors, not on each of the layout's numbers."""
+    keys = tuple(key for ks in layout.keys for key in ks)
+    sizes = tuple((key, tuple((layout.mine.sizes[b.index][k], b.dtype, b.device) for b in layout.plan.buckets))
+                  for k in range(len(layout.parts)) for key in layout.keys[k])
+    return keys, len(layout.transforms), sizes
+
+
 LAYOUT_VERSION = 1
 
 
@@ -224,6 +235,18 @@ class StateLayout:
             raise TypeError(f"{self.name}: opt_state must be the FusedState of step.init(params) (or "
                             f"step.state_from_tree), got {type(state).__name__}")
         self._check_hyperparams(state.hyperparams, f"{self.name}: opt_state")
+        if _tree.compiling():  # (against the layout's numbers taken once as constants: no guard on each)
+            keys, transforms, sizes = _expected(self)
+            if set(state.buffers) != set(keys) or len(state.transforms) != transforms:
+                raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
+                                 f"{len(state.transforms)} transform states; this optimizer keeps "
+                                 f"{sorted(keys)} and {transforms}")
+            for key, want in sizes:
+                flats = state.buffers[key]
+                if len(flats) != len(want) or any(t.numel() != n or t.dtype != dtype or t.device != device
+                                                  for t, (n, dtype, device) in zip(flats, want)):
+                    raise ValueError(self._differs(key))
+            return state
         keys = [key for ks in self.keys for key in ks]
         if set(state.buffers) != set(keys) or len(state.transforms) != len(self.transforms):
             raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
@@ -247,11 +270,14 @@ class StateLayout:
                 if len(flats) != len(self.plan.buckets) or any(
                         t.numel() != self.mine.sizes[b.index][k] or t.dtype != b.dtype or t.device != b.device
                         for t, b in zip(flats, self.plan.buckets)):
-                    what = "slices" if self.slices.sharded else "buckets"
-                    raise ValueError(f"{self.name}: opt_state.buffers[{key!r}] does not match this step's "
-                                     f"{len(self.plan.buckets)} {what} (a state made for another plan, world "
-                                     "size or sharding? convert it with step.state_to_tree / step.state_from_tree)")
+                    raise ValueError(self._differs(key))
         return state
+
+    def _differs(self, key: str) -> str:
+        what = "slices" if self.slices.sharded else "buckets"
+        return (f"{self.name}: opt_state.buffers[{key!r}] does not match this step's {len(self.plan.buckets)} "
+                f"{what} (a state made for another plan, world size or sharding? convert it with "
+                "step.state_to_tree / step.state_from_tree)")
 
     # ------------------------------------------------------------------ per-leaf forms
     # The four conversions are one correspondence, ``Spans.placed``: for each rank, which

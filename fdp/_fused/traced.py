@@ -76,7 +76,11 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
     ``donate``: the new params (with fully sharded params, the new slices) are written into the
     given ones, which the step returns (as the eager step writes them): no second copy of them
     outlives the step."""
-    plan, store, bk = engine.plan, engine.store, engine.buckets
+    # (fdp's own bookkeeping, which never changes once made, read as constants: dynamo checks
+    # before each call that they are the same objects, not each number in them; methods are
+    # called on the engine's own plan, which takes itself as a constant for what they read)
+    plan, orders = _internals.frozen(engine, "plan"), _internals.frozen(engine, "orders")
+    store, bk = engine.store, engine.buckets
     name = engine.name
     layout.check(state)  # (under compile without the layout tensor's host comparison)
     machine, slices = engine.machine, store.slices
@@ -96,10 +100,10 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         # (dynamo replaces optree's specs: the params' structure is flattened inside the trace,
         # from the plan's tree of leaf indices, made eagerly with the engine)
         treedef = _tree.structure(engine.skeleton)
-        inputs = _tree.leaves(plan.views(fulls, treedef))
+        inputs = _tree.leaves(engine.plan.views(fulls, treedef))
         leaves = None
     else:
-        leaves, treedef, inputs = _whole_inputs(plan, store, params, f"{name} params")
+        leaves, treedef, inputs = _whole_inputs(engine.plan, store, params, f"{name} params")
     grads, value = _grad_and_value(_loss_of(fn, treedef, rest, kwargs), has_aux, inputs, name)
     acc = engine.acc
     sums = None
@@ -107,7 +111,13 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
         if acc.slices is not None:  # reduce_micro_batches: this rank's slices of their reduced sum, added below
             sums, acc.slices = acc.slices, None
         else:  # their local sum, added before the mean
-            grads = [g + a for g, a in zip(grads, acc.grads)]
+            held = acc.grads
+            if acc.flats is not None:  # (read as the flat buffers they lie in: one graph input a bucket, not a leaf)
+                held = [None] * len(grads)
+                for bucket, flat in zip(plan.buckets, acc.flats):
+                    for i, view in zip(bucket.leaves, _views(flat, bucket)):
+                        held[i] = view
+            grads = [g + a for g, a in zip(grads, held)]
         acc.count = 0
 
     scale = machine.scale_for(engine.group.size)
@@ -201,7 +211,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
             p = p[slices.lo[b]:slices.hi[b]]
         before.append(p)
         out.append(_update_bucket(bk, b, p, reduced[b], kernels, counts, [[buffers[k][b] for k in ks] for ks in keys],
-                                  owned, wholes, engine.orders[b], ok))
+                                  owned, wholes, orders[b], ok))
     if injected is not None:
         for held in injected.held.values():
             held.value = None
@@ -230,7 +240,7 @@ def traced_grad_step(engine: Any, program: Program, layout: StateLayout, fn: Cal
                 leaves[i].copy_(view)
         new = params
     else:
-        new = plan.views(out, treedef)
+        new = engine.plan.views(out, treedef)
     return new, state._replace(transforms=tuple(tstates)), _detached(value)
 
 
@@ -240,8 +250,8 @@ def traced_accumulate(engine: Any, fn: Callable, has_aux: bool, params: Any, res
     of one micro-batch written (``first``) or added into the engine's flat accumulation
     buffers, as the eager ``step.accumulate`` adds them (``fdp/_fused/stores.py``). The caller
     keeps the count, eagerly. Returns the value, detached."""
-    plan, acc = engine.plan, engine.acc
-    _, treedef, inputs = _whole_inputs(plan, engine.store, params, f"{engine.name}.accumulate params")
+    plan, acc = _internals.frozen(engine, "plan"), engine.acc  # (the plan a constant: see ``traced_grad_step``)
+    _, treedef, inputs = _whole_inputs(engine.plan, engine.store, params, f"{engine.name}.accumulate params")
     grads, value = _grad_and_value(_loss_of(fn, treedef, rest, kwargs), has_aux, inputs, engine.name)
     for b, bucket in enumerate(plan.buckets):
         flat = torch.cat([grads[i].reshape(-1) for i in bucket.leaves]).to(bucket.dtype)
@@ -464,7 +474,7 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
     measured whole on one rank (those that cross a slice boundary sent there first, one
     all-to-all per bucket that has any), and the statistics put together with one all-reduce
     in which each leaf has one non-zero contribution: exact, as the eager ``Straddles``."""
-    straddles = store.straddles
+    straddles = _internals.frozen(store, "straddles")  # (geometry made once: see ``traced_grad_step``)
     if straddles is None:
         stats: list[torch.Tensor] = []
         for b in range(len(reduced)):
@@ -473,9 +483,10 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
         by_leaf = dict(zip(order, stats))
         return [by_leaf[i] for i in range(len(plan.slots))]
     own: dict[int, torch.Tensor] = {}
-    for b in range(len(reduced)):
-        leaves, views = straddles.inside_views(b, reduced[b])
-        own.update(zip(leaves, t.stats(views)))
+    slots = straddles.plan.slots
+    for b in range(len(reduced)):  # (``Straddles.inside_views``, on the copy)
+        views = [reduced[b][o:o + slots[i].numel].view(slots[i].shape) for i, o in straddles.inside[b]]
+        own.update(zip([i for i, _ in straddles.inside[b]], t.stats(views)))
     for b in straddles.buckets:
         leaves, wholes = _exchange(straddles, reduced, group, b, received)
         if leaves:

@@ -12,12 +12,46 @@ from typing import Any
 
 import torch
 
-from .. import _tree, kernels
+from .. import _internals, _tree, kernels
 
 MiB = 1024 * 1024
 # The cap of ``bucket_cap_mb=float("inf")``: no bucket ever reaches it, so each (device, dtype)
 # group gets one bucket after its first (``int(inf * MiB)`` would raise OverflowError).
 NO_CAP = 1 << 62
+
+
+@_internals.trace_constant
+def _expected(plan: BucketPlan) -> tuple[int, tuple[torch.Size, ...], tuple[torch.dtype, ...]]:
+    """``plan``'s leaf count, shapes and dtypes; in a trace, a constant (dynamo guards on the
+    leaves compared with them, not on each of the plan's numbers)."""
+    return len(plan.slots), tuple(plan._shapes), tuple(plan._dtypes)
+
+
+@_internals.trace_constant
+def _difference(plan: BucketPlan, keys: tuple[str, ...] | None, n: int) -> str:
+    """Where a tree of ``n`` leaves (a dict's ``keys``, or None) differs from ``plan``'s, as
+    ``_tree.first_difference`` says it eagerly (dynamo cannot trace optree's accessors); at
+    trace time."""
+    expected = [s.path for s in plan.slots]
+    counts = f"(expected {len(expected)} leaves, found {n})"
+    if keys is not None:
+        got = [f"[{k!r}]" for k in keys]
+        missing = [p for p in expected if p not in got]
+        if missing:
+            return f"missing leaf {missing[0]} {counts}"
+        extra = [p for p in got if p not in expected]
+        if extra:
+            return f"unexpected extra leaf {extra[0]} {counts}"
+    return counts
+
+
+@_internals.trace_constant
+def _placed(plan: BucketPlan) -> tuple[int, tuple[tuple[tuple[int, int, int, tuple[int, ...]], ...], ...]]:
+    """``plan``'s leaf count and, per bucket, each leaf's ``(index, offset, numel, shape)``; in a
+    trace, a constant."""
+    return len(plan.slots), tuple(
+        tuple((i, off, n, tuple(plan.slots[i].shape)) for i, off, n in zip(b.leaves, b.offsets, b.numels))
+        for b in plan.buckets)
 
 
 @dataclass(frozen=True)
@@ -306,17 +340,21 @@ class BucketPlan:
         leaves, treedef = _tree.flatten(tree)
         # (Under torch.compile the structure comparison is skipped: dynamo cannot trace
         # PyTreeSpec's C comparison, and it guards on the input structure itself; the count,
-        # shape and dtype checks below still run at trace time. Dicts are then taken in the
-        # order given.)
-        if not _tree.compiling() and treedef != self.treedef:
+        # shape and dtype checks below still run at trace time, against the plan taken as a
+        # constant: dynamo guards on the leaves, not on each of the plan's numbers. Dicts are
+        # then taken in the order given.)
+        compiling = _tree.compiling()
+        if not compiling and treedef != self.treedef:
             leaves = _tree.in_order_of(self.treedef, treedef, leaves,
                                        f"fdp: {what} does not match the bucket plan's structure")
-        if len(leaves) != len(self.slots):
-            raise ValueError(f"fdp: {what} does not match the bucket plan's structure: "
-                             f"{_tree.first_difference(self.treedef, treedef)}")
+        count, shapes, dtypes = _expected(self) if compiling else (len(self.slots), self._shapes, self._dtypes)
+        if len(leaves) != count:
+            why = _tree.first_difference(self.treedef, treedef) if not compiling else _difference(
+                self, tuple(tree) if type(tree) is dict and all(isinstance(k, str) for k in tree) else None, len(leaves))
+            raise ValueError(f"fdp: {what} does not match the bucket plan's structure: {why}")
         try:
-            if _tree.compiling():  # dynamo cannot call attrgetter objects
-                same = [t.shape for t in leaves] == self._shapes and [t.dtype for t in leaves] == self._dtypes
+            if compiling:  # dynamo cannot call attrgetter objects
+                same = [t.shape for t in leaves] == list(shapes) and [t.dtype for t in leaves] == list(dtypes)
             else:
                 same = list(map(_shape, leaves)) == self._shapes and list(map(_dtype, leaves)) == self._dtypes
         except AttributeError:  # a leaf that is not a tensor
@@ -446,12 +484,14 @@ class BucketPlan:
         ``treedef``: the structure to build (default the plan's; under torch.compile pass one
         flattened inside the traced code, since dynamo replaces optree's tree specs).
         """
-        leaves: list[Any] = [None] * len(self.slots)
-        if _tree.compiling():  # traceable slicing
-            for b, f in zip(self.buckets, flats):
-                for i, off, n in zip(b.leaves, b.offsets, b.numels):
-                    leaves[i] = f[off : off + n].view(self.slots[i].shape)
+        if _tree.compiling():  # traceable slicing, where each leaf lies a constant (``_placed``)
+            count, placed = _placed(self)
+            leaves: list[Any] = [None] * count
+            for per_leaf, f in zip(placed, flats):
+                for i, off, n, shape in per_leaf:
+                    leaves[i] = f[off : off + n].view(shape)
         else:  # every view of a bucket from one C++ call (``python -m fdp.bench micro``, row "views")
+            leaves = [None] * len(self.slots)
             for b, f, shapes in zip(self.buckets, flats, self._shape_templates()):
                 for i, v in zip(b.leaves, kernels.views(f, shapes)):
                     leaves[i] = v

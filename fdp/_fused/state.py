@@ -235,27 +235,25 @@ class StateLayout:
             raise TypeError(f"{self.name}: opt_state must be the FusedState of step.init(params) (or "
                             f"step.state_from_tree), got {type(state).__name__}")
         self._check_hyperparams(state.hyperparams, f"{self.name}: opt_state")
-        if _tree.compiling():  # (against the layout's numbers taken once as constants: no guard on each)
-            keys, transforms, sizes = _expected(self)
-            if set(state.buffers) != set(keys) or len(state.transforms) != transforms:
-                raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
-                                 f"{len(state.transforms)} transform states; this optimizer keeps "
-                                 f"{sorted(keys)} and {transforms}")
+        # (in a trace against the layout's numbers taken once as constants: no guard on each)
+        compiling = _tree.compiling()
+        keys, transforms, sizes = _expected(self) if compiling else (
+            [key for ks in self.keys for key in ks], len(self.transforms), None)
+        if set(state.buffers) != set(keys) or len(state.transforms) != transforms:
+            raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
+                             f"{len(state.transforms)} transform states; this optimizer keeps "
+                             f"{sorted(keys)} and {transforms}")
+        if compiling:
             for key, want in sizes:
                 flats = state.buffers[key]
                 if len(flats) != len(want) or any(t.numel() != n or t.dtype != dtype or t.device != device
                                                   for t, (n, dtype, device) in zip(flats, want)):
                     raise ValueError(self._differs(key))
             return state
-        keys = [key for ks in self.keys for key in ks]
-        if set(state.buffers) != set(keys) or len(state.transforms) != len(self.transforms):
-            raise ValueError(f"{self.name}: opt_state has fields {sorted(state.buffers)} and "
-                             f"{len(state.transforms)} transform states; this optimizer keeps "
-                             f"{sorted(keys)} and {len(self.transforms)}")
         layout = state.layout
-        # (Under torch.compile the layout tensor's digest is not compared: that reads it on the
-        # host. The fields, sizes and dtypes below are, at trace time.)
-        if not _tree.compiling() and layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
+        # (Under torch.compile, above, the layout tensor's digest is not compared: that reads it
+        # on the host. The fields, sizes and dtypes are, at trace time.)
+        if layout is not self.layout and not (isinstance(layout, torch.Tensor) and layout.shape == self.layout.shape
                                               and torch.equal(layout.cpu(), self.layout)):
             shown = describe_layout(layout) if isinstance(layout, torch.Tensor) else repr(layout)
             raise ValueError(

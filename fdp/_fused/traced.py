@@ -34,6 +34,7 @@ import torch
 from .. import _internals, _tree
 from .._comm import traced as comm
 from .._plan.bucket import BucketPlan
+from .._slices.exchange import Straddles
 from .._slices.geometry import Slices
 from .._step.traced import traced_fill
 from .._units.params import ShardedParams
@@ -483,10 +484,9 @@ def _leaf_stats(t: GradientTransform, plan: BucketPlan, store: Any, group: Any,
         by_leaf = dict(zip(order, stats))
         return [by_leaf[i] for i in range(len(plan.slots))]
     own: dict[int, torch.Tensor] = {}
-    slots = straddles.plan.slots
-    for b in range(len(reduced)):  # (``Straddles.inside_views``, on the copy)
-        views = [reduced[b][o:o + slots[i].numel].view(slots[i].shape) for i, o in straddles.inside[b]]
-        own.update(zip([i for i, _ in straddles.inside[b]], t.stats(views)))
+    for b in range(len(reduced)):  # (the class's function: dynamo calls no method on a constant)
+        leaves, views = Straddles.inside_views(straddles, b, reduced[b])
+        own.update(zip(leaves, t.stats(views)))
     for b in straddles.buckets:
         leaves, wholes = _exchange(straddles, reduced, group, b, received)
         if leaves:

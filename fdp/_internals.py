@@ -13,6 +13,7 @@ import contextlib
 import copy
 import logging
 import operator
+import re
 import sys
 import threading
 import warnings
@@ -534,6 +535,78 @@ def frozen(owner: Any, attr: str) -> Any:
     tensors or state a call changes. (Where it is not a constant, the attribute itself.)"""
     value = getattr(owner, attr)
     return copy.deepcopy(value) if _CONSTANT_OBJECTS else value
+
+
+# What ``library_guards_dropped`` counts as library code: these packages (fdp's benchmarks
+# stand for a user's code), and Python's builtins
+_LIBRARIES = ("torch", "optree", "fdp")
+_NOT_LIBRARIES = ("fdp.bench",)
+# The guards that check which object a global name holds (a function, its closure, a class, a
+# module, a builtin, a registry's keys), as against a value the traced code read from it (a
+# number, a flag, a length: CONSTANT_MATCH, EQUALS_MATCH, ...; those are kept)
+_INSTALLED = re.compile(r"_\d+_c\d+")
+_IDENTITY_GUARDS = frozenset(("ID_MATCH", "TYPE_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
+                              "FUNCTION_MATCH", "BUILTIN_MATCH", "DICT_CONTAINS", "DICT_NOT_CONTAINS",
+                              "DICT_KEYS_MATCH", "HASATTR", "DUPLICATE_INPUT"))
+
+
+@_use("torch.compile(options={'guard_filter_fn': ...}) entries' orig_guard (originating_source, create_fn's "
+      "source_b), torch._dynamo.source.GlobalSource / GlobalWeakRefSource",
+      "step.compile() drops dynamo's checks that the functions, classes and modules of torch, optree and fdp "
+      "which the traced step reached through module globals are still the same objects: before every call, on "
+      "caches the step's compute has just emptied, they were about half of the guards' time (docs/compile.md, "
+      "\"Each call's cost\"); torch >= 2.13, elsewhere every guard is kept", checked="2.13")
+def library_guards_dropped(frame_module: str) -> Callable[[list[Any]], list[bool]] | None:
+    """A ``guard_filter_fn`` for ``torch.compile`` of a function of ``frame_module`` (one of
+    fdp's): it keeps every guard except those that check the identity of library code reached
+    through a global (``_IDENTITY_GUARDS`` on a global of torch, optree, fdp, Python's builtins
+    or ``frame_module`` itself). The values the traced code read from such globals stay
+    guarded (a flag of ``torch._dynamo.config``, a constant), and so does everything reached
+    from the user's own modules, the inputs and the model. None where this torch was not
+    checked (every guard kept)."""
+    if not _CONSTANT_OBJECTS:  # pragma: no cover - torch < 2.13
+        return None
+    from torch._dynamo.source import GlobalSource, GlobalWeakRefSource
+
+    own = vars(sys.modules[frame_module])
+
+    def library(source: Any) -> bool:
+        while getattr(source, "base", None) is not None:
+            source = source.base
+        if not isinstance(source, (GlobalSource, GlobalWeakRefSource)):
+            return False
+        name = source.global_name
+        if name.startswith("__builtins_dict__"):
+            return True
+        if name.startswith("__import_"):  # (dynamo's name for an imported module: dots as "_dot_")
+            module = name[len("__import_"):].replace("_dot_", ".")
+            return module.split(".")[0] in _LIBRARIES and not module.startswith(_NOT_LIBRARIES)
+        if _INSTALLED.fullmatch(name):  # (an object dynamo installed under its id: kept)
+            return False
+        return name in own  # (a global of the compiled function's module)
+
+    def keep(entries: list[Any]) -> list[bool]:
+        out = []
+        for entry in entries:
+            guard = getattr(entry, "orig_guard", None)
+            source = getattr(guard, "originating_source", None)
+            drop = entry.guard_type in _IDENTITY_GUARDS and source is not None and library(source)
+            if drop and entry.guard_type == "DUPLICATE_INPUT":  # (both of the objects library code)
+                other = (getattr(guard.create_fn, "keywords", None) or {}).get("source_b")
+                drop = other is not None and library(other)
+            out.append(not drop)
+        return out
+
+    return keep
+
+
+@_use("torch._inductor.list_mode_options", "step.compile(mode=...) passes the mode's own options with fdp's "
+      "(torch.compile takes either a mode or options)", checked="2.13")
+def inductor_mode_options(mode: str, dynamic: bool | None = None) -> dict[str, Any]:
+    """The Inductor options ``torch.compile(mode=mode)`` stands for."""
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
 
 
 @contextlib.contextmanager

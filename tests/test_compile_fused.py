@@ -13,6 +13,7 @@ reduce-scatter adds the parts in the eager step's order.
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -451,6 +452,86 @@ def test_the_modules_guards_see_a_change_to_the_model_and_skipping_them_is_the_u
     skipped = fdp.testing.run(_module_guards_case, 2, backend="gloo", timeout=300, args=(True,))
     assert kept == [(True, False), (True, False)]
     assert skipped == [(False, True), (False, True)]
+
+
+def _scaled(loss):
+    """The test's own code, reached by the loss through this module's globals (rebound below)."""
+    return loss
+
+
+def _library_guards_case(group, guard_libraries):
+    """Three steps: eagerly, and compiled (``aot_eager``, ``guard_libraries`` as given). Before
+    the second, the user's code changes (this module's ``_scaled`` rebound: the loss times 3);
+    before the third, library code too: fdp's traced fill (``fdp/_fused/traced.py``'s
+    ``traced_fill``, which the eager step does not run) rebound to one that doubles the
+    gradients, which an eager run stands for with the loss times 6 (exactly twice the
+    gradients: a power of two). "user-code-only": eager without the library's change."""
+    global _scaled
+    torch._dynamo.reset()
+    model = init_(BlockNet(vocab=32, d=16, n=2), 3)
+    apply, params, buffers = fdp.functionalize(model)
+
+    def loss(p, x, y):
+        return _scaled(F.cross_entropy(apply(p, buffers, x)[0].flatten(0, 1), y.flatten()))
+
+    library = sys.modules["fdp._fused.traced"]
+    fill, scaled = library.traced_fill, _scaled
+    out = {}
+    for how in ("eager", "user-code-only", "compiled"):
+        step = fdp.Reducer(params, group).grad_and_update(loss, fdp.optim.sgd(lr=0.1))
+        p, s = params, step.init(params)
+        run = step.compile(backend="aot_eager", guard_libraries=guard_libraries) if how == "compiled" else step
+        try:
+            p, s, _ = run(p, s, *tokens(group.rank, 0))
+            _scaled = lambda v: 3 * v  # noqa: E731 - the user's code, changed
+            p, s, _ = run(p, s, *tokens(group.rank, 1))
+            if how == "compiled":  # the library's code, changed
+                library.traced_fill = lambda *args: 2 * fill(*args)
+            elif how == "eager":
+                _scaled = lambda v: 6 * v  # noqa: E731
+            p, s, _ = run(p, s, *tokens(group.rank, 2))
+        finally:
+            library.traced_fill, _scaled = fill, scaled
+        out[how] = dict(p)
+
+    def same(a, b):
+        return all(torch.equal(out[a][k], out[b][k]) for k in out[a])
+    return same("compiled", "eager"), same("compiled", "user-code-only")
+
+
+@pytest.mark.slow
+def test_the_compiled_step_checks_the_users_code_every_call_and_the_librarys_code_once():
+    """``step.compile()`` drops dynamo's guards on which objects the functions and modules of
+    torch, optree and fdp are (docs/compile.md, "Each call's cost"), and keeps every other: a
+    function of the user's module rebound after the first call is seen (the step compiles
+    anew and equals the eager step), one of fdp's is not (the graph traced before it runs on);
+    ``guard_libraries=True`` keeps those guards too (dynamo's default) and sees both. (An
+    object the user's code reaches too, such as ``torch.nn.functional``, is guarded where the
+    user's code reaches it: dynamo guards each object once, through the first way it found.)"""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers()
+    dropped = fdp.testing.run(_library_guards_case, 2, backend="gloo", timeout=300, args=(False,))
+    kept = fdp.testing.run(_library_guards_case, 2, backend="gloo", timeout=300, args=(True,))
+    assert dropped == [(False, True), (False, True)]
+    assert kept == [(True, False), (True, False)]
+
+
+def _mode_case(group):
+    import_compilers(inductor=True)
+    (eager, compiled), _ = _run(group, "replicated", "clip_sgd", "method", steps=2, accumulate=((1, 1),),
+                                inductor=True, options={"mode": "default"})
+    _assert_same(eager, compiled, exact=False)
+    return True
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+def test_step_compile_takes_a_mode_with_fdps_options():
+    """``step.compile(mode=...)``: torch.compile takes a mode or options, not both; fdp passes
+    its pass and guard filter as options, with the mode's own options."""
+    skip_unless_dynamo_traces_fdp()
+    import_compilers(inductor=True)
+    assert fdp.testing.run(_mode_case, 2, backend="gloo", timeout=900) == [True, True]
 
 
 # What fdp's own bookkeeping would guard on, per number, if the traced step read it as dynamo

@@ -78,6 +78,13 @@ def schedule_pass(roots: tuple[bool, ...] | None = None, regather: bool = True, 
     return _internals.inductor_post_grad_pass(scheduled, f"fdp.issue_early/1+in_order/3+scatter/2{key}")
 
 
+def _both(first: Callable, second: Callable) -> Callable[[list[Any]], list[bool]]:
+    """The guard filter that keeps a guard where both ``first`` and ``second`` keep it."""
+    def keep(entries: list[Any]) -> list[bool]:
+        return [a and b for a, b in zip(first(entries), second(entries))]
+    return keep
+
+
 class CompiledStep:
     """A fused step compiled as one graph (``step.compile()``): call it as the step, and
     ``accumulate`` as ``step.accumulate``, each compiled (see ``FusedStep.compile``).
@@ -89,8 +96,9 @@ class CompiledStep:
     micro-batches' reduce-scatters run from hooks).
     """
 
-    def __init__(self, step: FusedStep, options: dict, schedule: bool = True) -> None:
-        self.step, self.options, self.schedule = step, options, schedule
+    def __init__(self, step: FusedStep, options: dict, schedule: bool = True, guard_libraries: bool = False
+                 ) -> None:
+        self.step, self.options, self.schedule, self.guard_libraries = step, options, schedule, guard_libraries
         self._call: Callable | None = None
         self._acc: Callable | None = None
 
@@ -98,18 +106,28 @@ class CompiledStep:
         """``torch.compile``'s options, with fdp's pass for Inductor: each collective (with its
         fill) issued as early as its inputs allow, waited as late as its users allow
         (fdp/_comm/schedule.py); with fully sharded params, each unit gathered one ahead of its
-        use and again for its backward (fdp/_comm/reshard.py)."""
-        options = self.options
+        use and again for its backward (fdp/_comm/reshard.py). And, unless ``guard_libraries``,
+        a guard filter that drops dynamo's checks of the library code's identity
+        (``_internals.library_guards_dropped``), composed with the user's own filter."""
+        options = dict(self.options)
         given = dict(options.get("options") or {})
-        if not self.schedule or options.get("backend", "inductor") != "inductor" \
-                or "post_grad_custom_post_pass" in given:
+        inductor = options.get("backend", "inductor") == "inductor"
+        if self.schedule and inductor and "post_grad_custom_post_pass" not in given:
+            roots, regather = None, True
+            if engine.store.kind is StoreKind.UNITS:  # (the second gathers a unit ahead, as eagerly: docs/compile.md)
+                units = engine.store.units
+                roots = tuple(u == 0 for u in units.unit_of_bucket)
+                regather = units.reshard_after_forward
+            given["post_grad_custom_post_pass"] = schedule_pass(roots, regather)
+        mine = None if self.guard_libraries else _internals.library_guards_dropped(__name__)
+        if mine is not None and (inductor or "mode" not in options):  # (torch.compile takes no options with a mode)
+            theirs = given.get("guard_filter_fn")
+            given["guard_filter_fn"] = mine if theirs is None else _both(theirs, mine)
+        if not given:
             return options
-        roots, regather = None, True
-        if engine.store.kind is StoreKind.UNITS:  # (the second gathers a unit ahead, as eagerly: docs/compile.md)
-            units = engine.store.units
-            roots = tuple(u == 0 for u in units.unit_of_bucket)
-            regather = units.reshard_after_forward
-        given["post_grad_custom_post_pass"] = schedule_pass(roots, regather)
+        mode = options.pop("mode", None)
+        if mode is not None:  # (torch.compile takes a mode or options: the mode's own options, and these)
+            given = {**_internals.inductor_mode_options(mode, options.get("dynamic")), **given}
         return {**options, "options": given}
 
     def _ready(self, params: Any) -> Engine:
@@ -322,7 +340,7 @@ class FusedStep:
             return self._traced(params, opt_state, rest, kwargs)
         return self._eager(params, opt_state, rest, kwargs)
 
-    def compile(self, *, schedule: bool = True, **options: Any) -> CompiledStep:
+    def compile(self, *, schedule: bool = True, guard_libraries: bool = False, **options: Any) -> CompiledStep:
         """This step compiled as one graph: ``torch.compile(step, fullgraph=True, **options)``
         (``options``: ``torch.compile``'s, e.g. ``backend="aot_eager"`` or ``mode=``), called
         like the step, with ``accumulate`` compiled too (``fdp.CompiledStep``). It binds the
@@ -346,6 +364,14 @@ class FusedStep:
         about as long as the eager step holds them. Each collective is then made to follow the
         one before it, so Inductor's own reordering keeps their order on every rank.
 
+        Before each call dynamo checks its guards. Those that check that the functions, classes
+        and modules of torch, optree and fdp which the step reaches through module globals are
+        still the same objects are dropped (``guard_libraries=True`` keeps them: dynamo's
+        default): code that does not change while a job runs, and about half of the checks'
+        time (docs/compile.md, "Each call's cost"). Every value the step reads is still checked,
+        and everything of the user's own modules, the model and the inputs. A ``guard_filter_fn``
+        given in ``options`` applies too.
+
         ``skip_nonfinite`` and ``fdp.optim.loss_scale`` compile (the check and the kept update
         are graph nodes; ``step.inspect`` reads the verdict), and so does an ``inject_hyperparams`` optimizer
         here: the ``lr`` is read in the graph from the state, the other values on the host
@@ -354,7 +380,7 @@ class FusedStep:
         Raises (on the first call): ``RuntimeError`` naming an option of the step that cannot
         be traced (``uneven``, ``debug``, ...), before anything is compiled.
         """
-        return CompiledStep(self, {"fullgraph": True, **options}, schedule)
+        return CompiledStep(self, {"fullgraph": True, **options}, schedule, guard_libraries)
 
     def _untraceable(self, compiled_step: bool = False) -> str | None:
         return traced.refusal(self._engine, self._program, self._acc_tree, self.uneven, compiled_step)

@@ -541,10 +541,11 @@ def frozen(owner: Any, attr: str) -> Any:
 # stand for a user's code), and Python's builtins
 _LIBRARIES = ("torch", "optree", "fdp")
 _NOT_LIBRARIES = ("fdp.bench",)
+# dynamo's name for an object it installed as a global under its id (kept: what it is, unknown)
+_INSTALLED = re.compile(r"_\d+_c\d+")
 # The guards that check which object a global name holds (a function, its closure, a class, a
 # module, a builtin, a registry's keys), as against a value the traced code read from it (a
 # number, a flag, a length: CONSTANT_MATCH, EQUALS_MATCH, ...; those are kept)
-_INSTALLED = re.compile(r"_\d+_c\d+")
 _IDENTITY_GUARDS = frozenset(("ID_MATCH", "TYPE_MATCH", "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH",
                               "FUNCTION_MATCH", "BUILTIN_MATCH", "DICT_CONTAINS", "DICT_NOT_CONTAINS",
                               "DICT_KEYS_MATCH", "HASATTR", "DUPLICATE_INPUT"))
@@ -581,7 +582,7 @@ def library_guards_dropped(frame_module: str) -> Callable[[list[Any]], list[bool
         if name.startswith("__import_"):  # (dynamo's name for an imported module: dots as "_dot_")
             module = name[len("__import_"):].replace("_dot_", ".")
             return module.split(".")[0] in _LIBRARIES and not module.startswith(_NOT_LIBRARIES)
-        if _INSTALLED.fullmatch(name):  # (an object dynamo installed under its id: kept)
+        if _INSTALLED.fullmatch(name):
             return False
         return name in own  # (a global of the compiled function's module)
 

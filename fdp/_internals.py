@@ -506,9 +506,11 @@ def tracing_autograd() -> Any:
     return _setting(config, "trace_autograd_ops", True)
 
 
+# This torch's (major, minor)
+_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2] if x.isdigit())
 # Whether dynamo takes an object argument of an ``assume_constant_result`` function by its
 # identity (torch 2.13 does; the earlier torch versions fdp compiles on were not checked)
-_CONSTANT_OBJECTS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2] if x.isdigit()) >= (2, 13)
+_CONSTANT_OBJECTS = _TORCH >= (2, 13)
 
 
 @_use("torch._dynamo.assume_constant_result (its mark, the function's _dynamo_marked_constant)",
@@ -565,7 +567,7 @@ def library_guards_dropped(frame_module: str) -> Callable[[list[Any]], list[bool
     guarded (a flag of ``torch._dynamo.config``, a constant), and so does everything reached
     from the user's own modules, the inputs and the model. None where this torch was not
     checked (every guard kept)."""
-    if not _CONSTANT_OBJECTS:  # pragma: no cover - torch < 2.13
+    if _TORCH < (2, 13):  # pragma: no cover - (the guard entries' fields were read on 2.13)
         return None
     from torch._dynamo.source import GlobalSource, GlobalWeakRefSource
 

@@ -282,6 +282,7 @@ def _page_section(page: str, heading: str) -> str:
     start = lines.index(heading)
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     body = "\n".join(lines[start + 1:end]).strip()
+    body = re.sub(r"\]\(#", f"]({page}#", body)  # (its links to its own page's headings, from api.md)
     return f"#{heading} (from [{page}]({page}))\n\n{body}\n"
 
 

@@ -686,6 +686,30 @@ def inductor_cpp_wrapper() -> None:
     inductor.cpp_wrapper = True
 
 
+@_use("torch._inductor.config.cpp_wrapper (as torch.compile's option), torch._inductor.exc.InductorError, "
+      "torch._dynamo.exc.BackendCompilerFailed",
+      "step.compile() compiles a CPU step's wrapper (the code that calls the kernels) to C++ by default, and "
+      "compiles a graph again with the Python wrapper where Inductor fails to compile it with that one (an op "
+      "its wrapper cannot call); torch >= 2.13, elsewhere the Python wrapper as torch's default",
+      checked="2.13")
+def cpp_wrapper_by_default(device: torch.device) -> bool:
+    """Whether ``step.compile()`` asks Inductor for its C++ wrapper on ``device``: on CPU, with
+    a torch whose wrapper fdp's steps were tested under (docs/compile.md, "Each call's cost")."""
+    return device.type == "cpu" and _TORCH >= (2, 13)
+
+
+def inductor_compile_errors() -> tuple[type[BaseException], ...]:
+    """The errors a ``torch.compile``-d function raises when Inductor fails to compile a graph
+    (before any of it ran): not the graph's own errors at run time."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:  # pragma: no cover - a torch before 2.7 (its Inductor raised BackendCompilerFailed)
+        return (BackendCompilerFailed,)
+    return (BackendCompilerFailed, InductorError)
+
+
 @_use("torch._dynamo.config.optimize_ddp='python_reducer', torch._dynamo.compiled_autograd._enable, "
       "torch._inductor.config._fuse_ddp_communication, the logger torch._dynamo.variables.ctx_manager",
       "python -m fdp.bench loop/sharded --compiled time DDP "

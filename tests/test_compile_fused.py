@@ -1237,8 +1237,12 @@ def _inductor_case(group):
     import_compilers(inductor=True)
     ((eager, compiled), graphs), codes = fdp._internals.inductor_code(lambda: _run(
         group, "units", "muon_sgd", "method", steps=3, reducer_kw={"param_dtype": torch.bfloat16}, inductor=True))
-    issued = [m.group(1) for code in codes for m in re.finditer(r"(?:_c10d_functional|fdp)\.(\w+)\.default\(", code)
-              if m.group(1) != "wait_tensor"]
+    # the collectives in the order the wrapper calls them: its Python (``fdp.op.default(``) or,
+    # step.compile()'s default on CPU, its C++ (``findSchemaOrThrow("fdp::op"``, ``aoti_torch_cpu_..._op(``)
+    called = (r"(?:_c10d_functional|fdp)\.(\w+)\.default\(|findSchemaOrThrow\(\"(?:_c10d_functional|fdp)::(\w+)\""
+              r"|aoti_torch_cpu__c10d_functional_(\w+)\(")
+    issued = [name for code in codes for m in re.finditer(called, code)
+              for name in [next(g for g in m.groups() if g)] if name != "wait_tensor"]
     (pe, _, _), (pc, _, _) = eager, compiled
     # bf16 compute: Inductor keeps a fused kernel's intermediates in fp32 where eager rounds
     # every op to bf16 (one bf16 ulp is 2**-8 relative), and Muon iterates in bf16
@@ -1269,8 +1273,7 @@ def test_inductor_compiles_the_fully_sharded_step_with_muon_owners_and_bf16():
 def _cpp_wrapper_case(group, kind):
     import_compilers(inductor=True)
     ((eager, compiled), _), codes = fdp._internals.inductor_code(lambda: _run(
-        group, kind, "clip_sgd", "method", steps=3, accumulate=((1, 2),), inductor=True,
-        options={"options": {"cpp_wrapper": True}}))
+        group, kind, "clip_sgd", "method", steps=3, accumulate=((1, 2),), inductor=True))
     _assert_same(eager, compiled, exact=False)
     return sum("inductor_entry_impl" in code for code in codes), len(codes)
 
@@ -1278,11 +1281,11 @@ def _cpp_wrapper_case(group, kind):
 @pytest.mark.timeout(900)
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_inductors_cpp_wrapper_compiles_the_fused_steps_with_their_eager_numbers(kind):
-    """``step.compile(options={"cpp_wrapper": True})``, docs/compile.md's advice for CPU runs:
-    the step's graphs (and the compiled accumulate's) get a C++ wrapper, also around fdp's own
-    gloo collectives (ops the wrapper calls through the dispatcher), clipping's norms and the
-    all-reduce, and the steps agree with eager. ``shard=True`` with clipping met two torch
+def test_the_compiled_steps_call_their_kernels_from_cpp_on_cpu_with_their_eager_numbers(kind):
+    """``step.compile()`` on CPU gives Inductor its C++ wrapper (``cpp_wrapper``): the step's
+    graphs (and the compiled accumulate's) call their kernels from compiled code, also fdp's
+    own gloo collectives (ops the wrapper calls through the dispatcher), clipping's norms and
+    the all-reduce, and the steps agree with eager. ``shard=True`` with clipping met two torch
     2.13 bugs of the wrapper, both worked around: torch's ``all_to_all_single`` (the
     statistics of leaves that straddle slices) has a schema it cannot call (fdp's own
     all-to-all on gloo now), and it read a one-tensor ``_foreach_norm``'s list as a tensor
@@ -1292,6 +1295,70 @@ def test_inductors_cpp_wrapper_compiles_the_fused_steps_with_their_eager_numbers
     got = fdp.testing.run(_cpp_wrapper_case, 2, backend="gloo", timeout=900, args=(kind,))
     for in_cpp, graphs in got:
         assert graphs >= 1 and in_cpp == graphs, (in_cpp, graphs)
+
+
+def _wrapper_fallback_case(group, how):
+    """A step whose loss calls torch's own ``all_to_all_single`` (each rank's rows exchanged):
+    Inductor's C++ wrapper cannot call that op on torch 2.13. Eager, then compiled ``how``:
+    "default" (fdp's wrapper on CPU), "python" (``cpp_wrapper=False``), "cpp" (``True``, the
+    user's own); each the params after two steps, or the error, and fdp's warnings."""
+    import warnings
+
+    import torch.distributed._functional_collectives as fc
+
+    import_compilers(inductor=True)
+    torch.manual_seed(0)
+    apply, start, _ = fdp.functionalize(torch.nn.Linear(4, 2))
+    start = fdp.broadcast({k: v.detach().clone() for k, v in start.items()}, group=group)
+    pg = group.process_group
+
+    def loss_fn(params, x):
+        return apply(params, {}, fc.all_to_all_single(x, None, None, pg))[0].square().mean()
+
+    x = torch.arange(16.0).reshape(4, 4) / 8 + group.rank
+    out = []
+    for compiled in (False, True):
+        params = {k: v.clone() for k, v in start.items()}
+        step = fdp.Reducer(params, group).grad_and_update(loss_fn, fdp.optim.sgd(0.1))
+        state = step.init(params)
+        options = {} if how == "default" else {"options": {"cpp_wrapper": how == "cpp"}}
+        run = step.compile(**options) if compiled else step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(2):
+                    params, state, _ = run(params, state, x)
+            except Exception as e:  # (the user's own wrapper: Inductor's error)
+                params = f"{type(e).__name__}: {e}"
+        out.append((params, [str(w.message) for w in caught if "C++ wrapper" in str(w.message)]))
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["default", "python", "cpp"])
+def test_a_graph_the_cpp_wrapper_cannot_compile_is_compiled_with_the_python_wrapper(how):
+    """Where Inductor cannot compile a graph with the C++ wrapper ``step.compile()`` chose for
+    CPU (an op in the user's loss its wrapper cannot call), fdp compiles that graph again with
+    the Python wrapper: one warning a rank naming Inductor's reason and the option that asks
+    for the Python wrapper at once, and the eager step's numbers. With ``cpp_wrapper=False``
+    nothing is said; with the user's own ``cpp_wrapper=True`` Inductor's error is raised."""
+    skip_unless_dynamo_traces_fdp()
+    got = fdp.testing.run(_wrapper_fallback_case, 2, backend="gloo", timeout=900, args=(how,))
+    for rank, ((eager, said_eager), (compiled, said)) in enumerate(got):
+        assert said_eager == []
+        if how == "cpp":
+            assert isinstance(compiled, str) and "custom_op_wrapper" in compiled, compiled
+            assert said == []
+            continue
+        for k in eager:
+            torch.testing.assert_close(compiled[k], eager[k], rtol=RTOL, atol=ATOL)
+        if how == "python":
+            assert said == []
+        else:
+            assert len(said) == 1, said
+            assert said[0].startswith(f"fdp.Reducer.grad_and_update rank {rank}: Inductor's C++ wrapper"), said
+            assert "custom_op_wrapper" in said[0] and "options={'cpp_wrapper': False}" in said[0], said
 
 
 def _unit_buffers_case(group, kind):

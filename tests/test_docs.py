@@ -356,6 +356,21 @@ def test_links_into_api_md_name_headings_that_exist():
     assert not broken, f"links to headings docs/api.md no longer has: {broken}"
 
 
+def test_links_between_the_docs_name_headings_that_exist():
+    """Every ``[..](page.md#anchor)`` and ``[..](#anchor)`` in the README and docs/ finds a
+    heading of that page (as GitHub makes its anchors)."""
+    pages = {path: {_github_anchor(line) for line in path.read_text().splitlines() if line.startswith("#")}
+             for path in MARKDOWN}
+    by_name = {path.name: anchors for path, anchors in pages.items()}
+    broken = []
+    for path in MARKDOWN:
+        for page, anchor in re.findall(r"\]\((?:docs/)?([\w\-]+\.md)?#([\w\-]+)\)", path.read_text()):
+            anchors = by_name.get(page) if page else pages[path]
+            if anchors is not None and anchor not in anchors:
+                broken.append(f"{path.relative_to(ROOT)}: {page}#{anchor}")
+    assert not broken, f"links to headings that do not exist: {broken}"
+
+
 def test_shell_commands_name_the_venvs_python_and_torchrun():
     """```bash blocks call ``.venv/bin/python`` and ``.venv/bin/torchrun`` (what ``make``
     installs, as the README's commands do) or another venv's ``bin/``, never a bare

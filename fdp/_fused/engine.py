@@ -127,7 +127,7 @@ class Engine:
         # What compiled steps decided (``skip_nonfinite``, a loss scale), written by the graph on
         # the step's device (``TracedVerdicts``; ``decided``: a compiled step has written them);
         # ``traced_last``: the last step was a compiled one that decided
-        device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
+        self.device = device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
         self.verdicts = TracedVerdicts(torch.ones((), dtype=torch.bool, device=device),
                                        torch.zeros((), dtype=torch.int64, device=device))
         self.decided = False

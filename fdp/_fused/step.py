@@ -10,6 +10,7 @@ reuses the engine of the step before it, and the cache never holds more than ``M
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -99,19 +100,27 @@ class CompiledStep:
     def __init__(self, step: FusedStep, options: dict, schedule: bool = True, guard_libraries: bool = False
                  ) -> None:
         self.step, self.options, self.schedule, self.guard_libraries = step, options, schedule, guard_libraries
-        self._call: Callable | None = None
-        self._acc: Callable | None = None
+        # "step" and "accumulate" compiled, each with whether fdp gave it the C++ wrapper
+        self._fns: dict[str, tuple[Callable, bool]] = {}
+        self._traceable = False
+        self._cpp_wrapper = True  # (fdp's default on CPU; False once Inductor failed to compile a graph with it)
 
-    def _options(self, engine: Engine) -> dict:
-        """``torch.compile``'s options, with fdp's pass for Inductor: each collective (with its
-        fill) issued as early as its inputs allow, waited as late as its users allow
-        (fdp/_comm/schedule.py); with fully sharded params, each unit gathered one ahead of its
-        use and again for its backward (fdp/_comm/reshard.py). And, unless ``guard_libraries``,
-        a guard filter that drops dynamo's checks of the library code's identity
-        (``_internals.library_guards_dropped``), composed with the user's own filter."""
+    def _options(self, engine: Engine) -> tuple[dict, bool]:
+        """``torch.compile``'s options, and whether fdp added the C++ wrapper to them. With
+        Inductor, fdp's pass: each collective (with its fill) issued as early as its inputs
+        allow, waited as late as its users allow (fdp/_comm/schedule.py); with fully sharded
+        params, each unit gathered one ahead of its use and again for its backward
+        (fdp/_comm/reshard.py); and on CPU, unless the options say otherwise, Inductor's C++
+        wrapper. And, unless ``guard_libraries``, a guard filter that drops dynamo's checks of
+        the library code's identity (``_internals.library_guards_dropped``), composed with the
+        user's own filter."""
         options = dict(self.options)
         given = dict(options.get("options") or {})
         inductor = options.get("backend", "inductor") == "inductor"
+        wrapper = (inductor and self._cpp_wrapper and "cpp_wrapper" not in given
+                   and _internals.cpp_wrapper_by_default(engine.device))
+        if wrapper:
+            given["cpp_wrapper"] = True
         if self.schedule and inductor and "post_grad_custom_post_pass" not in given:
             roots, regather = None, True
             if engine.store.kind is StoreKind.UNITS:  # (the second gathers a unit ahead, as eagerly: docs/compile.md)
@@ -124,11 +133,45 @@ class CompiledStep:
             theirs = given.get("guard_filter_fn")
             given["guard_filter_fn"] = mine if theirs is None else _both(theirs, mine)
         if not given:
-            return options
+            return options, wrapper
         mode = options.pop("mode", None)
         if mode is not None:  # (torch.compile takes a mode or options: the mode's own options, and these)
             given = {**_internals.inductor_mode_options(mode, options.get("dynamic")), **given}
-        return {**options, "options": given}
+        return {**options, "options": given}, wrapper
+
+    def _compiled(self, which: str, engine: Engine) -> Callable:
+        """The compiled step (``which``: "step") or accumulate, compiled on first use."""
+        made = self._fns.get(which)
+        if made is None:
+            step = self.step
+
+            def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
+                return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)
+            fn = step.__call__ if which == "step" else accumulate
+            options, wrapper = self._options(engine)
+            made = self._fns[which] = (torch.compile(fn, **options), wrapper)
+        return made[0]
+
+    def _run(self, which: str, engine: Engine, *args: Any, **kwargs: Any) -> Any:
+        """Call the compiled ``which``. Where Inductor fails to compile one of its graphs with the
+        C++ wrapper fdp chose (an op the wrapper cannot call: torch's own all_to_all_single in a
+        loss, on torch 2.13), nothing of the graph has run: this compiles it again with the
+        Python wrapper, once, and says so; the user's own ``cpp_wrapper`` is left as given."""
+        try:
+            with _internals.tracing_autograd():
+                return self._compiled(which, engine)(*args, **kwargs)
+        except _internals.inductor_compile_errors() as e:
+            if not self._fns[which][1]:
+                raise
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            warnings.warn(f"{NAME} rank {engine.group.rank}: Inductor's C++ wrapper (step.compile()'s default on "
+                          f"CPU) could not compile this step ({why}); compiling it with the Python wrapper instead "
+                          "(step.compile(options={'cpp_wrapper': False}) asks for that from the start)",
+                          RuntimeWarning, stacklevel=3)
+            self._cpp_wrapper = False
+            del self._fns[which]
+        with _internals.tracing_autograd():
+            return self._compiled(which, engine)(*args, **kwargs)
 
     def _ready(self, params: Any) -> Engine:
         step = self.step
@@ -139,9 +182,9 @@ class CompiledStep:
             raise RuntimeError(f"{NAME}: step {owed[0]}'s update failed on rank(s) {owed[1]} after the others "
                                "had made theirs; call the eager step once (it restores those ranks from a healthy "
                                "one), then the compiled one")
-        if self._call is None:
+        if not self._traceable:
             step._check_traceable(compiled_step=True)  # (here, eagerly: the reason is the error's first line)
-            self._call = torch.compile(step.__call__, **self._options(step._engine))
+            self._traceable = True
         return step._engine
 
     def __call__(self, params: Any, opt_state: FusedState, *rest: Any, **kwargs: Any) -> tuple[Any, FusedState, Any]:
@@ -151,16 +194,14 @@ class CompiledStep:
             raise RuntimeError(lost)
         program = self.step._program
         if program.injected is None:
-            with _internals.tracing_autograd():
-                return self._call(params, opt_state, *rest, **kwargs)
+            return self._run("step", engine, params, opt_state, *rest, **kwargs)
         # An inject_hyperparams optimizer: the values its graph fixes read here, on the host
         # (the graph is guarded on them: a new betas compiles anew; the lr is read in the
         # graph, from the state's tensor)
         self.step._layout.check(opt_state)
         program.traced = program.for_trace(opt_state.hyperparams)
         try:
-            with _internals.tracing_autograd():
-                return self._call(params, opt_state, *rest, **kwargs)
+            return self._run("step", engine, params, opt_state, *rest, **kwargs)
         finally:
             program.traced = None
 
@@ -173,12 +214,7 @@ class CompiledStep:
         acc = engine.acc
         with autograd_on():  # (the buffers step.accumulate makes on its first call)
             acc.flat(engine.plan)
-        if self._acc is None:
-            def accumulate(params: Any, rest: tuple, kwargs: dict, first: bool) -> Any:
-                return traced.traced_accumulate(engine, step.fn, step.has_aux, params, rest, kwargs, first)
-            self._acc = torch.compile(accumulate, **self._options(engine))
-        with _internals.tracing_autograd():
-            value = self._acc(params, rest, kwargs, not acc.count)
+        value = self._run("accumulate", engine, params, rest, kwargs, not acc.count)
         acc.count += 1
         acc.lost = None
         return value
@@ -362,7 +398,12 @@ class FusedStep:
         use and, with ``reshard_after_forward``, again for its backward, and keeps one
         reduce-scatter in flight (``fdp/_comm/reshard.py``), so the gathered params are held
         about as long as the eager step holds them. Each collective is then made to follow the
-        one before it, so Inductor's own reordering keeps their order on every rank.
+        one before it, so Inductor's own reordering keeps their order on every rank. With
+        Inductor and the params on the CPU, the code that calls the graph's kernels is compiled
+        to C++ as well (Inductor's ``cpp_wrapper``: a few percent of a small model's step; more
+        compile time with a cold cache); ``options={"cpp_wrapper": False}`` keeps the Python
+        wrapper. A graph Inductor cannot compile with the C++ wrapper (an op in the loss the
+        wrapper cannot call) is compiled again with the Python one, with a ``RuntimeWarning``.
 
         Before each call dynamo checks its guards. Those that check that the functions, classes
         and modules of torch, optree and fdp which the step reaches through module globals are

@@ -25,7 +25,9 @@ compared with DDP's:
             compiled: DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``), clipping
             and AdamW as ddp's.
   ``--cpp-wrapper``: every compiled kind with Inductor's C++ wrapper (the code calling the
-  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``).
+  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``: fdp's
+  ``step.compile()`` kinds have it by default on CPU); ``--python-wrapper``: every compiled
+  kind with the Python wrapper (``options={"cpp_wrapper": False}``, torch's default).
   ``--skip-module-guards``: every compiled kind compiled with
   ``options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}``: dynamo
   does not check the model's modules before each call (docs/compile.md, "Each call's cost").
@@ -219,9 +221,13 @@ def run(group: fdp.Group, cfg: dict) -> dict:
     if cfg.get("cpp_wrapper"):
         _internals.inductor_cpp_wrapper()
     kinds = tuple(cfg["kinds"])
-    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} \
-        if cfg.get("skip_module_guards") else None
-    loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False), options)
+    options: dict[str, Any] = {}
+    if cfg.get("skip_module_guards"):
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    if cfg.get("python_wrapper"):
+        options["cpp_wrapper"] = False
+    loop = Loop(group, kinds, cfg["micro"], cfg["batch_size"], cfg["steps"], cfg.get("autocast", False),
+                options or None)
     times: dict[str, list[float]] = {k: [] for k in kinds}
     first: dict[str, float] = {}  # each kind's first step (a compiled kind's compilation)
     for t in range(cfg["warmup"] + cfg["steps"]):
@@ -279,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--compiled", action="store_true", help="add the compiled kinds (plain loop, fused, sharded)")
     p.add_argument("--autocast", action="store_true", help="bf16 autocast of the forward, on every side")
-    p.add_argument("--cpp-wrapper", action="store_true",
-                   help="every compiled kind (fdp's and DDP's) with Inductor's C++ wrapper (options={'cpp_wrapper': True})")
+    wrapper = p.add_mutually_exclusive_group()
+    wrapper.add_argument("--cpp-wrapper", action="store_true",
+                         help="every compiled kind (fdp's and DDP's) with Inductor's C++ wrapper "
+                              "(options={'cpp_wrapper': True}; fdp's step.compile() kinds have it by default on CPU)")
+    wrapper.add_argument("--python-wrapper", action="store_true",
+                         help="every compiled kind with Inductor's Python wrapper (options={'cpp_wrapper': False})")
     p.add_argument("--skip-module-guards", action="store_true",
                    help="every compiled kind (fdp's and DDP's) compiled with options={'guard_filter_fn': "
                         "torch.compiler.skip_guard_on_all_nn_modules_unsafe}: dynamo does not check the model's "
@@ -292,13 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                 "torch.compiler.skip_guard_on_all_nn_modules_unsafe (torch 2.9 and later have it)")
     kinds = tuple(a.kinds.split(",")) + (("compiled", *COMPILED, *PEERS) if a.compiled else ())
     cfg = {"kinds": kinds, "steps": a.steps, "warmup": a.warmup, "micro": a.micro, "batch_size": a.batch_size,
-           "autocast": a.autocast, "cpp_wrapper": a.cpp_wrapper, "skip_module_guards": a.skip_module_guards}
+           "autocast": a.autocast, "cpp_wrapper": a.cpp_wrapper, "python_wrapper": a.python_wrapper,
+           "skip_module_guards": a.skip_module_guards}
     results = fdp.testing.run(run, a.world, backend="gloo", args=(cfg,), timeout=3600)
     table, ok = report(results, kinds, (
         f"nanoGPT-style loop: {LAYERS} layers x {WIDTH} wide, tied head, {a.micro} micro-batches of "
         f"{a.batch_size} x {BLOCK} tokens per rank, clip 1.0, AdamW (decay mask), warm-up + cosine; "
         f"{a.world} gloo ranks, {a.steps} steps" + (", bf16 autocast" if a.autocast else "")
         + (", Inductor's C++ wrapper" if a.cpp_wrapper else "")
+        + (", Inductor's Python wrapper" if a.python_wrapper else "")
         + (", the modules' guards skipped" if a.skip_module_guards else "")))
     print(table)
     if a.json:

@@ -8,7 +8,8 @@ collectives), compiled by ``step.compile()`` with Inductor on 2 gloo ranks, four
 Inductor's defaults (``schedule=False``), its ``reorder_for_compute_comm_overlap`` with the
 passes torch 2.13's ``inductor/config.py`` recommends, fdp's pass (``fdp/_comm/schedule.py``,
 ``step.compile()``'s default), and both. Inductor's generated code of the step (rank 0's) is
-read: the collectives (``torch.ops._c10d_functional.*``) in the order they are issued, each
+read (its Python wrapper: ``cpp_wrapper=False``): the collectives (``torch.ops._c10d_functional.*``,
+and on gloo fdp's ``torch.ops.fdp.*``) in the order they are issued, each
 paired with its ``wait_tensor``, and the kernels issued between the two (the compute a
 collective can overlap). Reported: the compile time, the kernels in the step, and per
 collective the kernels between its launch and its wait.
@@ -36,9 +37,13 @@ REORDER = {"reorder_for_compute_comm_overlap": True,
                                                        "reorder_communication_preserving_peak_memory"]}
 # How each run compiles: Inductor's defaults (fdp's pass off), its reordering passes, fdp's pass
 # (step.compile()'s default), both.
-HOW = {"inductor": {"schedule": False}, "reordered": {"schedule": False, "options": REORDER},
-       "fdp": {}, "fdp+reorder": {"options": REORDER}}
-_COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(\w+)\.default\(")
+# Each with Inductor's Python wrapper (its code is what is read here; step.compile() compiles it
+# to C++ on CPU by default, which calls the same kernels in the same order).
+PYTHON = {"cpp_wrapper": False}
+HOW = {"inductor": {"schedule": False, "options": PYTHON},
+       "reordered": {"schedule": False, "options": {**REORDER, **PYTHON}},
+       "fdp": {"options": PYTHON}, "fdp+reorder": {"options": {**REORDER, **PYTHON}}}
+_COLLECTIVE = re.compile(r"torch\.ops\.(?:_c10d_functional|fdp)\.(\w+)\.default\(")
 _KERNEL = re.compile(r"^(\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|aten\.\w+)\(")
 
 

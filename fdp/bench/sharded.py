@@ -19,7 +19,9 @@ on the same batches:
           DDPOptimizer; under compiled autograd: ``fdp/bench/ddp.py``).
   A compiled kind's first step (its compilation) runs before the memory phase resets the peak.
   ``--cpp-wrapper``: every compiled kind with Inductor's C++ wrapper (the code calling the
-  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``).
+  kernels compiled too, not run as Python; ``options={"cpp_wrapper": True}``: fdp's compiled
+  kinds have it by default on CPU, ``step.compile()``'s); ``--python-wrapper``: fdp's compiled
+  kinds with the Python wrapper (``step.compile(options={"cpp_wrapper": False})``).
 
 Two phases:
 
@@ -93,7 +95,8 @@ def model(width: int, layers: int) -> zoo.GPT:
 class Kind:
     """One kind's replica and its step."""
 
-    def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool) -> None:
+    def __init__(self, kind: str, group: fdp.Group, width: int, layers: int, clip: bool,
+                 options: dict | None = None) -> None:
         self.kind, self.group, self.clip = kind, group, clip
         compiled = kind in COMPILED
         self.running: Any = contextlib.nullcontext
@@ -125,7 +128,7 @@ class Kind:
             return F.cross_entropy(apply(p, {}, x)[0].view(-1, VOCAB), y.reshape(-1))
 
         self.step_fn = reducer.grad_and_update(loss_fn, opt, donate=True)
-        self.run = self.step_fn.compile() if compiled else self.step_fn
+        self.run = self.step_fn.compile(**(options or {})) if compiled else self.step_fn
         self.state = self.step_fn.init(params)
         self.params = params
         if kind == "zero3":  # the whole copy goes: this rank keeps its slices only
@@ -186,10 +189,10 @@ def _map_each_tensor() -> None:
         pass
 
 
-def _compiler_warmed(group: fdp.Group, kind: str, clip: bool) -> None:
+def _compiler_warmed(group: fdp.Group, kind: str, clip: bool, options: dict) -> None:
     """One step of ``kind`` on a model of width 64 and one block, compiled: what compiling
     loads and keeps whatever the model (a compiled kind's base then includes it)."""
-    tiny = Kind(kind, group, 64, 1, clip)
+    tiny = Kind(kind, group, 64, 1, clip, options)
     tiny.step(0, 1)
     del tiny
     gc.collect()
@@ -200,6 +203,16 @@ def _compiler(cfg: argparse.Namespace) -> None:
         _internals.inductor_cpp_wrapper()
 
 
+def _wrapper_note(cfg: argparse.Namespace) -> str:
+    return (", Inductor's C++ wrapper" if cfg.cpp_wrapper else "") + (
+        ", fdp's kinds with the Python wrapper" if getattr(cfg, "python_wrapper", False) else "")
+
+
+def _options(cfg: argparse.Namespace) -> dict:
+    """``step.compile``'s options for fdp's compiled kinds: ``--python-wrapper``'s."""
+    return {"options": {"cpp_wrapper": False}} if getattr(cfg, "python_wrapper", False) else {}
+
+
 def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     torch.set_num_threads(cfg.threads)
     _compiler(cfg)
@@ -208,10 +221,10 @@ def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     if kind in COMPILED:
         # The compiler's own memory (Inductor, its imports and caches: over 200 MiB resident on
         # CPU) is not the step's: compile the same kind on a tiny model first, before the base
-        _compiler_warmed(group, kind, cfg.clip)
+        _compiler_warmed(group, kind, cfg.clip, _options(cfg))
     _trim()
     base = rss()[0]
-    k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
+    k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip, _options(cfg))
     first = 0
     if kind in COMPILED:  # its compilation is not the step's memory
         k.step(0, cfg.batch)
@@ -249,7 +262,7 @@ def tensor_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
     _compiler(cfg)
     _warm(group)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip)
+        k = Kind(kind, group, cfg.mem_width, cfg.mem_layers, cfg.clip, _options(cfg))
         first = 0
         if kind in COMPILED:
             k.step(0, cfg.batch)
@@ -271,7 +284,7 @@ def tensor_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
 def time_rank(group: fdp.Group, cfg: argparse.Namespace) -> dict:
     torch.set_num_threads(cfg.threads)
     _compiler(cfg)
-    kinds = {kind: Kind(kind, group, cfg.width, cfg.layers, cfg.clip) for kind in cfg.kinds}
+    kinds = {kind: Kind(kind, group, cfg.width, cfg.layers, cfg.clip, _options(cfg)) for kind in cfg.kinds}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     exposed: list[float] = []
     order = list(kinds)
@@ -315,9 +328,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--compiled", action="store_true",
                    help="add the compiled kinds not in --kinds (Inductor; minutes to compile)")
-    p.add_argument("--cpp-wrapper", action="store_true",
-                   help="every compiled kind (fdp's and the peers') with Inductor's C++ wrapper "
-                        "(options={'cpp_wrapper': True})")
+    wrapper = p.add_mutually_exclusive_group()
+    wrapper.add_argument("--cpp-wrapper", action="store_true",
+                         help="every compiled kind (fdp's and the peers') with Inductor's C++ wrapper "
+                              "(options={'cpp_wrapper': True}; fdp's have it by default on CPU)")
+    wrapper.add_argument("--python-wrapper", action="store_true",
+                         help="fdp's compiled kinds with Inductor's Python wrapper "
+                              "(step.compile(options={'cpp_wrapper': False}))")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--tensors", action="store_true",
                    help="also each kind's peak of live tensors over the memory phase's steps (profiler "
@@ -350,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         params_m = sum(p.numel() for p in model(cfg.mem_width, cfg.mem_layers).parameters()) / 1e6
         mem_table = Table(f"memory: {params_m:.1f} M params ({4 * params_m * 4 / 1024:.2f} GB of params, grads and "
                           f"AdamW state), {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}"
-                          + (", Inductor's C++ wrapper" if cfg.cpp_wrapper else ""),
+                          + _wrapper_note(cfg),
                           ["kind", "peak MiB", "x ddp", *(["tensors MiB"] if cfg.tensors else []), "bound MiB",
                            "gathered MiB"])
         ddp_peak = mem["ddp"]["peak_mib"]
@@ -376,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         compiled = any(k in COMPILED for k in cfg.kinds)
         time_table = Table(f"time: {r['params_m']:.1f} M params, {cfg.world_size} ranks, batch {cfg.batch}x{CONTEXT}, "
                            f"{cfg.steps} steps (interleaved, after {cfg.warmup} warm-up)"
-                           + (", Inductor's C++ wrapper" if cfg.cpp_wrapper else ""),
+                           + _wrapper_note(cfg),
                            ["kind", "ms", "x ddp", "x fsdp2", *(["x eager", "x fsdp2-compiled"] if compiled else []),
                             "params == ddp's"], text=["params == ddp's"])
         for kind in cfg.kinds:

@@ -207,9 +207,8 @@ class CompiledStep:
 
     def accumulate(self, params: Any, *rest: Any, **kwargs: Any) -> Any:
         engine = self._ready(params)
-        step = self.step
         if engine.store.kind is StoreKind.UNITS or engine.reduces_micro_batches:
-            return step.accumulate(params, *rest, **kwargs)
+            return self.step.accumulate(params, *rest, **kwargs)
         engine._check_callable()
         acc = engine.acc
         with autograd_on():  # (the buffers step.accumulate makes on its first call)

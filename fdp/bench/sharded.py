@@ -205,12 +205,12 @@ def _compiler(cfg: argparse.Namespace) -> None:
 
 def _wrapper_note(cfg: argparse.Namespace) -> str:
     return (", Inductor's C++ wrapper" if cfg.cpp_wrapper else "") + (
-        ", fdp's kinds with the Python wrapper" if getattr(cfg, "python_wrapper", False) else "")
+        ", fdp's kinds with the Python wrapper" if cfg.python_wrapper else "")
 
 
 def _options(cfg: argparse.Namespace) -> dict:
     """``step.compile``'s options for fdp's compiled kinds: ``--python-wrapper``'s."""
-    return {"options": {"cpp_wrapper": False}} if getattr(cfg, "python_wrapper", False) else {}
+    return {"options": {"cpp_wrapper": False}} if cfg.python_wrapper else {}
 
 
 def memory_rank(group: fdp.Group, cfg: argparse.Namespace, kind: str) -> dict:
